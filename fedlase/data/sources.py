@@ -1,0 +1,264 @@
+"""Dataset loaders: Fashion-MNIST (IDX files), CIFAR-10/100 (python pickles), scikit-learn digits.
+
+Every loader returns one :class:`Dataset` holding the whole train and test sets as
+normalised float32 tensors. The engine keeps this single copy; clients only hold
+index arrays into it (see :mod:`fedlase.data.partition`).
+"""
+
+from __future__ import annotations
+
+import gzip
+import pickle
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from fedlase.errors import ConfigError, DataError
+
+DATASETS = ("fashion_mnist", "cifar10", "cifar100", "digits")
+DEFAULT_DATA_DIRS = {"fashion_mnist": "/usr/share/datasets/fashion-mnist"}
+
+
+@dataclass
+class Dataset:
+    """A whole dataset in memory: normalised float32 images (N, C, H, W) and int64 labels."""
+
+    name: str
+    x_train: torch.Tensor
+    y_train: torch.Tensor
+    x_test: torch.Tensor
+    y_test: torch.Tensor
+    num_classes: int
+    augment: bool = False  # CIFAR: random crop (pad 4) + horizontal flip in training
+
+    @property
+    def in_channels(self) -> int:
+        return int(self.x_train.shape[1])
+
+    @property
+    def image_size(self) -> int:
+        return int(self.x_train.shape[-1])
+
+
+def load_dataset(name: str, data_dir: str | None = None) -> Dataset:
+    """Load dataset `name` (one of DATASETS) from `data_dir` (default: DEFAULT_DATA_DIRS[name])."""
+    if name == "fashion_mnist":
+        return _load_fashion_mnist(data_dir)
+    if name in ("cifar10", "cifar100"):
+        return _load_cifar(name, data_dir)
+    if name == "digits":
+        return _load_digits()
+    raise ConfigError("dataset", f"unknown dataset {name!r}; expected one of {', '.join(DATASETS)}")
+
+
+# --------------------------------------------------------------------------- normalisation
+
+
+def _as_float(x: np.ndarray) -> torch.Tensor:
+    """A fresh, writable float32 tensor of x (the only full-size allocation per split)."""
+    return torch.from_numpy(np.array(x, dtype=np.float32, copy=True))
+
+
+def _make_dataset(name, x_tr, y_tr, x_te, y_te, num_classes, augment=False) -> Dataset:
+    """Normalise both splits per channel with the train set's mean and std (no test leakage)."""
+    t_tr, t_te = _as_float(x_tr), _as_float(x_te)
+    # torch reduces float32 with cascaded sums, accurate to ~1e-7 here and much faster than
+    # a float64 pass in numpy (0.05 s rather than 0.5 s for Fashion-MNIST).
+    var, mean = torch.var_mean(t_tr, dim=(0, 2, 3), correction=0, keepdim=True)
+    std = var.sqrt()
+    std[std == 0] = 1.0  # a constant channel carries no information; avoid dividing by 0
+    for t in (t_tr, t_te):
+        t.sub_(mean).div_(std)  # in place: no second copy of the dataset
+    return Dataset(
+        name=name,
+        x_train=t_tr,
+        y_train=torch.from_numpy(np.array(y_tr, dtype=np.int64)),
+        x_test=t_te,
+        y_test=torch.from_numpy(np.array(y_te, dtype=np.int64)),
+        num_classes=num_classes,
+        augment=augment,
+    )
+
+
+# --------------------------------------------------------------------------- Fashion-MNIST
+
+_IDX_MAGIC = {2051: 3, 2049: 1}  # unsigned-byte images (3 dims) and labels (1 dim)
+_FMNIST_FILES = {
+    "x_train": ("train-images-idx3-ubyte", 2051),
+    "y_train": ("train-labels-idx1-ubyte", 2049),
+    "x_test": ("t10k-images-idx3-ubyte", 2051),
+    "y_test": ("t10k-labels-idx1-ubyte", 2049),
+}
+
+
+def read_idx(path: str | Path, magic: int) -> np.ndarray:
+    """Read an unsigned-byte IDX file (plain or .gz) whose magic number must be `magic`.
+
+    Returns a read-only uint8 array viewing the file's bytes (no copy).
+    """
+    path = Path(path)
+    try:
+        if path.suffix == ".gz":
+            with gzip.open(path, "rb") as f:
+                raw = f.read()
+        else:
+            raw = path.read_bytes()
+    except (EOFError, zlib.error, gzip.BadGzipFile) as e:
+        raise DataError(f"{path}: corrupt or truncated gzip file ({e})") from None
+    except OSError as e:
+        raise DataError(f"{path}: cannot read ({e.strerror or e})") from None
+    ndim = _IDX_MAGIC[magic]
+    header = 4 + 4 * ndim
+    if len(raw) < header:
+        raise DataError(f"{path}: {len(raw)} bytes is too short for an IDX header (expected {header})")
+    found = int.from_bytes(raw[:4], "big")
+    if found != magic:
+        raise DataError(f"{path}: IDX magic number {found}, expected {magic} "
+                        f"({'images' if magic == 2051 else 'labels'}, unsigned bytes)")
+    dims = [int.from_bytes(raw[4 + 4 * i: 8 + 4 * i], "big") for i in range(ndim)]
+    expected = header + int(np.prod(dims))
+    if len(raw) != expected:
+        raise DataError(f"{path}: {len(raw)} bytes, expected {expected} for an IDX array of shape "
+                        f"{tuple(dims)} (truncated or corrupt)")
+    return np.frombuffer(raw, dtype=np.uint8, offset=header).reshape(dims)
+
+
+def _find_idx(folder: Path, stem: str) -> Path:
+    for name in (stem, stem + ".gz"):  # the plain file is faster to read when both exist
+        if (folder / name).is_file():
+            return folder / name
+    raise DataError(f"{folder}: missing {stem} or {stem}.gz (expected the four Fashion-MNIST IDX files)")
+
+
+def _load_fashion_mnist(data_dir: str | None) -> Dataset:
+    default = data_dir is None
+    folder = Path(DEFAULT_DATA_DIRS["fashion_mnist"] if default else data_dir)
+    if not folder.is_dir():
+        hint = ("; `apt-get install dataset-fashion-mnist` provides it" if default
+                else " (expected a folder holding the four Fashion-MNIST IDX files)")
+        raise DataError(f"Fashion-MNIST folder {folder} does not exist{hint}")
+    arr = {k: read_idx(_find_idx(folder, stem), magic) for k, (stem, magic) in _FMNIST_FILES.items()}
+    for split in ("train", "test"):
+        x, y = arr["x_" + split], arr["y_" + split]
+        xf, yf = _FMNIST_FILES["x_" + split][0], _FMNIST_FILES["y_" + split][0]
+        if len(x) != len(y):
+            raise DataError(f"{folder}: {xf} holds {len(x)} images but {yf} holds {len(y)} labels")
+        if x.shape[1] != x.shape[2]:
+            raise DataError(f"{folder}: {xf} images are {x.shape[1]}x{x.shape[2]}, expected square images")
+        if len(y) and y.max() >= 10:
+            raise DataError(f"{folder}: {yf} holds label {int(y.max())}, expected 0..9")
+    if arr["x_train"].shape[1:] != arr["x_test"].shape[1:]:
+        raise DataError(f"{folder}: train images are {arr['x_train'].shape[1:]} but test images are "
+                        f"{arr['x_test'].shape[1:]}")
+    return _make_dataset("fashion_mnist", arr["x_train"][:, None], arr["y_train"],
+                         arr["x_test"][:, None], arr["y_test"], 10)
+
+
+# --------------------------------------------------------------------------- CIFAR
+
+_CIFAR = {
+    # name: (folder, train files, test file, label key, classes)
+    "cifar10": ("cifar-10-batches-py", [f"data_batch_{i}" for i in range(1, 6)], "test_batch", b"labels", 10),
+    "cifar100": ("cifar-100-python", ["train"], "test", b"fine_labels", 100),
+}
+
+# The only globals the standard CIFAR pickles (and numpy re-pickles of them) refer to.
+# Anything else is refused, so a tampered file cannot run code when loaded.
+_PICKLE_ALLOWED = {
+    ("numpy.core.multiarray", "_reconstruct"), ("numpy._core.multiarray", "_reconstruct"),
+    ("numpy.core.multiarray", "scalar"), ("numpy._core.multiarray", "scalar"),
+    ("numpy.core.numeric", "_frombuffer"), ("numpy._core.numeric", "_frombuffer"),
+    ("numpy", "ndarray"), ("numpy", "dtype"), ("_codecs", "encode"),
+}
+
+
+class _SafeUnpickler(pickle.Unpickler):
+    def find_class(self, module, name):
+        if (module, name) not in _PICKLE_ALLOWED:
+            raise pickle.UnpicklingError(f"refusing to load global {module}.{name}")
+        # Resolve old numpy.core paths through numpy._core so numpy 2 emits no deprecation warning.
+        module = module.replace("numpy.core", "numpy._core")
+        return super().find_class(module, name)
+
+
+def _read_cifar_batch(path: Path, label_key: bytes, num_classes: int) -> tuple[np.ndarray, np.ndarray]:
+    if not path.is_file():
+        raise DataError(f"{path}: file missing (expected a CIFAR python-pickle batch)")
+    try:
+        with open(path, "rb") as f:
+            d = _SafeUnpickler(f, encoding="bytes").load()
+    except Exception as e:  # any unpickling failure means the file is not a CIFAR batch
+        raise DataError(f"{path}: not a readable CIFAR pickle ({type(e).__name__}: {e})") from None
+    if not isinstance(d, dict) or b"data" not in d or label_key not in d:
+        raise DataError(f"{path}: expected a dict with keys b'data' and {label_key!r}")
+    x = np.asarray(d[b"data"])
+    y = np.asarray(d[label_key])
+    if x.dtype != np.uint8 or x.ndim != 2 or x.shape[1] != 3072:
+        raise DataError(f"{path}: b'data' is {x.dtype} {x.shape}, expected uint8 (N, 3072)")
+    if y.ndim != 1 or len(y) != len(x):
+        raise DataError(f"{path}: {len(y)} labels for {len(x)} images")
+    if len(y) and (y.min() < 0 or y.max() >= num_classes):
+        raise DataError(f"{path}: labels outside 0..{num_classes - 1}")
+    return x.reshape(-1, 3, 32, 32), y.astype(np.int64)
+
+
+def _load_cifar(name: str, data_dir: str | None) -> Dataset:
+    sub, train_files, test_file, label_key, ncls = _CIFAR[name]
+    if data_dir is None:
+        raise ConfigError("data_dir", f"{name} has no default folder; set it to the {sub} folder or its parent")
+    root = Path(data_dir)
+    if not root.is_dir():
+        raise DataError(f"{name} folder {root} does not exist (expected {sub} or its parent)")
+    # Accept the batch folder itself or the folder that contains it.
+    folder = root / sub if (root / sub).is_dir() and not (root / test_file).is_file() else root
+    parts = [_read_cifar_batch(folder / f, label_key, ncls) for f in train_files]
+    x_te, y_te = _read_cifar_batch(folder / test_file, label_key, ncls)
+    x_tr = np.concatenate([p[0] for p in parts]) if len(parts) > 1 else parts[0][0]
+    y_tr = np.concatenate([p[1] for p in parts])
+    return _make_dataset(name, x_tr, y_tr, x_te, y_te, ncls, augment=True)
+
+
+# --------------------------------------------------------------------------- digits
+
+
+def _load_digits() -> Dataset:
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+
+    d = load_digits()
+    x = d.images.astype(np.float32)[:, None]  # (1797, 1, 8, 8), values 0..16
+    y = d.target.astype(np.int64)
+    # Fixed stratified 80/20 split so every run and every test sees the same sets.
+    x_tr, x_te, y_tr, y_te = train_test_split(x, y, test_size=0.2, stratify=y, random_state=0)
+    return _make_dataset("digits", x_tr, y_tr, x_te, y_te, 10)
+
+
+# --------------------------------------------------------------------------- augmentation
+
+
+def augment_batch(x: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """Random crop with 4-pixel zero padding plus random horizontal flip, per sample.
+
+    x is (B, C, H, W). The padding value is 0 in the tensor's (normalised) units, i.e. the
+    train-set channel mean. All random numbers come from `generator` (drawn on its device),
+    so equal generator states give equal outputs. Vectorised: one gather for the batch.
+    """
+    b, _, h, w = x.shape
+    pad = 4
+    dev = generator.device
+    oy = torch.randint(0, 2 * pad + 1, (b,), generator=generator, device=dev).to(x.device)
+    ox = torch.randint(0, 2 * pad + 1, (b,), generator=generator, device=dev).to(x.device)
+    flip = (torch.rand((b,), generator=generator, device=dev) < 0.5).to(x.device)
+    padded = torch.nn.functional.pad(x, (pad, pad, pad, pad))
+    ar_h = torch.arange(h, device=x.device)
+    ar_w = torch.arange(w, device=x.device)
+    rows = oy[:, None] + ar_h  # (B, H)
+    # A flipped crop reads its columns right to left.
+    cols = ox[:, None] + torch.where(flip[:, None], (w - 1) - ar_w, ar_w)  # (B, W)
+    bi = torch.arange(b, device=x.device)[:, None, None]
+    # Advanced indices around a slice put the indexed dims first: result is (B, H, W, C).
+    out = padded[bi, :, rows[:, :, None], cols[:, None, :]]
+    return out.permute(0, 3, 1, 2).contiguous()

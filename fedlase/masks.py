@@ -1,0 +1,96 @@
+"""Submodels as masks over the global model's parameters, and the masked forward used in local training.
+
+A `Submodel` is plain data: boolean masks keyed like `named_parameters()` (a parameter without a mask is
+trained whole) and, for threshold methods (FIARSE, FedLASE), the per-parameter thresholds the client keeps
+so that its mask is re-evaluated at every forward as |w| >= tau.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+STE_MODES = ("official", "paper")
+
+
+def maskable_names(model: nn.Module) -> list[str]:
+    """Weights and biases of conv and linear layers, in registration (= forward) order: the parameters a
+    resource budget counts. BatchNorm parameters are outside the budget."""
+    names = []
+    for mod_name, mod in model.named_modules():
+        if isinstance(mod, (nn.Conv1d, nn.Conv2d, nn.Linear)):
+            names += [f"{mod_name}.{p}" for p, _ in mod.named_parameters(recurse=False)]
+    return names
+
+
+@dataclass
+class Submodel:
+    """What one client trains.
+
+    masks: name -> bool tensor of the parameter's shape; the coordinates the client trains and returns.
+    thresholds: name -> tau; when given, the client re-evaluates the mask at each forward as |w| >= tau
+        (a weight that falls below tau drops out for the rest of the round). `masks` then holds the mask
+        at the start of the round, which is also what the client is credited with in aggregation.
+    ste: gradient through a threshold mask: 'official' = g * mask (what the FIARSE code computes),
+        'paper' = g * mask * (1 + 2 tau |w| / (|w| + tau)^2) (the FIARSE paper's straight-through rule).
+    buffers: buffer overrides used in local training only (e.g. a structured method's activation scaler).
+    """
+    masks: dict[str, torch.Tensor] = field(default_factory=dict)
+    thresholds: dict[str, float] | None = None
+    ste: str = "official"
+    buffers: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def apply(self, params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The effective weights: params times their (threshold or fixed) masks, differentiable."""
+        out = {}
+        for name, w in params.items():
+            if self.thresholds is not None and name in self.thresholds:
+                out[name] = threshold_mask(w, self.thresholds[name], self.ste)
+            elif name in self.masks:
+                out[name] = w * self.masks[name]
+            else:
+                out[name] = w
+        return out
+
+    def kept(self, names: list[str], params: dict[str, torch.Tensor]) -> int:
+        """How many of the named parameters' coordinates this submodel holds."""
+        return sum(int(self.masks[n].sum()) if n in self.masks else params[n].numel() for n in names)
+
+    def to(self, device) -> "Submodel":
+        return Submodel({k: v.to(device) for k, v in self.masks.items()}, self.thresholds, self.ste,
+                        {k: v.to(device) for k, v in self.buffers.items()})
+
+
+class _ThresholdMask(torch.autograd.Function):
+    """w -> w * 1[|w| >= tau], with the gradient chosen by `paper`."""
+
+    @staticmethod
+    def forward(ctx, w, tau: float, paper: bool):
+        mask = w.abs() >= tau
+        ctx.save_for_backward(w, mask)
+        ctx.tau, ctx.paper = tau, paper
+        return w * mask
+
+    @staticmethod
+    def backward(ctx, g):
+        w, mask = ctx.saved_tensors
+        grad = g * mask
+        if ctx.paper:
+            a, tau = w.abs(), ctx.tau
+            grad = grad * (1 + 2 * tau * a / (a + tau) ** 2)
+        return grad, None, None
+
+
+def threshold_mask(w: torch.Tensor, tau: float, ste: str = "official") -> torch.Tensor:
+    if ste not in STE_MODES:
+        raise ValueError(f"ste must be one of {STE_MODES}, got {ste!r}")
+    return _ThresholdMask.apply(w, float(tau), ste == "paper")
+
+
+def kth_largest(values: torch.Tensor, k: int) -> float:
+    """The k-th largest entry of a 1-D tensor by partial selection (kthvalue), not a full sort."""
+    n = values.numel()
+    if not 1 <= k <= n:
+        raise ValueError(f"k={k} outside 1..{n}")
+    return float(torch.kthvalue(values, n - k + 1).values)

@@ -1,0 +1,23 @@
+"""FedAvg baselines: every client trains the full model, or every client trains the smallest level's
+width slice (the usual lower bound: a small dense model that every device can hold)."""
+from __future__ import annotations
+
+from ..masks import Submodel
+from .base import Method
+from .slicing import width_masks, width_rate
+
+
+class FedAvg(Method):
+    """Every client trains the full model (the upper bound where every device could hold it)."""
+    name = "fedavg"
+
+    def submodel(self, params, level, round):
+        return Submodel()
+
+
+class FedAvgSmall(Method):
+    """Every client trains the width slice of the system's smallest level, whatever its own level."""
+    name = "fedavg_small"
+
+    def submodel(self, params, level, round):
+        return Submodel(width_masks(self.model, params, width_rate(self.levels[0])))
