@@ -1,7 +1,24 @@
 """Training-time analyses (trackers) that the engine calls after every round and every evaluation.
 
-A tracker sees what the engine did and records statistics; it never changes training."""
+A tracker sees what the engine did and records statistics; it never changes training. Switch one on with
+the config key `analysis.<name>` (true, or its options). Small summaries go into the metrics line; the
+bulky arrays go to `<out>/analysis/<name>.npz`, rewritten at every evaluation (see docs/analysis.md).
+
+- magnitudes: per-layer max and mean |theta| of the global model at chosen rounds.
+- ratios: per-layer extraction ratio (kept / size) of every level's submodel at every round, and its
+  standard deviation over the last N rounds (`ratio_std`).
+- updates: how many times each coordinate was part of a trained submodel; per-layer summaries, Gini
+  coefficient and histogram.
+"""
 from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .errors import ConfigError
 
 
 class Tracker:
@@ -10,6 +27,20 @@ class Tracker:
 
     def __init__(self, exp, options: dict | None = None):
         self.exp = exp
+        self.options = options or {}
+
+    @classmethod
+    def parse_options(cls, value) -> dict:
+        """The config value (true or a mapping of options) -> options; ConfigError on a bad value."""
+        if value is True:
+            return {}
+        if isinstance(value, dict):
+            unknown = sorted(set(value) - set(getattr(cls, "option_help", {})))
+            if unknown:
+                known = ", ".join(getattr(cls, "option_help", {})) or "none"
+                raise ConfigError(f"analysis.{cls.key}.{unknown[0]}", f"unknown option; options: {known}")
+            return dict(value)
+        raise ConfigError(f"analysis.{cls.key}", f"expected true, false or a mapping of options, got {value!r}")
 
     def on_round(self, rnd: int, picked, submodels, old_params, new_params) -> None:
         pass
@@ -23,9 +54,245 @@ class Tracker:
     def load_state_dict(self, state: dict) -> None:
         pass
 
+    # ---- helpers -------------------------------------------------------------------------------------------
+    @property
+    def layers(self) -> list[str]:
+        return self.exp.method.maskable
 
-TRACKERS: dict[str, type[Tracker]] = {}
+    def save_npz(self, **arrays) -> Path:
+        """Write <out>/analysis/<key>.npz atomically (a crash never leaves half a file)."""
+        folder = Path(self.exp.cfg.out) / "analysis"
+        folder.mkdir(parents=True, exist_ok=True)
+        path = folder / f"{self.key}.npz"
+        tmp = path.with_name(path.name + ".tmp")
+        with open(tmp, "wb") as f:   # a file object: np.savez would append ".npz" to a tmp name
+            np.savez(f, layers=np.array(self.layers), **arrays)
+        os.replace(tmp, path)
+        return path
+
+
+def _level_names(levels) -> list[str]:
+    from .engine import level_name   # engine imports this module lazily; import back lazily too
+    return [level_name(lvl) for lvl in levels]
+
+
+class Magnitudes(Tracker):
+    """Per-layer max and mean |theta| of the global model (maskable parameters).
+
+    Option `rounds`: list of rounds after which to record (0 = the initial model); without it, every
+    evaluation. Written as `rounds` (R,), `max` and `mean` (R, layers)."""
+    key = "magnitudes"
+    option_help = {"rounds": "rounds to record (0 = initial model); default: every evaluation"}
+
+    @classmethod
+    def parse_options(cls, value) -> dict:
+        if isinstance(value, list):
+            value = {"rounds": value}
+        opts = super().parse_options(value)
+        rounds = opts.get("rounds")
+        if rounds is not None and (not isinstance(rounds, list) or not rounds or
+                                   not all(isinstance(r, int) and not isinstance(r, bool) and r >= 0 for r in rounds)):
+            raise ConfigError("analysis.magnitudes", f"rounds must be a list of integers >= 0, got {rounds!r}")
+        return opts
+
+    def __init__(self, exp, options=None):
+        super().__init__(exp, options)
+        self.at = set(self.options["rounds"]) if "rounds" in self.options else None
+        self.rounds: list[int] = []
+        self.max: list[np.ndarray] = []
+        self.mean: list[np.ndarray] = []
+
+    def _record(self, rnd: int, params) -> None:
+        if rnd in self.rounds:   # the engine may evaluate a round twice (final evaluation after a resume)
+            return
+        with torch.no_grad():
+            a = [params[n].detach().abs() for n in self.layers]
+            self.max.append(np.array([float(t.max()) for t in a]))
+            self.mean.append(np.array([float(t.mean()) for t in a]))
+        self.rounds.append(rnd)
+
+    def on_round(self, rnd, picked, submodels, old_params, new_params):
+        if self.at is not None:
+            if rnd == 1 and 0 in self.at:
+                self._record(0, old_params)
+            if rnd in self.at:
+                self._record(rnd, new_params)
+
+    def on_eval(self, rnd):
+        if self.at is None:
+            self._record(rnd, self.exp.params)
+        if self.rounds:
+            self.save_npz(**self._arrays())
+        return None
+
+    def _arrays(self) -> dict:
+        p = len(self.layers)
+        return {"rounds": np.array(self.rounds, dtype=np.int64),
+                "max": np.array(self.max).reshape(-1, p), "mean": np.array(self.mean).reshape(-1, p)}
+
+    def state_dict(self):
+        return self._arrays()
+
+    def load_state_dict(self, state):
+        self.rounds = [int(r) for r in state["rounds"]]
+        self.max, self.mean = list(state["max"]), list(state["mean"])
+
+
+def ratio_std(ratios: np.ndarray, last: int | None = None) -> np.ndarray:
+    """Std (population, ddof=0) over rounds of each layer's ratio, over the last `last` rounds (all if None).
+    ratios: (rounds, ...) -> (...)."""
+    window = ratios if last is None else ratios[-last:]
+    return window.std(axis=0)
+
+
+class Ratios(Tracker):
+    """Per-layer extraction ratio (kept / size of each maskable parameter) of each level's submodel, every round.
+
+    Levels not sampled in a round get the submodel the method would have given them (methods are pure
+    functions of (params, level, round)), so the arrays have no gaps. Option `last`: `ratio_std` over the last
+    N rounds (default: all). Written as `levels` (L,), `rounds` (R,), `ratios` (L, R, layers) and
+    `ratio_std` (L, layers); the metrics line gets `ratio_std` per level, averaged over layers."""
+    key = "ratios"
+    option_help = {"last": "ratio_std over the last N rounds (default: all rounds)"}
+
+    @classmethod
+    def parse_options(cls, value) -> dict:
+        opts = super().parse_options(value)
+        last = opts.get("last")
+        if last is not None and (not isinstance(last, int) or isinstance(last, bool) or last < 1):
+            raise ConfigError("analysis.ratios.last", f"must be a positive integer, got {last!r}")
+        return opts
+
+    def __init__(self, exp, options=None):
+        super().__init__(exp, options)
+        self.last = self.options.get("last")
+        self.rounds: list[int] = []
+        self.rows: list[np.ndarray] = []   # one (L, layers) array per round
+
+    def on_round(self, rnd, picked, submodels, old_params, new_params):
+        exp = self.exp
+        row = []
+        for lvl in exp.levels:
+            sub = submodels.get(lvl)
+            if sub is None:   # not sampled this round; keep the method's RNG use (if any) from touching training
+                devices = [exp.device] if exp.device.type == "cuda" else []
+                with torch.random.fork_rng(devices=devices):
+                    sub = exp.method.submodel(old_params, lvl, rnd)
+            row.append([float(sub.masks[n].sum()) / sub.masks[n].numel() if n in sub.masks else 1.0
+                        for n in self.layers])
+        self.rounds.append(rnd)
+        self.rows.append(np.array(row))
+
+    def ratios(self) -> np.ndarray:
+        """(levels, rounds, layers)."""
+        arr = np.array(self.rows).reshape(len(self.rows), len(self.exp.levels), len(self.layers))
+        return arr.transpose(1, 0, 2)
+
+    def on_eval(self, rnd):
+        if not self.rows:
+            return None
+        r = self.ratios()
+        std = ratio_std(r.transpose(1, 0, 2), self.last)   # (L, layers)
+        self.save_npz(levels=np.array(self.exp.levels), rounds=np.array(self.rounds, dtype=np.int64),
+                      ratios=r, ratio_std=std)
+        return {"ratio_std": dict(zip(_level_names(self.exp.levels), map(float, std.mean(axis=1))))}
+
+    def state_dict(self):
+        return {"rounds": list(self.rounds), "rows": [r.copy() for r in self.rows]}
+
+    def load_state_dict(self, state):
+        self.rounds, self.rows = list(state["rounds"]), [np.array(r) for r in state["rows"]]
+
+
+def gini_from_histogram(hist: np.ndarray) -> float:
+    """Gini coefficient of non-negative integers given as hist[v] = how many equal v; exact.
+
+    For sorted x_1..x_n, G = sum_i (2i - n - 1) x_i / (n sum x); a value v with f copies at ranks a+1..a+f
+    contributes v f (2a + f - n). 0 when all values are 0."""
+    hist = np.asarray(hist, dtype=np.int64)
+    n = int(hist.sum())
+    v = np.arange(len(hist), dtype=np.float64)
+    total = float((v * hist).sum())
+    if n == 0 or total == 0:
+        return 0.0
+    below = np.concatenate([[0], np.cumsum(hist)[:-1]]).astype(np.float64)
+    return float((v * hist * (2 * below + hist - n)).sum() / (n * total))
+
+
+def gini(values) -> float:
+    """Gini coefficient of non-negative integers (see gini_from_histogram)."""
+    return gini_from_histogram(np.bincount(np.asarray(values, dtype=np.int64).ravel()))
+
+
+class Updates(Tracker):
+    """Cumulative update counts: how many times each coordinate of a maskable parameter was part of a trained
+    submodel (per sampled client: its level's mask at the start of the round; an unmasked parameter counts
+    every client). Written as per-layer `mean`, `min`, `max`, `never` (share never trained), `gini` (L,)
+    and `hist` (layers, max count + 1): hist[l, c] = coordinates of layer l trained c times; the metrics line
+    gets `updates` = {never, gini, mean} over all maskable coordinates."""
+    key = "updates"
+
+    def __init__(self, exp, options=None):
+        super().__init__(exp, options)
+        self.counts = {n: torch.zeros_like(exp.params[n], dtype=torch.int32) for n in self.layers}
+        self.clients = 0
+
+    def on_round(self, rnd, picked, submodels, old_params, new_params):
+        per_level: dict[float, int] = {}
+        for _, lvl in picked:
+            per_level[lvl] = per_level.get(lvl, 0) + 1
+        for lvl, k in per_level.items():
+            masks = submodels[lvl].masks
+            for n, c in self.counts.items():
+                if n in masks:
+                    c.add_(masks[n].to(torch.int32), alpha=k)
+                else:
+                    c.add_(k)
+        self.clients += len(picked)
+
+    def histograms(self) -> np.ndarray:
+        """(layers, max count + 1) int64."""
+        hists = [torch.bincount(c.flatten().cpu()).numpy() for c in self.counts.values()]
+        width = max(len(h) for h in hists)
+        return np.stack([np.pad(h, (0, width - len(h))) for h in hists]).astype(np.int64)
+
+    def on_eval(self, rnd):
+        hist = self.histograms()
+        values = np.arange(hist.shape[1])
+        size = hist.sum(axis=1)
+        stats = {"mean": (hist * values).sum(axis=1) / size,
+                 "min": np.array([np.flatnonzero(h)[0] for h in hist]),
+                 "max": np.array([np.flatnonzero(h)[-1] for h in hist]),
+                 "never": hist[:, 0] / size,
+                 "gini": np.array([gini_from_histogram(h) for h in hist])}
+        self.save_npz(hist=hist, size=size, clients=np.int64(self.clients), round=np.int64(rnd), **stats)
+        total = hist.sum(axis=0)
+        return {"updates": {"never": float(total[0] / total.sum()), "gini": gini_from_histogram(total),
+                            "mean": float((total * values).sum() / total.sum()), "clients": self.clients}}
+
+    def state_dict(self):
+        return {"counts": {n: c.cpu().clone() for n, c in self.counts.items()}, "clients": self.clients}
+
+    def load_state_dict(self, state):
+        self.counts = {n: c.to(self.exp.device) for n, c in state["counts"].items()}
+        self.clients = state["clients"]
+
+
+TRACKERS: dict[str, type[Tracker]] = {t.key: t for t in (Magnitudes, Ratios, Updates)}
+
+
+def check_analysis(options) -> dict[str, dict]:
+    """The `analysis` config value -> {name: options} of the trackers switched on; ConfigError naming
+    `analysis.<name>` on an unknown name or a bad option. `false` (or null) switches an analysis off."""
+    if not isinstance(options, dict):
+        raise ConfigError("analysis", f"expected a mapping such as {{ratios: true}}, got {options!r}")
+    for name in options:
+        if name not in TRACKERS:
+            raise ConfigError(f"analysis.{name}", f"unknown analysis; known: {', '.join(TRACKERS)}")
+    # registry order, not the config's: checkpoints store tracker states as a list
+    return {name: cls.parse_options(options[name]) for name, cls in TRACKERS.items()
+            if options.get(name) not in (None, False)}
 
 
 def build_trackers(options: dict, exp) -> list[Tracker]:
-    return [TRACKERS[k](exp, v if isinstance(v, dict) else {}) for k, v in options.items() if v and k in TRACKERS]
+    return [TRACKERS[name](exp, opts) for name, opts in check_analysis(options).items()]

@@ -1,4 +1,4 @@
-"""Command line: `fedlase run [CONFIG] [key=value ...]`, `fedlase methods`."""
+"""Command line: `fedlase run [CONFIG] [key=value ...]`, `fedlase sweep`, `fedlase report`, `fedlase methods`."""
 from __future__ import annotations
 
 import argparse
@@ -22,10 +22,51 @@ def _cmd_run(args) -> int:
     from .config import load_config
     from .engine import run_experiment
     cfg = load_config(args.config, args.overrides)
-    summary = run_experiment(cfg, resume=args.resume, progress=not args.quiet)
+    if cfg.engine.startswith("flower"):
+        from .flower import run_flower
+        summary = run_flower(cfg, resume=args.resume, progress=not args.quiet)
+    else:
+        summary = run_experiment(cfg, resume=args.resume, progress=not args.quiet)
     print(f"\n{cfg.method} on {cfg.dataset}, system {cfg.system}, {cfg.rounds} rounds "
           f"({summary['train_time']:.0f} s of training); outputs in {cfg.out}")
     print(format_table(summary["final"]))
+    return 0
+
+
+def _cmd_sweep(args) -> int:
+    from .sweep import describe_plan, plan_sweep, run_sweep
+    if args.dry_run:
+        print(describe_plan(*plan_sweep(args.sweep)))
+        return 0
+    try:
+        res = run_sweep(args.sweep, progress=not args.quiet)
+    except KeyboardInterrupt:
+        print("fedlase: sweep interrupted; run the same command again to resume it", file=sys.stderr)
+        return 130
+    print(f"sweep: {len(res['done'])} run(s) finished, {len(res['skipped'])} already done, "
+          f"{len(res['failed'])} failed")
+    for name in res["failed"]:
+        print(f"  failed: {name} (see its error.txt)")
+    return 1 if res["failed"] else 0
+
+
+def _cmd_report(args) -> int:
+    from .report import make_report
+    path = make_report(args.dirs, args.out, args.group_by)
+    print(f"report written to {path} (tables as CSV and plots next to it)")
+    return 0
+
+
+def _cmd_bench(args) -> int:
+    from pathlib import Path
+
+    from .bench import check_arguments, run
+    check_arguments(args)
+    report = run(args)
+    print(report)
+    if args.out:
+        Path(args.out).write_text(report)
+        print(f"written to {args.out}", file=sys.stderr)
     return 0
 
 
@@ -38,7 +79,9 @@ def _cmd_methods(args) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="fedlase", description="System-heterogeneous federated learning by submodel extraction.",
-        epilog="Run `fedlase run --help` for every config key, `fedlase methods` for each method's options.")
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="config keys of `fedlase run` (also in `fedlase run --help`; `fedlase methods` lists each "
+               "method's options):\n" + describe_keys())
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="run one experiment", formatter_class=argparse.RawDescriptionHelpFormatter,
                          description="Run one experiment from a YAML config and/or key=value overrides "
@@ -51,6 +94,33 @@ def main(argv: list[str] | None = None) -> int:
     run.set_defaults(func=_cmd_run)
     meth = sub.add_parser("methods", help="list methods and their method_args options")
     meth.set_defaults(func=_cmd_methods)
+    bench = sub.add_parser("bench", help="time and memory of the engine against the limit (docs/benchmarks.md)",
+                           description="Benchmark the engine: overhead against a tight SGD loop, mask extraction, "
+                                       "memory against the number of clients, bytes per client, batched clients. "
+                                       "Prints Markdown tables.")
+    bench.add_argument("--quick", action="store_true", help="fewer rounds and steps")
+    bench.add_argument("--out", metavar="FILE", help="also write the Markdown report to FILE")
+    bench.add_argument("--only", metavar="SECTIONS", help="comma-separated subset of: overhead, masks, memory, "
+                       "comm, batched [default: all]")
+    bench.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="[default: cpu]")
+    bench.add_argument("--threads", type=int, default=1,
+                       help="torch CPU threads; 1 keeps figures steadier on a shared machine [default: 1]")
+    bench.set_defaults(func=_cmd_bench)
+    sw = sub.add_parser("sweep", help="run a grid of experiments, skipping finished runs and resuming others",
+                        description="Run every experiment of a sweep file (base:, grid:, runs:, out:; see "
+                                    "docs/analysis.md). Rerun the same command to resume.")
+    sw.add_argument("sweep", help="sweep YAML file")
+    sw.add_argument("--dry-run", action="store_true", help="validate every run and list them; start nothing")
+    sw.add_argument("--quiet", action="store_true", help="no progress bars")
+    sw.set_defaults(func=_cmd_sweep)
+    rep = sub.add_parser("report", help="tables (Markdown, CSV) and plots from finished runs",
+                         description="Collect runs (folders holding summary.json, searched recursively) into "
+                                     "tables and plots; runs differing only by seed are one group (mean ± std).")
+    rep.add_argument("dirs", nargs="+", help="run or sweep folders")
+    rep.add_argument("--out", default="report", help="folder for report.md, the CSV files and plots/ [default: report]")
+    rep.add_argument("--group-by", nargs="+", metavar="KEY", help="group runs by these config keys only "
+                     "(dotted, e.g. method method_args.score)")
+    rep.set_defaults(func=_cmd_report)
 
     args = parser.parse_args(argv)
     if getattr(args, "config", None) and "=" in args.config:   # `fedlase run key=value ...` without a file

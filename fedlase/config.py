@@ -52,7 +52,13 @@ class Config:
     seed: int = _f(0, "seed of model init, partition, sampling and local batches")
     device: str = _f("auto", "cpu, cuda or auto")
     threads: int = _f(0, "torch CPU threads (0: torch's default)")
-    engine: str = _f("embedded", "embedded (one process)")
+    batched_clients: bool = _f(False, "train a round's clients together in vmapped passes (pays on GPU; same "
+                               "result up to float rounding; see docs/benchmarks.md)")
+    engine: str = _f("embedded", "embedded (one process), flower-sim (Flower's Simulation Engine) or flower-deploy "
+                     "(a running Flower SuperLink; see docs/flower.md)")
+    min_replies: int = _f(1, "Flower: good replies a round needs to update the model (else it is left unchanged)")
+    reply_timeout: float = _f(600.0, "Flower: seconds the server waits for a round's replies, > 0")
+    superlink: str = _f("127.0.0.1:8000", "Flower: the SuperLink address (host:port) that engine=flower-deploy submits to")
     out: str = _f("runs/default", "output folder: metrics.jsonl, summary.json, checkpoint.pt")
     checkpoint_every: int = _f(10, "write a checkpoint every N rounds (0: never)")
     analysis: dict = _f({}, "training-time analyses, e.g. analysis.magnitudes=true (see docs)")
@@ -81,7 +87,7 @@ CHOICES = {
     "partition": ("iid", "dirichlet", "balanced_dirichlet", "pathological"),
     "optimizer": ("sgd", "adamw"),
     "device": ("cpu", "cuda", "auto"),
-    "engine": ("embedded",),
+    "engine": ("embedded", "flower-sim", "flower-deploy"),
 }
 NUM_CLASSES = {"fashion_mnist": 10, "cifar10": 10, "cifar100": 100, "digits": 10}
 
@@ -123,6 +129,8 @@ def parse_participation(value) -> list[float]:
     allowed = "a fraction in (0,1] or a set of them such as {0.1,0.15,0.2}"
     if isinstance(value, str):
         value = value.strip().strip("{}[]").split(",")
+    if isinstance(value, dict) and value and all(v is None for v in value.values()):
+        value = list(value)   # YAML reads an unquoted {0.1, 0.15} in a config file as a set-like mapping
     if not isinstance(value, (list, tuple)):
         value = [value]
     try:
@@ -191,7 +199,9 @@ def validate(cfg: Config) -> Config:
         raise ConfigError("weight_decay", f"must be >= 0, got {cfg.weight_decay}")
     if len(cfg.betas) != 2 or not all(isinstance(b, (int, float)) and 0 <= b < 1 for b in cfg.betas):
         raise ConfigError("betas", f"must be two numbers in [0, 1), got {cfg.betas}")
-    for key in ("checkpoint_every", "threads", "seed"):
+    if not cfg.reply_timeout > 0:
+        raise ConfigError("reply_timeout", f"must be > 0, got {cfg.reply_timeout}")
+    for key in ("checkpoint_every", "threads", "seed", "min_replies"):
         if getattr(cfg, key) < 0:
             raise ConfigError(key, f"must be >= 0, got {getattr(cfg, key)}")
     n_cls = NUM_CLASSES[cfg.dataset]

@@ -125,8 +125,12 @@ class Experiment:
         subs = self.submodels([lvl for _, lvl in picked], rnd)
         agg = Aggregator(self.params, self.method.aggregation)
         losses = []
-        for client, lvl in picked:
-            delta, loss = self.client_update(client, subs[lvl], rnd)
+        if self.cfg.batched_clients:   # all clients in vmapped passes; equal up to float rounding
+            from .batched import train_clients_batched
+            results = train_clients_batched(self, picked, subs, rnd)
+        else:
+            results = (self.client_update(client, subs[lvl], rnd) for client, lvl in picked)
+        for (client, lvl), (delta, loss) in zip(picked, results):
             agg.add(delta, subs[lvl])
             losses.append(loss)
         old = self.params
@@ -180,6 +184,14 @@ class Experiment:
             t.load_state_dict(s)
 
 
+def _metrics_round(line: str) -> float:
+    """The round of a metrics line; a line cut short by a kill counts as after every checkpoint."""
+    try:
+        return json.loads(line)["round"]
+    except (ValueError, KeyError, TypeError):
+        return math.inf
+
+
 def atomic_write(path: Path, write) -> None:
     """Write via a temporary file and rename, so a crash never leaves a half-written file."""
     tmp = path.with_name(path.name + ".tmp")
@@ -191,13 +203,16 @@ def atomic_write(path: Path, write) -> None:
 RESUMABLE_CHANGES = {"rounds", "eval_every", "checkpoint_every", "out", "device", "threads"}
 
 
-def run_experiment(cfg: Config, resume: bool = False, progress: bool = True) -> dict:
-    """Run (or resume) one experiment; write metrics.jsonl, checkpoint.pt and summary.json into cfg.out."""
+def run_experiment(cfg: Config, resume: bool = False, progress: bool = True, experiment=Experiment) -> dict:
+    """Run (or resume) one experiment; write metrics.jsonl, checkpoint.pt and summary.json into cfg.out.
+    `experiment(cfg)` builds the Experiment (Flower's ServerApp passes one whose rounds run on nodes)."""
     out = Path(cfg.out)
     ckpt, metrics_path, summary_path = out / "checkpoint.pt", out / "metrics.jsonl", out / "summary.json"
+    if out.exists() and not out.is_dir():
+        raise UserError(f"out: {out} is a file, not a folder; choose another out")
     if not resume and (ckpt.exists() or summary_path.exists()):
         raise UserError(f"out: {out} already holds a run; pass --resume to continue it or choose another out")
-    exp = Experiment(cfg)
+    exp = experiment(cfg)
     out.mkdir(parents=True, exist_ok=True)
     lines: list[str] = []
     if resume and ckpt.exists():
@@ -207,8 +222,11 @@ def run_experiment(cfg: Config, resume: bool = False, progress: bool = True) -> 
             raise UserError(f"out: {out} holds a run with other settings ({', '.join(sorted(diff))}); "
                             "use another out folder")
         exp.load_state_dict(state)
+        if exp.round > cfg.rounds:
+            raise UserError(f"rounds: the run in {out} is at round {exp.round}, beyond rounds={cfg.rounds}; "
+                            f"resume with rounds >= {exp.round}")
         if metrics_path.exists():   # drop lines written after the checkpoint
-            lines = [ln for ln in metrics_path.read_text().splitlines() if ln and json.loads(ln)["round"] <= exp.round]
+            lines = [ln for ln in metrics_path.read_text().splitlines() if _metrics_round(ln) <= exp.round]
         log.info("resuming %s at round %d", out, exp.round)
     (out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=1, default=str))
 

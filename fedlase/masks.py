@@ -82,10 +82,11 @@ class _ThresholdMask(torch.autograd.Function):
         return grad, None, None
 
 
-def threshold_mask(w: torch.Tensor, tau: float, ste: str = "official") -> torch.Tensor:
+def threshold_mask(w: torch.Tensor, tau: float | torch.Tensor, ste: str = "official") -> torch.Tensor:
+    """tau: a number, or a tensor broadcastable to w (one threshold per stacked client, fedlase/batched.py)."""
     if ste not in STE_MODES:
         raise ValueError(f"ste must be one of {STE_MODES}, got {ste!r}")
-    return _ThresholdMask.apply(w, float(tau), ste == "paper")
+    return _ThresholdMask.apply(w, tau if isinstance(tau, torch.Tensor) else float(tau), ste == "paper")
 
 
 def kth_largest(values: torch.Tensor, k: int) -> float:

@@ -6,9 +6,12 @@ from torch import nn
 from ..errors import ConfigError
 from .base import Method, Option
 from .fedavg import FedAvg, FedAvgSmall
+from .fedlase import FedLASE
+from .fedrolex import FedRolex
 from .fiarse import FIARSE
+from .heterofl import HeteroFL
 
-METHODS: dict[str, type[Method]] = {m.name: m for m in (FIARSE, FedAvg, FedAvgSmall)}
+METHODS: dict[str, type[Method]] = {m.name: m for m in (FedLASE, FIARSE, HeteroFL, FedRolex, FedAvg, FedAvgSmall)}
 
 
 def build_method(name: str, model: nn.Module, options: dict, levels: list[float]) -> Method:

@@ -28,9 +28,16 @@ class SmallCNN(nn.Module):
             prev = c
         self.features = nn.Sequential(*layers)
         self.classifier = nn.Linear(prev, num_classes)
+        # HeteroFL's scaler: multiplies each conv output in training; a method overrides it for a slice
+        # (1/rate). 1.0 keeps every other method bit-identical (x * 1.0 == x).
+        self.register_buffer("width_scale", torch.tensor(1.0), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.features(x)                       # (B, 8c, h, w)
+        for layer in self.features:
+            x = layer(x)
+            if self.training and isinstance(layer, nn.Conv2d):
+                x = x * self.width_scale              # before BN, where the official code puts it
+        # x: (B, 8c, h, w)
         return self.classifier(torch.flatten(nn.functional.adaptive_avg_pool2d(x, 1), 1))
 
     def channel_groups(self) -> dict[str, tuple[str | None, str | None]]:

@@ -16,6 +16,11 @@ def make_bn(channels: int, mode: str) -> nn.BatchNorm2d:
     return nn.BatchNorm2d(channels, momentum=None)
 
 
+def _scaled(x: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    """HeteroFL's scaler: a conv output times `scale` (training only), before its BN as in the official code."""
+    return x if scale is None else x * scale
+
+
 class BasicBlock(nn.Module):
     def __init__(self, cin: int, cout: int, stride: int, bn: str):
         super().__init__()
@@ -27,10 +32,13 @@ class BasicBlock(nn.Module):
         if stride != 1 or cin != cout:
             self.shortcut = nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), make_bn(cout, bn))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = torch.relu(self.bn1(self.conv1(x)))
-        out = self.bn2(self.conv2(out))
-        return torch.relu(out + self.shortcut(x))
+    def forward(self, x: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
+        out = torch.relu(self.bn1(_scaled(self.conv1(x), scale)))
+        out = self.bn2(_scaled(self.conv2(out), scale))
+        short = x
+        if len(self.shortcut):
+            short = self.shortcut[1](_scaled(self.shortcut[0](x), scale))
+        return torch.relu(out + short)
 
 
 class ResNet18(nn.Module):
@@ -47,10 +55,15 @@ class ResNet18(nn.Module):
             cin = cout
         self.layer1, self.layer2, self.layer3, self.layer4 = stages
         self.linear = nn.Linear(w[3], num_classes)
+        # the scaler's factor, overridden by a method for a slice (1/rate); 1.0 leaves outputs bit-identical
+        self.register_buffer("width_scale", torch.tensor(1.0), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = torch.relu(self.bn1(self.conv1(x)))
-        out = self.layer4(self.layer3(self.layer2(self.layer1(out))))   # (B, 8w, H/8, W/8)
+        scale = self.width_scale if self.training else None
+        out = torch.relu(self.bn1(_scaled(self.conv1(x), scale)))
+        for stage in (self.layer1, self.layer2, self.layer3, self.layer4):
+            for block in stage:
+                out = block(out, scale)                                  # last: (B, 8w, H/8, W/8)
         return self.linear(torch.flatten(nn.functional.adaptive_avg_pool2d(out, 1), 1))
 
     def channel_groups(self) -> dict[str, tuple[str | None, str | None]]:

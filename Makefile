@@ -1,0 +1,35 @@
+# One entry point: `make demo` runs the default experiment, `make test` runs the test suite.
+# Both set up .venv first (torch pinned to the CPU build 2.13.0 that this kind of machine has on disk).
+PY      ?= python3
+VENV    := .venv
+BIN     := $(VENV)/bin
+FMNIST  := /usr/share/datasets/fashion-mnist
+SUDO    := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+
+.PHONY: setup data demo test bench clean
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+
+$(VENV)/.installed: pyproject.toml | $(BIN)/python
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[test,flower]'
+	touch $@
+
+setup: $(VENV)/.installed
+
+data:
+	@[ -f $(FMNIST)/train-images-idx3-ubyte.gz ] || { $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq dataset-fashion-mnist; }
+
+demo: setup data
+	$(BIN)/fedlase run configs/demo.yaml --resume
+
+test: setup data
+	$(BIN)/python -m pytest -q
+
+bench: setup
+	$(BIN)/fedlase bench
+
+clean:
+	rm -rf $(VENV) runs/demo

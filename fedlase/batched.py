@@ -1,0 +1,160 @@
+"""Batched clients (`batched_clients: true`): the sampled clients of a round train together, one vmapped pass
+per local step, instead of one after another.
+
+Every parameter is stacked over clients (C, *shape), as are masks, thresholds (one tau per client) and
+buffers (e.g. HeteroFL's per-level scaler). One step is `vmap(functional_call)` over the stack, then one
+backward of the SUM of the clients' losses: client c's loss depends only on slice c, so slice c of the
+gradient is exactly client c's own gradient. SGD (momentum, weight decay) and AdamW act per coordinate, so a
+plain torch optimizer over the stacked tensors keeps exactly per-client state (AdamW's step count is shared,
+and all clients step together). Batch-statistics BN under vmap normalises each client's batch on its own.
+
+Ragged rounds: a vmapped step needs every client's batch to have the same size. Clients are grouped by their
+sequence of batch sizes (and by which parameters carry thresholds, since the masking op differs); each group
+is one batched pass and a group of one client runs the sequential `local_train`. A balanced partition, or
+`local_steps * batch_size` within every client's data, gives one group.
+
+The result equals the sequential engine's up to float rounding (a batched conv sums in another order); the
+batches and augmentation draws are exactly the sequential ones. See docs/benchmarks.md for when it pays."""
+from __future__ import annotations
+
+import weakref
+from copy import deepcopy
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.func import functional_call, vmap
+
+from .errors import ConfigError
+from .masks import Submodel, threshold_mask
+from .train import LocalWork, client_batches, local_train, make_optimizer
+
+
+_TRAINING_COPIES: "weakref.WeakKeyDictionary[nn.Module, nn.Module]" = weakref.WeakKeyDictionary()
+
+
+def _without_running_stats(model: nn.Module) -> nn.Module:
+    """A copy of the model whose BN layers keep no running statistics. In training BN normalises with batch
+    statistics either way, so the outputs are the same; but updating running stats under vmap fails
+    (momentum=None reads the batch count with float()), and local training discards them anyway."""
+    if model not in _TRAINING_COPIES:
+        copy = deepcopy(model)
+        for m in copy.modules():
+            if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats:
+                m.track_running_stats = False
+                m.running_mean = m.running_var = m.num_batches_tracked = None
+        _TRAINING_COPIES[model] = copy
+    return _TRAINING_COPIES[model]
+
+
+def _stack(tensors: list[torch.Tensor]) -> torch.Tensor:
+    return torch.stack([t.detach() for t in tensors])
+
+
+def local_train_batched(model: nn.Module, global_params: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor],
+                        subs: list[Submodel], x: torch.Tensor, y: torch.Tensor, batches: list[list[torch.Tensor]],
+                        work: LocalWork, augments: list[Callable | None] | None = None) -> list[tuple[dict, float]]:
+    """`local_train` for C clients at once: client c trains subs[c] on batches[c] (index tensors into x, y).
+    Every client's t-th batch must have the same size, and for each parameter either every client or none
+    carries a threshold (with one `ste`). Returns each client's (delta, mean loss), as `local_train` does."""
+    C, steps = len(subs), len(batches[0])
+    if any(len(b) != steps for b in batches):
+        raise ValueError("every client of a batched group needs the same number of steps")
+    dev = next(iter(global_params.values())).device
+    model = _without_running_stats(model)
+    params = {n: g.detach().expand(C, *g.shape).clone().requires_grad_(True) for n, g in global_params.items()}
+    own = dict(model.named_buffers())   # without running statistics; functional_call's default for a missing key
+    bufs = {n: _stack([{**own, **buffers, **s.buffers}[n] for s in subs]).to(dev) for n in own}
+
+    # The stacked version of Submodel.apply: thresholds (one tau per client), else fixed masks (ones where a
+    # client keeps the parameter whole: w * 1 == w), else the plain weight.
+    taus, masks = {}, {}
+    for n, g in global_params.items():
+        view = (C, *[1] * g.dim())
+        has_tau = [s.thresholds is not None and n in s.thresholds for s in subs]
+        if any(has_tau):
+            if not all(has_tau):
+                raise ValueError(f"{n}: some clients of a batched group have a threshold, others not")
+            taus[n] = torch.tensor([s.thresholds[n] for s in subs], dtype=g.dtype, device=dev).view(view)
+        if any(n in s.masks for s in subs):
+            masks[n] = torch.stack([s.masks[n] if n in s.masks else torch.ones_like(g, dtype=torch.bool)
+                                    for s in subs]).to(dev)
+    ste = subs[0].ste
+    if taus and any(s.ste != ste for s in subs):
+        raise ValueError("clients of a batched group use different ste modes")
+
+    def effective(p: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {n: threshold_mask(w, taus[n], ste) if n in taus else w * masks[n] if n in masks else w
+                for n, w in p.items()}
+
+    def client_loss(p, b, xb, yb):
+        return F.cross_entropy(functional_call(model, (p, b), (xb,)), yb)
+
+    batched_loss = vmap(client_loss)
+    opt = make_optimizer(list(params.values()), work)
+    model.train()
+    total = torch.zeros(C, dtype=torch.float64, device=dev)
+    for t in range(steps):
+        xs = []
+        for c in range(C):
+            xb = x[batches[c][t]]
+            if augments is not None and augments[c] is not None:
+                xb = augments[c](xb)
+            xs.append(xb)
+        ys = torch.stack([y[batches[c][t]] for c in range(C)])
+        losses = batched_loss(effective(params), bufs, torch.stack(xs), ys)   # (C,)
+        opt.zero_grad(set_to_none=True)
+        losses.sum().backward()
+        opt.step()
+        total += losses.detach().double()
+    out = []
+    with torch.no_grad():
+        deltas = {n: (p - global_params[n]) * masks[n] if n in masks else p - global_params[n]
+                  for n, p in params.items()}
+        mean_loss = (total / max(steps, 1)).tolist()
+        for c in range(C):
+            out.append(({n: d[c] for n, d in deltas.items()}, mean_loss[c]))
+    return out
+
+
+def client_jobs(exp, picked: list[tuple[int, float]], rnd: int) -> list[tuple[list[torch.Tensor], Callable | None]]:
+    """Each picked client's batches (index tensors into the training set) and augmentation, drawn from its own
+    seeded generator exactly as `Experiment.client_update` draws them (same seed parts, same order)."""
+    from .data import augment_batch
+    from .engine import derive_seed
+
+    jobs = []
+    for client, _ in picked:
+        gen = torch.Generator().manual_seed(derive_seed(exp.cfg.seed, rnd, 1, client))
+        idx = exp.client_train_t[client]
+        batches = [idx[b.to(exp.device)] for b in client_batches(len(idx), exp.work, gen)]
+        jobs.append((batches, (lambda xb, gen=gen: augment_batch(xb, gen)) if exp.data.augment else None))
+    return jobs
+
+
+def train_clients_batched(exp, picked: list[tuple[int, float]], subs: dict[float, Submodel],
+                          rnd: int) -> list[tuple[dict, float]]:
+    """The engine's hook: (delta, loss) of every picked client, in `picked` order, trained group by group."""
+    if any(isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0 for m in exp.model.modules()):
+        raise ConfigError("batched_clients", "the model uses dropout, whose random draws under vmap cannot "
+                          "match the sequential ones; set batched_clients=false")
+    jobs = client_jobs(exp, picked, rnd)
+    groups: dict[tuple, list[int]] = {}
+    for i, ((_, lvl), (batches, _)) in enumerate(zip(picked, jobs)):
+        sub = subs[lvl]
+        key = (tuple(len(b) for b in batches), frozenset(sub.thresholds or ()), sub.thresholds is not None, sub.ste)
+        groups.setdefault(key, []).append(i)
+    results: list = [None] * len(picked)
+    for members in groups.values():
+        group_subs = [subs[picked[i][1]] for i in members]
+        if len(members) == 1:   # nothing to batch with: the sequential code, exactly
+            (batches, augment), = [jobs[i] for i in members]
+            results[members[0]] = local_train(exp.model, exp.params, exp.buffers, group_subs[0], exp.x_train,
+                                              exp.y_train, batches, exp.work, augment)
+            continue
+        outs = local_train_batched(exp.model, exp.params, exp.buffers, group_subs, exp.x_train, exp.y_train,
+                                   [jobs[i][0] for i in members], exp.work, [jobs[i][1] for i in members])
+        for i, o in zip(members, outs):
+            results[i] = o
+    return results

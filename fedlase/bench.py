@@ -1,0 +1,401 @@
+"""`fedlase bench`: where a run's time and memory go, measured against the limit.
+
+Sections (each prints one Markdown table; `--only` picks some):
+  overhead  N rounds of the embedded engine against the plainest SGD loop doing exactly the same local steps
+            (same model, batches, augmentation draws and masks) in the same process, round by round, per model
+            and per registered method; with each round's mask extraction, aggregation and evaluation time.
+  masks     mask extraction at full model size (ResNet-18 at width 1: 11.2M parameters), no training.
+  memory    peak RSS of runs with 100, 1,000 and 10,000 clients doing the same per-round work, each in a fresh
+            subprocess (resource.getrusage high-water mark), so they do not pollute each other.
+  comm      bytes a client receives and sends per round and level: dense, kept values + bit mask, values only.
+  batched   `batched_clients=true` against the sequential engine, and how far their results differ.
+
+Timings take the sum over the measured rounds after one warm-up round; the engine and the tight loop run
+alternately, round by round, so load from other processes hits both alike. Synthetic data (random pixels)
+stands in where real data is absent: the figures are about speed, not accuracy."""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import pickle
+import platform
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from copy import deepcopy
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch.func import functional_call
+
+SECTIONS = ("overhead", "masks", "memory", "comm", "batched")
+MEMORY_CLIENTS = (100, 1000, 10000)
+LEVELS = (1.0, 0.25, 0.0625, 0.015625)
+SYSTEM = "{1,1/4,1/16,1/64}_{%d,%d,%d,%d}"
+
+
+# ---- data -----------------------------------------------------------------------------------------------------
+def _write_idx(path: Path, arr: np.ndarray, magic: int) -> None:
+    head = magic.to_bytes(4, "big") + b"".join(int(d).to_bytes(4, "big") for d in arr.shape)
+    path.write_bytes(head + arr.astype(np.uint8).tobytes())
+
+
+def data_overrides(folder: Path, n_cifar: int = 5000) -> dict[str, list[str]]:
+    """Config overrides for the bench's datasets: real Fashion-MNIST when installed, else files of its shape
+    with random pixels; CIFAR-10-shaped pickles with random pixels (CIFAR is not obtainable here)."""
+    from .data import DEFAULT_DATA_DIRS
+    rng = np.random.default_rng(0)
+    out = {"digits": ["dataset=digits"]}
+    fm = Path(DEFAULT_DATA_DIRS["fashion_mnist"])
+    if (fm / "train-images-idx3-ubyte.gz").is_file() or (fm / "train-images-idx3-ubyte").is_file():
+        out["fmnist"] = ["dataset=fashion_mnist"]
+    else:
+        d = folder / "fmnist"
+        d.mkdir(parents=True, exist_ok=True)
+        for split, n in (("train", 60000), ("t10k", 10000)):
+            _write_idx(d / f"{split}-images-idx3-ubyte", rng.integers(0, 256, (n, 28, 28)), 2051)
+            _write_idx(d / f"{split}-labels-idx1-ubyte", rng.integers(0, 10, n), 2049)
+        out["fmnist"] = ["dataset=fashion_mnist", f"data_dir={d}"]
+    d = folder / "cifar-10-batches-py"
+    d.mkdir(parents=True, exist_ok=True)
+    files = [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]
+    for name in files:
+        n = n_cifar // 5
+        batch = {b"data": rng.integers(0, 256, (n, 3072), dtype=np.uint8), b"labels": rng.integers(0, 10, n).tolist()}
+        (d / name).write_bytes(pickle.dumps(batch))
+    out["cifar"] = ["dataset=cifar10", f"data_dir={d}"]
+    out["real_fmnist"] = out["fmnist"] == ["dataset=fashion_mnist"]
+    return out
+
+
+def scenarios(args, data: dict) -> dict[str, list[str]]:
+    """name -> config overrides. 10 clients a round drawn from 100 at levels {1,1/4,1/16,1/64}_{10,20,30,40}."""
+    steps = 5 if args.quick else 10
+    common = [f"device={args.device}", f"threads={args.threads}", "system=" + SYSTEM % (10, 20, 30, 40),
+              "participation=0.1", "checkpoint_every=0", "seed=0"]
+    res_width = 1.0 if args.device == "cuda" else 0.25
+    return {
+        "cnn": [*common, *data["fmnist"], "model=cnn", f"local_steps={steps}", "batch_size=32"],
+        f"resnet18 w={res_width:g}": [*common, *data["cifar"], "model=resnet18", f"width={res_width}",
+                                      f"local_steps={max(2, steps // 2)}", "batch_size=20"],
+        "cnn w=0.25 digits": [*common, *data["digits"], "model=cnn", "width=0.25", f"local_steps={steps}",
+                              "batch_size=32"],
+    }
+
+
+# ---- timing helpers -------------------------------------------------------------------------------------------
+def _now(device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter()
+
+
+def _max_diff(a: dict, b: dict) -> float:
+    return max(float((a[n] - b[n]).abs().max()) for n in a)
+
+
+def table(headers: list[str], rows: list[list]) -> str:
+    out = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
+    out += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
+    return "\n".join(out)
+
+
+# ---- overhead: the engine against a tight loop ------------------------------------------------------------
+def tight_round(exp, model, picked, subs, jobs) -> tuple[list[dict], float]:
+    """The round's local steps as the plainest loop: one module, a torch optimizer, masked weights written
+    inline (|w| >= tau for threshold clients, as the official code computes it), no engine code. Returns each
+    client's masked delta (computed outside the timed part) and the seconds spent in the steps."""
+    x, y, work = exp.x_train, exp.y_train, exp.work
+    from .masks import threshold_mask
+    from .train import make_optimizer
+    own = dict(model.named_parameters())
+    model.train()
+    deltas, seconds = [], 0.0
+    for (client, lvl), (batches, augment) in zip(picked, jobs):
+        sub = subs[lvl]
+        with torch.no_grad():
+            for n, p in own.items():
+                p.copy_(exp.params[n])
+        t0 = _now(exp.device)
+        opt = make_optimizer(list(own.values()), work)
+        plain = not sub.masks and not sub.thresholds and not sub.buffers
+        bufs = {**exp.buffers, **sub.buffers}
+        for idx in batches:
+            xb = x[idx] if augment is None else augment(x[idx])
+            if plain:
+                out = model(xb)
+            else:
+                w = {}
+                for n, p in own.items():
+                    if sub.thresholds and n in sub.thresholds:
+                        tau = sub.thresholds[n]
+                        w[n] = p * (p.abs() >= tau) if sub.ste == "official" else threshold_mask(p, tau, sub.ste)
+                    else:
+                        w[n] = p * sub.masks[n] if n in sub.masks else p
+                out = functional_call(model, (w, bufs), (xb,))
+            loss = F.cross_entropy(out, y[idx])
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+        seconds += _now(exp.device) - t0
+        with torch.no_grad():
+            deltas.append({n: (p - exp.params[n]) * sub.masks[n] if n in sub.masks else p - exp.params[n]
+                           for n, p in own.items()})
+    return deltas, seconds
+
+
+def measure_overhead(overrides: list[str], method: str, rounds: int) -> dict:
+    from .aggregate import Aggregator
+    from .batched import client_jobs
+    from .config import load_config
+    from .engine import Experiment
+    exp = Experiment(load_config(None, [*overrides, f"method={method}"]))
+    model = deepcopy(exp.model)   # the tight loop's own module; the engine's stays untouched
+    exp.run_round(1)              # warm-up: allocator, lazy initialisation
+    t = dict(engine=0.0, tight=0.0, masks=0.0, agg=0.0)
+    diff, calls_ok = 0.0, True
+    for rnd in range(2, 2 + rounds):
+        start = exp.params
+        calls: list[float] = []
+        inner = exp.method.submodel
+        exp.method.submodel = lambda p, lvl, r: (calls.append(lvl), inner(p, lvl, r))[1]   # count extractions
+        t0 = _now(exp.device)
+        exp.run_round(rnd)
+        t["engine"] += _now(exp.device) - t0
+        del exp.method.submodel
+        after, exp.params = exp.params, start
+        picked = exp.sample(rnd)
+        calls_ok &= sorted(calls) == sorted({lvl for _, lvl in picked})
+        t0 = _now(exp.device)
+        subs = exp.submodels([lvl for _, lvl in picked], rnd)
+        t["masks"] += _now(exp.device) - t0
+        deltas, secs = tight_round(exp, model, picked, subs, client_jobs(exp, picked, rnd))
+        t["tight"] += secs
+        t0 = _now(exp.device)
+        agg = Aggregator(start, exp.method.aggregation)
+        for d, (_, lvl) in zip(deltas, picked):
+            agg.add(d, subs[lvl])
+        mine = agg.result()
+        t["agg"] += _now(exp.device) - t0
+        diff = max(diff, _max_diff(mine, after))
+        exp.params = after
+    t0 = _now(exp.device)
+    exp.evaluate(1 + rounds)
+    t["eval"] = _now(exp.device) - t0
+    return {**{k: v / rounds if k != "eval" else v for k, v in t.items()}, "diff": diff, "calls_ok": calls_ok,
+            "levels": len({lvl for lvl, _ in exp.cfg.levels})}
+
+
+def section_overhead(args, scen: dict) -> str:
+    from .methods import METHODS
+    rows = []
+    for name, overrides in scen.items():
+        for method in METHODS:
+            try:
+                r = measure_overhead(overrides, method, args.rounds)
+            except Exception as e:   # a method that cannot run this model: say so, keep benchmarking
+                rows.append([name, method, f"failed: {type(e).__name__}: {e}"] + [""] * 6)
+                continue
+            rows.append([name, method, f"{r['engine']:.3f}", f"{r['tight']:.3f}", f"{r['engine'] / r['tight']:.3f}x",
+                         f"{r['masks'] * 1e3:.1f} ({100 * r['masks'] / r['engine']:.1f}%)", f"{r['agg'] * 1e3:.1f}",
+                         f"{r['eval']:.2f}", "yes" if r["calls_ok"] else "NO",
+                         "bit-identical" if r["diff"] == 0 else f"max diff {r['diff']:.1e}"])
+            print(f"  overhead {name} {method}: {rows[-1][4]}", file=sys.stderr)
+    return ("### Engine against a tight loop of the same local steps (s per round)\n\n" + table(
+        ["scenario", "method", "engine", "tight loop", "overhead", "masks ms (share)", "aggregation ms",
+         "evaluation s", "one extraction per level", "same result"], rows))
+
+
+# ---- masks at full size ---------------------------------------------------------------------------------------
+def _full_models():
+    from .models import build_model
+    return {"cnn (28x28x1)": build_model("cnn", 1, 10, 1.0, "batch", 28),
+            "resnet18 (32x32x3)": build_model("resnet18", 3, 10, 1.0, "batch", 32)}
+
+
+def section_masks(args) -> str:
+    from .methods import METHODS, build_method
+    rows = []
+    for mname, model in _full_models().items():
+        model = model.to(args.device)
+        params = {n: p.detach() for n, p in model.named_parameters()}
+        size = sum(p.numel() for p in params.values())
+        for method in METHODS:
+            m = build_method(method, model, {}, list(LEVELS))
+            m.submodel(params, LEVELS[-1], 1)   # warm-up
+            per = []
+            for lvl in LEVELS:
+                t0 = _now(torch.device(args.device))
+                m.submodel(params, lvl, 1)
+                per.append(_now(torch.device(args.device)) - t0)
+            rows.append([f"{mname}, {size / 1e6:.2f}M", method, f"{sum(per):.3f}"] + [f"{s * 1e3:.1f}" for s in per])
+    return ("### Mask extraction at full size (all four levels of one round, no training)\n\n" +
+            table(["model", "method", "s per round", "ms at 1", "ms at 1/4", "ms at 1/16", "ms at 1/64"], rows))
+
+
+# ---- memory against the number of clients ---------------------------------------------------------------------
+def memory_child(spec: dict) -> dict:
+    """Run in a fresh process: build the experiment, run the rounds, report the RSS high-water mark."""
+    from .config import load_config
+    from .engine import Experiment
+    t0 = time.perf_counter()
+    exp = Experiment(load_config(None, spec["overrides"]))
+    init = time.perf_counter() - t0
+    rss_init = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024   # Linux: KiB
+    t0 = time.perf_counter()
+    for rnd in range(1, spec["rounds"] + 1):
+        exp.run_round(rnd)
+    return {"init_s": init, "round_s": (time.perf_counter() - t0) / spec["rounds"], "rss_init_mib": rss_init,
+            "rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+
+
+def section_memory(args, data: dict) -> str:
+    rows, base = [], None
+    for n in MEMORY_CLIENTS:
+        # 60,000 samples over n clients; 10 clients a round, 5 steps of 5 samples (10,000 clients hold 6 each)
+        overrides = [*data["fmnist"], "model=cnn", f"device={args.device}", f"threads={args.threads}",
+                     "system=" + SYSTEM % ((n // 4,) * 4), f"participation={10 / n}", "local_steps=5",
+                     "batch_size=5", "checkpoint_every=0"]
+        spec = json.dumps({"overrides": overrides, "rounds": 2 if args.quick else 3})
+        proc = subprocess.run([sys.executable, "-m", "fedlase.bench", "--memory-child", spec],
+                              capture_output=True, text=True)
+        if proc.returncode != 0:
+            rows.append([f"{n:,}", "failed: " + (proc.stderr.strip().splitlines() or ["?"])[-1]] + [""] * 4)
+            continue
+        r = json.loads(proc.stdout.strip().splitlines()[-1])
+        base = base or r["rss_mib"]
+        rows.append([f"{n:,}", f"{r['init_s']:.1f}", f"{r['round_s']:.2f}", f"{r['rss_init_mib']:.0f}",
+                     f"{r['rss_mib']:.0f}", f"{r['rss_mib'] / base:.3f}x"])
+        print(f"  memory {n} clients: {rows[-1][4]} MiB", file=sys.stderr)
+    src = "Fashion-MNIST" if data["real_fmnist"] else "Fashion-MNIST-shaped random data"
+    return (f"### Peak memory against the number of clients ({src}, 60,000 samples, CNN, 10 clients a round)\n\n" +
+            table(["clients", "setup s", "s per round", "peak RSS after setup (MiB)", "peak RSS (MiB)", "vs 100"],
+                  rows))
+
+
+# ---- communication --------------------------------------------------------------------------------------------
+def submodel_bytes(sub, params: dict, value_bytes: int = 4) -> tuple[int, int, int]:
+    """(dense, kept values + bit mask, kept values only) bytes of one submodel's weights."""
+    dense = sum(p.numel() for p in params.values()) * value_bytes
+    sparse = values = 0
+    for n, p in params.items():
+        kept = int(sub.masks[n].sum()) if n in sub.masks else p.numel()
+        values += kept * value_bytes
+        sparse += kept * value_bytes + (math.ceil(p.numel() / 8) if n in sub.masks else 0)
+    extra = value_bytes * len(sub.thresholds or {})   # the thresholds a client keeps
+    return dense, sparse + extra, values + extra
+
+
+def section_comm(args) -> str:
+    from .methods import METHODS, build_method
+    rows = []
+    for mname, model in _full_models().items():
+        params = {n: p.detach() for n, p in model.named_parameters()}
+        for method in METHODS:
+            m = build_method(method, model, {}, list(LEVELS))
+            for lvl in LEVELS:
+                sub = m.submodel(params, lvl, 1)
+                dense, sparse, values = submodel_bytes(sub, params)
+                kept = sub.kept(m.maskable, params) / sum(params[n].numel() for n in m.maskable)
+                rows.append([mname, method, f"{lvl:g}", f"{100 * kept:.1f}%", f"{dense / 2**20:.2f}",
+                             f"{sparse / 2**20:.3f}", f"{values / 2**20:.3f}", f"{sparse / dense:.3f}"])
+    return ("### Bytes a client receives (and sends) per round, float32, MiB\n\n" +
+            table(["model", "method", "level", "kept (budgeted params)", "dense", "values + bit mask",
+                   "values only", "sparse / dense"], rows))
+
+
+# ---- batched clients ------------------------------------------------------------------------------------------
+def section_batched(args, scen: dict) -> str:
+    from .config import load_config
+    from .engine import Experiment
+    rows = []
+    names = list(scen) if args.device == "cuda" else [n for n in scen if n.startswith("cnn")]
+    for name in names:
+        for method in ("fiarse", "fedavg"):
+            exps = [Experiment(load_config(None, [*scen[name], f"method={method}", f"batched_clients={b}"]))
+                    for b in ("false", "true")]
+            for e in exps:
+                e.run_round(1)   # warm-up
+            t = [0.0, 0.0]
+            for rnd in range(2, 2 + args.rounds):
+                for i, e in enumerate(exps):
+                    t0 = _now(e.device)
+                    e.run_round(rnd)
+                    t[i] += _now(e.device) - t0
+            diff = _max_diff(exps[0].params, exps[1].params)
+            rows.append([name, method, f"{t[0] / args.rounds:.3f}", f"{t[1] / args.rounds:.3f}",
+                         f"{t[0] / t[1]:.2f}x", f"{diff:.1e}"])
+            print(f"  batched {name} {method}: {rows[-1][4]}", file=sys.stderr)
+    return (f"### Batched clients against the sequential engine (s per round, {1 + args.rounds} rounds from the "
+            "same start)\n\n" + table(["scenario", "method", "sequential", "batched", "speedup",
+                                        "max param diff after the rounds"], rows))
+
+
+# ---- the command ----------------------------------------------------------------------------------------------
+def machine() -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        cpu = next(ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
+                   if ln.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    gpu = f", GPU {torch.cuda.get_device_name()}" if torch.cuda.is_available() else ""
+    return (f"{cpu}, {os.cpu_count()} logical CPUs{gpu}; Python {platform.python_version()}, "
+            f"torch {torch.__version__}, {platform.system()} {platform.release()}")
+
+
+def run(args) -> str:
+    args.rounds = 1 if args.quick else 2
+    only = SECTIONS if not args.only else [s.strip() for s in args.only.split(",")]
+    torch.set_num_threads(args.threads)
+    started = time.perf_counter()
+    load = os.getloadavg()
+    opts = [*(["--quick"] if args.quick else []), *([f"--only {args.only}"] if args.only else []),
+            *([f"--device {args.device}"] if args.device != "cpu" else []),
+            *([f"--threads {args.threads}"] if args.threads != 1 else []), *([f"--out {args.out}"] if args.out else [])]
+    parts = [f"Machine: {machine()}", f"Command: `{' '.join(['fedlase bench', *opts])}`",
+             f"Torch threads: {args.threads}; device: {args.device}; load average at start: "
+             f"{load[0]:.2f} {load[1]:.2f} {load[2]:.2f}"]
+    with tempfile.TemporaryDirectory(prefix="fedlase-bench-") as tmp:
+        data = data_overrides(Path(tmp))
+        scen = scenarios(args, data)
+        for section in only:
+            print(f"bench: {section} ...", file=sys.stderr)
+            if section == "overhead":
+                parts.append(section_overhead(args, scen))
+            elif section == "masks":
+                parts.append(section_masks(args))
+            elif section == "memory":
+                parts.append(section_memory(args, data))
+            elif section == "comm":
+                parts.append(section_comm(args))
+            elif section == "batched":
+                parts.append(section_batched(args, scen))
+    load = os.getloadavg()
+    parts.append(f"Finished in {time.perf_counter() - started:.0f} s; load average at the end: "
+                 f"{load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
+    return "\n\n".join(parts) + "\n"
+
+
+def check_arguments(args) -> None:
+    from .errors import UserError
+    if args.only:
+        bad = [s for s in args.only.split(",") if s.strip() not in SECTIONS]
+        if bad:
+            raise UserError(f"--only: {', '.join(bad)} is not a section; choose from {', '.join(SECTIONS)}")
+    if args.threads < 1:
+        raise UserError(f"--threads: must be >= 1, got {args.threads}")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise UserError("--device: cuda was asked for but torch sees no CUDA device")
+    if args.out and not Path(args.out).resolve().parent.is_dir():
+        raise UserError(f"--out: folder {Path(args.out).parent} does not exist")
+
+
+if __name__ == "__main__" and len(sys.argv) == 3 and sys.argv[1] == "--memory-child":
+    print(json.dumps(memory_child(json.loads(sys.argv[2]))))

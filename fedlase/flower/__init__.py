@@ -1,0 +1,12 @@
+"""fedlase on Flower (flwr 1.42, Message API): the same methods, sampling, local training and aggregation
+as the embedded engine, with clients on Flower nodes (Simulation Engine or Deployment Engine).
+
+Modules: `codec` (sparse payloads, reply checks), `strategy` (the server side of a round), `server_app` and
+`client_app` (the Flower apps), `launch` (`engine=flower-sim` / `engine=flower-deploy`). See docs/flower.md."""
+from .launch import QUIET_ENV, quiet_env
+
+quiet_env()   # before flwr or ray is imported anywhere below this package
+
+from .launch import run_flower  # noqa: E402
+
+__all__ = ["QUIET_ENV", "quiet_env", "run_flower"]

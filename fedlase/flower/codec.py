@@ -1,0 +1,155 @@
+"""Wire format of submodels and replies, and the check every reply passes before it is aggregated.
+
+Down (server -> client), per parameter:
+  - masked: the values on the submodel's support, in row-major order, plus the support as packed bits
+    (1 bit a coordinate; no bits when all are kept). For a threshold submodel the support is mask | (|w| >= tau), so the client's
+    |w| >= tau re-evaluation sees exactly the weights it would see with the whole model; everything else
+    is rebuilt as 0, which the masked forward multiplies by 0 anyway. The credited mask travels as a
+    second bit array only where it differs from the support (never for FIARSE, whose mask is |w| >= tau).
+  - not masked: the dense tensor.
+  The model's buffers and the submodel's buffer overrides travel dense; thresholds and ste in the config.
+Up (client -> server): the delta's values on the credited mask only (dense for unmasked parameters).
+
+Nothing here knows Flower's transport beyond `Array`/`ArrayRecord`/`ConfigRecord`."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+from flwr.app import Array, ArrayRecord, ConfigRecord, RecordDict
+
+from ..masks import Submodel
+
+NPY_HEADER_SLACK = 256   # bytes an .npy header may add to an array's raw data (np.save writes 128 for ours)
+
+
+class ReplyError(ValueError):
+    """A client's reply that must not be aggregated; the message says why."""
+
+
+def pack_bits(mask: torch.Tensor) -> np.ndarray:
+    return np.packbits(mask.detach().cpu().numpy().astype(bool).ravel())
+
+
+def unpack_bits(bits: np.ndarray, shape: tuple[int, ...]) -> torch.Tensor:
+    n = math.prod(shape)
+    return torch.from_numpy(np.unpackbits(bits, count=n).astype(bool).reshape(shape))
+
+
+def _arr(t: torch.Tensor | np.ndarray) -> Array:
+    return Array(t.detach().cpu().numpy() if isinstance(t, torch.Tensor) else t)
+
+
+def record_bytes(*records: ArrayRecord) -> int:
+    """Array payload bytes as they travel (.npy headers included; keys and protobuf framing excluded)."""
+    return sum(len(a.data) for r in records for a in r.values())
+
+
+# ---- down: the submodel ----------------------------------------------------------------------------------------
+def support(sub: Submodel, name: str, w: torch.Tensor) -> torch.Tensor:
+    """The coordinates whose values the client needs: its mask, plus, under a threshold, |w| >= tau."""
+    m = sub.masks[name]
+    if sub.thresholds is not None and name in sub.thresholds:
+        m = m | (w.abs() >= sub.thresholds[name])
+    return m
+
+
+def encode_submodel(params: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor], sub: Submodel) -> RecordDict:
+    values, bits, credit = ArrayRecord(), ArrayRecord(), ArrayRecord()
+    for n, w in params.items():
+        if n in sub.masks:
+            s = support(sub, n, w)
+            values[n] = _arr(w[s])
+            bits[n] = _arr(pack_bits(s) if not bool(s.all()) else np.zeros(0, np.uint8))   # empty: all kept
+            if not torch.equal(s, sub.masks[n]):
+                credit[n] = _arr(pack_bits(sub.masks[n]))
+        else:
+            values[n] = _arr(w)
+    names = sorted(sub.thresholds or {})
+    cfg = ConfigRecord({"ste": sub.ste, "threshold-names": names,
+                        "threshold-values": [float(sub.thresholds[n]) for n in names],
+                        "has-thresholds": sub.thresholds is not None})
+    return RecordDict({"values": values, "bits": bits, "credit": credit,
+                       "buffers": ArrayRecord({n: _arr(b) for n, b in buffers.items()}),
+                       "sub-buffers": ArrayRecord({n: _arr(b) for n, b in sub.buffers.items()}),
+                       "submodel": cfg})
+
+
+def decode_submodel(content: RecordDict, template: dict[str, torch.Tensor]):
+    """-> (params, buffers, Submodel), with params rebuilt as zeros off the support. `template` gives the
+    names, shapes and dtypes of the client's own model."""
+    values, bits, credit = content.array_records["values"], content.array_records["bits"], content.array_records["credit"]
+    params, masks = {}, {}
+    for n, t in template.items():
+        v = torch.from_numpy(values[n].numpy())
+        if n in bits:
+            b = bits[n].numpy()
+            s = unpack_bits(b, tuple(t.shape)) if b.size else torch.ones(t.shape, dtype=torch.bool)
+            w = torch.zeros(t.shape, dtype=v.dtype)
+            w[s] = v
+            params[n] = w
+            masks[n] = unpack_bits(credit[n].numpy(), tuple(t.shape)) if n in credit else s
+        else:
+            params[n] = v
+    cfg = content.config_records["submodel"]
+    thresholds = dict(zip(cfg["threshold-names"], cfg["threshold-values"])) if cfg["has-thresholds"] else None
+    buffers = {n: torch.from_numpy(a.numpy()) for n, a in content.array_records["buffers"].items()}
+    sub_buffers = {n: torch.from_numpy(a.numpy()) for n, a in content.array_records["sub-buffers"].items()}
+    return params, buffers, Submodel(masks, thresholds, str(cfg["ste"]), sub_buffers)
+
+
+# ---- up: the reply ---------------------------------------------------------------------------------------------
+def encode_delta(delta: dict[str, torch.Tensor], sub: Submodel) -> ArrayRecord:
+    return ArrayRecord({n: _arr(d[sub.masks[n]] if n in sub.masks else d) for n, d in delta.items()})
+
+
+def expected_reply(params: dict[str, torch.Tensor], sub: Submodel) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """name -> (shape, dtype) of each array a valid reply holds."""
+    return {n: (((int(sub.masks[n].sum()),) if n in sub.masks else tuple(p.shape)), p.dtype) for n, p in params.items()}
+
+
+def validate_reply(arrays: ArrayRecord, params: dict[str, torch.Tensor], sub: Submodel) -> dict[str, torch.Tensor]:
+    """The dense delta of a reply, or ReplyError saying why it must be rejected.
+
+    Checked before anything is decoded: the names, each array's declared dtype and shape (at most the
+    parameter's own, so nothing larger than the model is ever read) and its raw size; then the decoded
+    array against its declaration, NaN/Inf, and, for a dense delta sent for a masked parameter, values off
+    the client's mask (rejected either way: it is larger than the submodel allows)."""
+    want = expected_reply(params, sub)
+    extra, missing = sorted(set(arrays) - set(want)), sorted(set(want) - set(arrays))
+    if extra:
+        raise ReplyError(f"unknown parameter(s) {', '.join(extra[:3])}")
+    if missing:
+        raise ReplyError(f"missing parameter(s) {', '.join(missing[:3])}")
+    delta = {}
+    for n, (shape, dt) in want.items():
+        a = arrays[n]
+        dense = n in sub.masks and tuple(a.shape) == tuple(params[n].shape) and a.shape != shape
+        if a.dtype != str(dt).removeprefix("torch."):
+            raise ReplyError(f"{n}: dtype {a.dtype}, expected {str(dt).removeprefix('torch.')}")
+        if tuple(a.shape) != shape and not dense:
+            raise ReplyError(f"{n}: shape {tuple(a.shape)}, expected {shape}")
+        if len(a.data) > math.prod(a.shape) * dt.itemsize + NPY_HEADER_SLACK:
+            raise ReplyError(f"{n}: payload of {len(a.data)} bytes is larger than {math.prod(a.shape)} values allow")
+        try:
+            v = a.numpy()
+        except (ValueError, TypeError, OSError) as e:
+            raise ReplyError(f"{n}: unreadable array ({e})") from None
+        if v.shape != tuple(a.shape) or str(v.dtype) != a.dtype:
+            raise ReplyError(f"{n}: holds {v.dtype}{list(v.shape)} but declares {a.dtype}{list(a.shape)}")
+        v = torch.from_numpy(v.copy())
+        if not bool(torch.isfinite(v).all()):
+            raise ReplyError(f"{n}: NaN or Inf in the delta")
+        m = sub.masks.get(n)
+        if dense:
+            off = int((v[~m.cpu()] != 0).sum())
+            if off:
+                raise ReplyError(f"{n}: {off} value(s) outside the client's mask")
+            raise ReplyError(f"{n}: payload of {v.numel()} values is larger than the {shape[0]} its mask allows")
+        if m is not None:
+            d = torch.zeros(params[n].shape, dtype=dt)
+            d[m.cpu()] = v
+            v = d
+        delta[n] = v.to(params[n].device)
+    return delta

@@ -1,0 +1,129 @@
+"""FedLASE: layer-adaptive submodel extraction (from the authors' rebuttal; no public code exists).
+
+Each round, for each resource level:
+1. budget B = int(level * maskable count), as FIARSE counts it. The first and last layers (and all biases)
+   are kept whole and paid from B; the rest, R, is shared among the extracted layers (the other conv and
+   linear weights).
+2. each extracted layer l gets a score s_l from its magnitudes: mean |w| (default), max |w|, or `equal`
+   (every extracted layer keeps the same ratio);
+3. the score becomes an allocation weight a_l by one of two transforms (`transform`):
+     share: a_l = log(1 + n_l * s_l)            (log off: n_l * s_l)    -- layer's share of R
+     ratio: a_l = n_l * log(1 + s_l / s_min)    (log off: n_l * s_l / s_min) -- keep ratio ~ log(1 + s/s_min)
+   where n_l is the layer's size;
+4. k_l = min(n_l, c * a_l) with c chosen so that sum k_l = R exactly (water-filling: a layer that would
+   exceed its size is kept whole and its surplus goes to the others in proportion), rounded by largest
+   remainder;
+5. inside each layer the k_l largest |w| are kept; the client keeps the per-layer thresholds and trains as
+   FIARSE's clients do (`ste`), and the server averages each coordinate over the clients that trained it.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..errors import ConfigError
+from ..masks import Submodel, kth_largest
+from .base import Method, Option
+
+
+def water_fill(weights: list[float], sizes: list[int], total: int) -> list[int]:
+    """Integers k_l <= sizes[l] with sum == total (<= sum of sizes), proportional to weights where no cap
+    binds: capped layers are kept whole and the rest is re-shared among the others. Remainders go to the
+    largest fractional parts (ties to the earlier layer), so the total is met exactly."""
+    n = len(sizes)
+    total = min(total, sum(sizes))
+    alloc = [0.0] * n
+    free = [i for i in range(n) if sizes[i] > 0]
+    left = float(total)
+    while free and left > 0:
+        w = [max(weights[i], 0.0) for i in free]
+        if sum(w) <= 0:                      # no signal left: share by size
+            w = [float(sizes[i]) for i in free]
+        c = left / sum(w)
+        capped = [i for i, wi in zip(free, w) if c * wi >= sizes[i]]
+        if not capped:
+            for i, wi in zip(free, w):
+                alloc[i] = c * wi
+            break
+        for i in capped:
+            alloc[i] = float(sizes[i])
+            left -= sizes[i]
+        free = [i for i in free if i not in capped]
+    k = [min(sizes[i], math.floor(alloc[i] + 1e-9)) for i in range(n)]
+    short = total - sum(k)
+    order = sorted(range(n), key=lambda i: (-(alloc[i] - k[i]), i))
+    for i in order:
+        if short <= 0:
+            break
+        if k[i] < sizes[i]:
+            k[i] += 1
+            short -= 1
+    return k
+
+
+class FedLASE(Method):
+    """FedLASE: layer-adaptive extraction; per-layer budgets from log-smoothed layer magnitude scores."""
+    name = "fedlase"
+    options = {
+        "score": Option("mean", "layer score: mean |w| of the layer, max |w|, or equal (same ratio for every layer)",
+                        choices=("mean", "max", "equal")),
+        "log": Option(True, "log-smooth the layer scores (false: the rebuttal's 'w/o log')", choices=(True, False)),
+        "transform": Option("share", "share: budget share ~ log(1 + n*s); ratio: keep ratio ~ log(1 + s/s_min)",
+                            choices=("share", "ratio")),
+        "extract_all_layers": Option(False, "extract the first and last layers too (the rebuttal's 'w all layers')",
+                                     choices=(True, False)),
+        "ste": Option("official", "gradient through the per-layer threshold masks: official, paper, or fixed "
+                      "(mask fixed for the round: the rebuttal's 'w/o STE')", choices=("official", "paper", "fixed")),
+        "overlap": Option(True, "true: average each coordinate over the clients that trained it; false: divide "
+                          "by the number of clients (the rebuttal's 'w/o overlap')", choices=(True, False)),
+    }
+
+    def __init__(self, model, levels=(1.0,), **options):
+        super().__init__(model, levels, **options)
+        params = dict(model.named_parameters())
+        weights = [n for n in self.maskable if n.endswith("weight")]
+        if self.args["extract_all_layers"]:
+            self.extracted = weights
+        else:
+            self.extracted = [n for n in weights if n not in (weights[0], weights[-1])]
+        fixed = sum(params[n].numel() for n in self.maskable if n not in self.extracted)
+        smallest = self.levels[0]
+        if self.budget(params, smallest) < fixed:
+            raise ConfigError("method_args.extract_all_layers",
+                              f"level {smallest:g} allows {self.budget(params, smallest)} parameters, fewer than the "
+                              f"{fixed} of the first and last layers and biases kept whole; set "
+                              "method_args.extract_all_layers=true or use a larger model")
+
+    @property
+    def aggregation(self) -> str:
+        return "coverage" if self.args["overlap"] else "mean"
+
+    def layer_budgets(self, params: dict[str, torch.Tensor], level: float) -> dict[str, int]:
+        """Kept parameters of each extracted layer at this level (sums exactly to the extracted budget)."""
+        sizes = [params[n].numel() for n in self.extracted]
+        fixed = sum(params[n].numel() for n in self.maskable if n not in self.extracted)
+        rest = self.budget(params, level) - fixed
+        score, log = self.args["score"], self.args["log"]
+        if score == "equal":
+            weights = [float(s) for s in sizes]
+        else:
+            with torch.no_grad():
+                s = [float(params[n].abs().mean() if score == "mean" else params[n].abs().max()) for n in self.extracted]
+            if self.args["transform"] == "share":
+                weights = [math.log1p(n * si) if log else n * si for n, si in zip(sizes, s)]
+            else:
+                s_min = min(x for x in s if x > 0) if any(x > 0 for x in s) else 1.0
+                weights = [n * (math.log1p(si / s_min) if log else si / s_min) for n, si in zip(sizes, s)]
+        return dict(zip(self.extracted, water_fill(weights, sizes, rest)))
+
+    def submodel(self, params, level, round):
+        masks, thresholds = {}, {}
+        for name, k in self.layer_budgets(params, level).items():
+            a = params[name].detach().abs()
+            tau = kth_largest(a.flatten(), k) if k > 0 else math.inf
+            masks[name] = a >= tau
+            thresholds[name] = tau
+        if self.args["ste"] == "fixed":
+            return Submodel(masks)
+        return Submodel(masks, thresholds=thresholds, ste=self.args["ste"])

@@ -1,0 +1,414 @@
+"""Result tables (Markdown, CSV) and plots (PNG) from finished runs.
+
+Runs are found by their summary.json under the given folders. Runs whose configs agree on every key except
+the seed (and keys that do not change results: out, threads, device, checkpoint, evaluation and analysis
+settings) form a group, reported as mean +- sample std (ddof=1) over its runs."""
+from __future__ import annotations
+
+import csv
+import json
+import logging
+import math
+import re
+from dataclasses import dataclass, field
+from fractions import Fraction
+from pathlib import Path
+
+import numpy as np
+
+from .errors import UserError
+
+log = logging.getLogger("fedlase")
+
+# Config keys that do not change a run's results: never used to tell groups apart by default.
+NOT_GROUPED = {"seed", "out", "threads", "device", "checkpoint_every", "eval_every", "eval_batch_size", "data_dir"}
+METRICS = {"global_acc": "global accuracy", "local_acc": "local accuracy", "local_std": "std of local accuracies",
+           "local_worst10": "worst-10% local accuracy"}
+ALL = "all"   # the row/column of a metric over all levels (mean over levels / over all clients)
+
+
+@dataclass
+class Run:
+    path: Path
+    summary: dict
+    config: dict        # flattened: dotted keys
+
+    @property
+    def final(self) -> dict:
+        return self.summary["final"]
+
+    def metric(self, name: str, level: str = ALL) -> float:
+        src = self.final if level == ALL else self.final["levels"].get(level, {})
+        return float(src.get(name, math.nan))
+
+    def curve(self) -> list[dict]:
+        f = self.path / "metrics.jsonl"
+        return [json.loads(ln) for ln in f.read_text().splitlines() if ln.strip()] if f.is_file() else []
+
+    def npz(self, name: str):
+        f = self.path / "analysis" / f"{name}.npz"
+        return np.load(f) if f.is_file() else None
+
+
+@dataclass
+class Group:
+    label: str
+    key: tuple
+    runs: list[Run] = field(default_factory=list)
+
+    def stats(self, name: str, level: str = ALL) -> tuple[float, float, int]:
+        """(mean, sample std, n) over the group's runs that have the value."""
+        vals = [v for v in (r.metric(name, level) for r in self.runs) if not math.isnan(v)]
+        if not vals:
+            return math.nan, math.nan, 0
+        return float(np.mean(vals)), float(np.std(vals, ddof=1)) if len(vals) > 1 else 0.0, len(vals)
+
+
+def flatten(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):   # an empty mapping adds no key: method_args {} is "no options set"
+            out.update(flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def find_runs(dirs: list[str]) -> list[Run]:
+    runs, seen = [], set()
+    for d in dirs:
+        p = Path(d)
+        if not p.is_dir():
+            raise UserError(f"report: {d} is not a folder")
+        found = sorted(p.rglob("summary.json"))
+        if not found:
+            raise UserError(f"report: no finished run (summary.json) under {d}")
+        for f in found:
+            if f.resolve() in seen:
+                continue
+            seen.add(f.resolve())
+            try:
+                summary = json.loads(f.read_text())
+                runs.append(Run(f.parent, summary, flatten(summary["config"])))
+            except (json.JSONDecodeError, KeyError) as e:
+                log.warning("report: skipping %s (unreadable: %s)", f, e)
+    if not runs:
+        raise UserError("report: no readable summary.json found")
+    return runs
+
+
+def _fmt(v) -> str:
+    if isinstance(v, bool):
+        return str(v).lower()
+    return "null" if v is None else str(v)
+
+
+def group_runs(runs: list[Run], group_by: list[str] | None = None) -> list[Group]:
+    """Groups in first-seen order; labels name only the keys whose values differ between groups."""
+    if group_by:
+        keys = list(group_by)
+    else:
+        keys = sorted({k for r in runs for k in r.config
+                       if k not in NOT_GROUPED and not k.startswith("analysis.") and k != "analysis"})
+    groups: dict[tuple, Group] = {}
+    for r in runs:
+        key = tuple(json.dumps(r.config.get(k), sort_keys=True, default=str) for k in keys)
+        groups.setdefault(key, Group("", key)).runs.append(r)
+    varying = [i for i, k in enumerate(keys) if len({g.key[i] for g in groups.values()}) > 1]
+    # the method first: it is what tables compare
+    varying.sort(key=lambda i: (keys[i] != "method", keys[i]))
+    for g in groups.values():
+        cfg = g.runs[0].config
+        parts = [f"{keys[i]}={_fmt(cfg[keys[i]])}" for i in varying if keys[i] in cfg]
+        g.label = ", ".join(parts) or _fmt(cfg.get("method", "all runs"))
+    return list(groups.values())
+
+
+def levels_of(groups: list[Group]) -> list[str]:
+    """Level names of all runs, smallest first (the papers' column order)."""
+    names = {lvl for g in groups for r in g.runs for lvl in r.final.get("levels", {})}
+    return sorted(names, key=lambda s: float(Fraction(s)))
+
+
+# ---- tables ----------------------------------------------------------------------------------------------------
+def _cell(mean: float, std: float, n: int, scale: float = 100, digits: int = 2) -> str:
+    if n == 0:
+        return "—"
+    return f"{scale * mean:.{digits}f}" + (f" ± {scale * std:.{digits}f}" if n > 1 else "")
+
+
+def _md_table(header: list[str], rows: list[list[str]]) -> str:
+    esc = lambda s: str(s).replace("|", "\\|")   # noqa: E731
+    lines = ["| " + " | ".join(map(esc, header)) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(map(esc, row)) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def metric_table(groups: list[Group], levels: list[str], name: str, overall: str) -> tuple[list, list]:
+    header = ["group", "runs", *levels, overall]
+    rows = [[g.label, str(len(g.runs)), *(_cell(*g.stats(name, lvl)) for lvl in [*levels, ALL])] for g in groups]
+    return header, rows
+
+
+def main_table(groups: list[Group], levels: list[str]) -> tuple[list, list]:
+    """The papers' layout: local (mean over clients) | global accuracy of each level | global (mean over levels)."""
+    header = ["group", "runs", "local", *levels, "global"]
+    rows = [[g.label, str(len(g.runs)), _cell(*g.stats("local_acc")),
+             *(_cell(*g.stats("global_acc", lvl)) for lvl in levels), _cell(*g.stats("global_acc"))] for g in groups]
+    return header, rows
+
+
+def _analysis_value(run: Run, path: tuple) -> float:
+    v = run.final
+    for p in path:
+        if not isinstance(v, dict) or p not in v:
+            return math.nan
+        v = v[p]
+    return float(v)
+
+
+def _analysis_stats(g: Group, path: tuple) -> tuple[float, float, int]:
+    vals = [v for v in (_analysis_value(r, path) for r in g.runs) if not math.isnan(v)]
+    if not vals:
+        return math.nan, math.nan, 0
+    return float(np.mean(vals)), float(np.std(vals, ddof=1)) if len(vals) > 1 else 0.0, len(vals)
+
+
+def write_csv(path: Path, header: list, rows: list) -> None:
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(header)
+        w.writerows(rows)
+
+
+# ---- plots -----------------------------------------------------------------------------------------------------
+def _short(layer: str) -> str:
+    return layer[: -len(".weight")] if layer.endswith(".weight") else layer
+
+
+def _plt():
+    import matplotlib
+    matplotlib.use("Agg")   # files only, no display
+    import matplotlib.pyplot as plt
+    return plt
+
+
+
+def plot_accuracy(groups: list[Group], levels: list[str], metric: str, path: Path) -> bool:
+    """One panel per level (+ the overall mean); a line per group: mean over runs, band = +- std."""
+    curves = {id(g): [r.curve() for r in g.runs] for g in groups}
+    if not any(c for cs in curves.values() for c in cs):
+        return False
+    plt = _plt()
+    panels = [*levels, ALL]
+    cols = min(len(panels), 3)
+    rows = math.ceil(len(panels) / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.2 * rows + 0.4 + 0.25 * len(groups)),
+                             squeeze=False, sharey=True)
+    for ax, lvl in zip(axes.flat, panels):
+        for g in groups:
+            series = []
+            for c in curves[id(g)]:
+                pts = {ln["round"]: (ln if lvl == ALL else ln["levels"].get(lvl, {})).get(metric) for ln in c}
+                series.append({k: v for k, v in pts.items() if v is not None})
+            common = sorted(set.intersection(*(set(s) for s in series))) if series else []
+            if not common:
+                continue
+            vals = np.array([[s[rnd] for rnd in common] for s in series]) * 100
+            mean = vals.mean(axis=0)
+            line, = ax.plot(common, mean, label=g.label, marker="." if len(common) < 30 else None)
+            if len(series) > 1:
+                sd = vals.std(axis=0, ddof=1)
+                ax.fill_between(common, mean - sd, mean + sd, color=line.get_color(), alpha=0.2, linewidth=0)
+        ax.set_title("mean over levels" if lvl == ALL and metric == "global_acc" else
+                     "all clients" if lvl == ALL else f"level {lvl}")
+        ax.set_xlabel("round")
+        ax.xaxis.set_major_locator(plt.MaxNLocator(integer=True))
+        ax.set_ylabel(f"{METRICS[metric]} (%)")
+        ax.grid(alpha=0.3)
+    for ax in list(axes.flat)[len(panels):]:
+        ax.set_visible(False)
+    handles, labels = axes.flat[0].get_legend_handles_labels()
+    fig.suptitle(f"{METRICS[metric].capitalize()} over rounds (mean ± std over seeds)")
+    fig.legend(handles, labels, loc="lower center", ncol=1 if len(groups) > 3 else len(groups), fontsize=8,
+               frameon=False)
+    fig.tight_layout(rect=(0, 0.03 + 0.055 * (len(groups) if len(groups) > 3 else 1) / rows, 1, 1))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def _mean_npz(g: Group, name: str, key: str):
+    """The group's array `key` of analysis `name`, averaged over its runs (runs whose shape differs are left out)."""
+    arrays = [(z[key], z) for z in (r.npz(name) for r in g.runs) if z is not None]
+    if not arrays:
+        return None, None
+    first, z = arrays[0]
+    same = [a for a, _ in arrays if a.shape == first.shape]
+    return np.mean(same, axis=0), z
+
+
+def plot_ratios(g: Group, path: Path) -> bool:
+    ratios, z = _mean_npz(g, "ratios", "ratios")
+    if ratios is None:
+        return False
+    plt = _plt()
+    levels, rounds, layers = z["levels"], z["rounds"], [_short(str(s)) for s in z["layers"]]
+    from .engine import level_name
+    n = len(levels)
+    height = max(2.5, 0.22 * len(layers) + 1.2)
+    fig, axes = plt.subplots(1, n, figsize=(3.4 * n + 1.8, height + 0.6), squeeze=False, sharey=True,
+                             layout="constrained")
+    order = np.argsort(levels)   # smallest level first, as in the tables
+    for ax, i in zip(axes[0], order):
+        im = ax.imshow(ratios[i].T, aspect="auto", interpolation="nearest", vmin=0, vmax=1, cmap="viridis",
+                       extent=(rounds[0] - 0.5, rounds[-1] + 0.5, len(layers) - 0.5, -0.5))
+        ax.set_title(f"level {level_name(float(levels[i]))}")
+        ax.set_xlabel("round")
+        ax.xaxis.set_major_locator(plt.MaxNLocator(integer=True))
+        ax.set_yticks(range(len(layers)))
+        ax.set_yticklabels(layers, fontsize=7)
+    axes[0][0].set_ylabel("layer")
+    fig.colorbar(im, ax=axes[0].tolist(), label="extraction ratio (kept / size)", fraction=0.03, pad=0.02)
+    fig.suptitle(f"Per-layer extraction ratio over rounds: {g.label}", fontsize=10)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    return True
+
+
+def plot_updates(groups: list[Group], path: Path, bins: int = 60) -> bool:
+    """Distribution of per-coordinate update counts (all maskable layers), one line per group."""
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    drawn = False
+    for g in groups:
+        zs = [z for z in (r.npz("updates") for r in g.runs) if z is not None]
+        if not zs:
+            continue
+        width = max(z["hist"].shape[1] for z in zs)   # pool the runs' histograms
+        hist = sum(np.pad(z["hist"].sum(axis=0), (0, width - z["hist"].shape[1])) for z in zs)
+        step = max(1, math.ceil(width / bins))   # counts reach rounds x clients: bin them for a readable curve
+        hist = np.add.reduceat(hist, np.arange(0, width, step))
+        ax.step(np.arange(len(hist)) * step + (step - 1) / 2, hist / hist.sum(), where="mid", label=g.label)
+        drawn = True
+    if not drawn:
+        plt.close(fig)
+        return False
+    ax.set_yscale("log")
+    ax.set_xlabel("times a coordinate was trained (cumulative update count)")
+    ax.set_ylabel("share of maskable coordinates")
+    ax.set_title("Cumulative update counts of maskable parameters")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.16), frameon=False)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    return True
+
+
+def plot_magnitudes(g: Group, path: Path, max_rounds: int = 4) -> bool:
+    zs = [z for z in (r.npz("magnitudes") for r in g.runs) if z is not None]
+    if not zs:
+        return False
+    z = zs[0]
+    same = [x for x in zs if np.array_equal(x["rounds"], z["rounds"])]
+    rounds, layers = z["rounds"], [_short(str(s)) for s in z["layers"]]
+    pick = sorted(set(np.linspace(0, len(rounds) - 1, min(max_rounds, len(rounds))).round().astype(int)))
+    plt = _plt()
+    fig, axes = plt.subplots(2, 1, figsize=(max(6, 0.45 * len(layers) * len(pick) ** 0.5 + 2), 6.5), sharex=True,
+                             layout="constrained")
+    x = np.arange(len(layers))
+    w = 0.8 / len(pick)
+    for ax, stat in zip(axes, ("max", "mean")):
+        vals = np.mean([s[stat] for s in same], axis=0)
+        for j, i in enumerate(pick):
+            ax.bar(x + (j - (len(pick) - 1) / 2) * w, vals[i], w, label=f"round {int(rounds[i])}")
+        ax.set_ylabel(f"{stat} |θ|")
+        ax.set_title(f"{stat.capitalize()} |θ| per layer", fontsize=10)
+        ax.grid(alpha=0.3, axis="y")
+    axes[0].legend(fontsize=8, ncol=len(pick))
+    axes[1].set_xticks(x)
+    axes[1].set_xticklabels(layers, rotation=60, ha="right", fontsize=7)
+    axes[1].set_xlabel("layer")
+    fig.suptitle(f"Parameter magnitudes of the global model: {g.label}", fontsize=10)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+# ---- the report ------------------------------------------------------------------------------------------------
+def make_report(dirs: list[str], out: str | Path, group_by: list[str] | None = None) -> Path:
+    """Write report.md, results.csv, runs.csv and plots/ under `out`; return the path of report.md."""
+    runs = find_runs(dirs)
+    groups = group_runs(runs, group_by)
+    levels = levels_of(groups)
+    out = Path(out)
+    (out / "plots").mkdir(parents=True, exist_ok=True)
+    md = [f"# Results\n\n{len(runs)} runs in {len(groups)} groups; cells are mean ± std (sample std over the "
+          "group's runs, i.e. seeds) in %, a single run shows its value. Levels are resource levels "
+          "(fraction of the model a client holds); `global` = a level's submodel on the whole test set, "
+          "`local` = the level's clients on their own test splits.\n"]
+    md.append(_md_table(["group", "runs", "seeds", "rounds", "method", "dataset", "system"],
+                        [[g.label, str(len(g.runs)), ", ".join(sorted({_fmt(r.config.get("seed")) for r in g.runs})),
+                          _fmt(g.runs[0].config.get("rounds")), _fmt(g.runs[0].config.get("method")),
+                          _fmt(g.runs[0].config.get("dataset")), _fmt(g.runs[0].config.get("system"))]
+                         for g in groups]))
+    sections = [("Accuracy (%): local = mean over all clients, per-level and mean global accuracy",
+                 main_table(groups, levels))]
+    for name, overall in (("local_acc", "all clients"), ("global_acc", "mean"), ("local_std", "all clients"),
+                          ("local_worst10", "all clients")):
+        sections.append((f"{METRICS[name].capitalize()} per level (%)", metric_table(groups, levels, name, overall)))
+    if any("ratio_std" in r.final for r in runs):
+        ratio_levels = sorted({lvl for r in runs for lvl in r.final.get("ratio_std", {})}, key=lambda s: float(Fraction(s)))
+        sections.append(("Extraction-ratio stability: ratio_std per level (mean over layers, x100)",
+                         (["group", "runs", *ratio_levels],
+                          [[g.label, str(len(g.runs)), *(_cell(*_analysis_stats(g, ("ratio_std", lvl)), digits=3)
+                                                         for lvl in ratio_levels)] for g in groups])))
+    if any("updates" in r.final for r in runs):
+        sections.append(("Cumulative update counts over all maskable coordinates",
+                         (["group", "runs", "never trained (%)", "Gini", "mean count"],
+                          [[g.label, str(len(g.runs)), _cell(*_analysis_stats(g, ("updates", "never"))),
+                            _cell(*_analysis_stats(g, ("updates", "gini")), scale=1, digits=3),
+                            _cell(*_analysis_stats(g, ("updates", "mean")), scale=1, digits=1)] for g in groups])))
+    for title, (header, rows) in sections:
+        md += [f"\n## {title}\n", _md_table(header, rows)]
+
+    plots = []
+    for metric in ("global_acc", "local_acc"):
+        if plot_accuracy(groups, levels, metric, out / "plots" / f"accuracy_{metric}.png"):
+            plots.append((f"{METRICS[metric].capitalize()} over rounds", f"plots/accuracy_{metric}.png"))
+    if plot_updates(groups, out / "plots" / "update_counts.png"):
+        plots.append(("Cumulative update counts", "plots/update_counts.png"))
+    tags: set[str] = set()
+    for i, g in enumerate(groups, 1):
+        tag = re.sub(r"[^A-Za-z0-9._=,+-]+", "_", g.label.replace(", ", ","))[:80]
+        tag = tag if tag not in tags else f"{tag}_{i}"   # labels are distinct, their file-safe forms may not be
+        tags.add(tag)
+        if plot_ratios(g, out / "plots" / f"ratios_{tag}.png"):
+            plots.append((f"Extraction ratios: {g.label}", f"plots/ratios_{tag}.png"))
+        if plot_magnitudes(g, out / "plots" / f"magnitudes_{tag}.png"):
+            plots.append((f"Magnitudes: {g.label}", f"plots/magnitudes_{tag}.png"))
+    if plots:
+        md.append("\n## Plots\n")
+        md += [f"![{title}]({p})\n" for title, p in plots]
+
+    (out / "report.md").write_text("\n".join(md) + "\n")
+    _write_csvs(out, runs, groups, levels)
+    return out / "report.md"
+
+
+def _write_csvs(out: Path, runs: list[Run], groups: list[Group], levels: list[str]) -> None:
+    """results.csv: one row per (group, level, metric) with mean, std, n; runs.csv: one row per run."""
+    rows = []
+    for g in groups:
+        for name in METRICS:
+            for lvl in [*levels, ALL]:
+                mean, std, n = g.stats(name, lvl)
+                if n:
+                    rows.append([g.label, lvl, name, mean, std, n])
+    write_csv(out / "results.csv", ["group", "level", "metric", "mean", "std", "n"], rows)
+    label = {id(r): g.label for g in groups for r in g.runs}
+    header = ["run", "group", "seed", *(f"{m}[{lvl}]" for m in METRICS for lvl in [*levels, ALL]), "train_time"]
+    write_csv(out / "runs.csv", header,
+              [[str(r.path), label[id(r)], r.config.get("seed"),
+                *(r.metric(m, lvl) for m in METRICS for lvl in [*levels, ALL]), r.summary.get("train_time")]
+               for r in runs])

@@ -1,0 +1,145 @@
+"""Trackers: hand-computed statistics on small fake experiments, and bit-identical resume on a real tiny run."""
+import json
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from fedlase.analysis import (Magnitudes, Ratios, Updates, build_trackers, check_analysis, gini,
+                              gini_from_histogram, ratio_std)
+from fedlase.engine import run_experiment
+from fedlase.errors import ConfigError
+from fedlase.masks import Submodel
+
+
+def fake_exp(tmp_path, params, levels=(1.0, 0.5), method=None):
+    """The parts of an Experiment that trackers read."""
+    method = method or SimpleNamespace()
+    method.maskable = list(params)
+    return SimpleNamespace(params=params, levels=list(levels), method=method, device=torch.device("cpu"),
+                           cfg=SimpleNamespace(out=str(tmp_path)))
+
+
+# ---- Gini and ratio_std by hand -------------------------------------------------------------------------------
+def test_gini_hand_values():
+    # [0,0,1,3]: sum over ordered pairs |xi-xj| = 20; G = 20 / (2 * 4^2 * mean 1) = 0.625
+    assert gini([0, 0, 1, 3]) == pytest.approx(0.625)
+    assert gini([0, 0, 0, 5]) == pytest.approx(0.75)   # (2*4-5)*5 / (4*5)
+    assert gini([2, 2, 2]) == 0.0
+    assert gini([0, 0]) == 0.0
+    assert gini_from_histogram([2, 1, 0, 1]) == pytest.approx(0.625)   # the same [0,0,1,3] as a histogram
+
+
+def test_gini_matches_pairwise_definition():
+    x = np.random.default_rng(0).integers(0, 9, size=50)
+    pairwise = np.abs(x[:, None] - x[None, :]).sum() / (2 * len(x) ** 2 * x.mean())
+    assert gini(x) == pytest.approx(pairwise)
+
+
+def test_ratio_std_hand_values():
+    r = np.array([[0.5, 1.0], [0.7, 1.0], [0.6, 1.0]])   # 3 rounds x 2 layers
+    assert ratio_std(r) == pytest.approx([np.sqrt(0.02 / 3), 0.0])   # population std of 0.5, 0.7, 0.6
+    assert ratio_std(r, last=2) == pytest.approx([0.05, 0.0])
+
+
+# ---- trackers on fake experiments ----------------------------------------------------------------------------
+def test_updates_counts_and_summaries(tmp_path):
+    params = {"a": torch.zeros(4), "b": torch.zeros(2)}
+    exp = fake_exp(tmp_path, params)
+    t = Updates(exp)
+    half = Submodel({"a": torch.tensor([True, True, False, False])})   # b unmasked: trained whole
+    # round 1: one client at level 1, two at 0.5; round 2: one client at 0.5
+    t.on_round(1, [(0, 1.0), (1, 0.5), (2, 0.5)], {1.0: Submodel(), 0.5: half}, params, params)
+    t.on_round(2, [(3, 0.5)], {0.5: half}, params, params)
+    assert t.counts["a"].tolist() == [4, 4, 1, 1] and t.counts["b"].tolist() == [4, 4]
+    line = t.on_eval(2)["updates"]
+    z = np.load(tmp_path / "analysis" / "updates.npz")
+    assert list(z["layers"]) == ["a", "b"]
+    assert z["mean"].tolist() == [2.5, 4.0] and z["min"].tolist() == [1, 4] and z["max"].tolist() == [4, 4]
+    assert z["never"].tolist() == [0.0, 0.0]
+    assert z["gini"] == pytest.approx([gini([4, 4, 1, 1]), 0.0])
+    assert gini([4, 4, 1, 1]) == pytest.approx(0.3)   # sum_i (2i-5) x_i = -3-1+4+12 = 12; 12 / (4 * 10)
+    assert z["hist"][0].tolist() == [0, 2, 0, 0, 2]
+    assert line["gini"] == pytest.approx(gini([4, 4, 1, 1, 4, 4])) and line["clients"] == 4
+    assert line["never"] == 0.0 and line["mean"] == pytest.approx(18 / 6)
+
+
+def test_ratios_fill_unsampled_levels_and_ratio_std(tmp_path):
+    params = {"a": torch.zeros(4), "b": torch.zeros(2)}
+    calls = []
+
+    def submodel(p, level, rnd):   # what the method would give an unsampled level
+        calls.append((level, rnd))
+        return Submodel({"a": torch.tensor([True, False, False, False]), "b": torch.tensor([True, True])})
+
+    exp = fake_exp(tmp_path, params, method=SimpleNamespace(submodel=submodel))
+    t = Ratios(exp, {"last": 2})
+    subs = [Submodel({"a": torch.tensor([True, True, False, False])}),
+            Submodel({"a": torch.tensor([True, True, True, False])}),
+            Submodel({"a": torch.tensor([True, True, True, True])})]
+    for rnd, s in enumerate(subs, 1):
+        picked = [(0, 1.0), (1, 0.5)] if rnd < 3 else [(0, 1.0)]
+        t.on_round(rnd, picked, {1.0: Submodel(), **({0.5: s} if rnd < 3 else {})}, params, params)
+    assert calls == [(0.5, 3)]
+    r = t.ratios()   # (levels, rounds, layers)
+    assert r[1, :, 0].tolist() == [0.5, 0.75, 0.25] and r[1, :, 1].tolist() == [1, 1, 1] and (r[0] == 1).all()
+    line = t.on_eval(3)
+    z = np.load(tmp_path / "analysis" / "ratios.npz")
+    assert z["ratios"].shape == (2, 3, 2) and z["rounds"].tolist() == [1, 2, 3]
+    assert z["ratio_std"][1] == pytest.approx([0.25, 0.0])   # last 2 rounds: 0.75, 0.25
+    assert line["ratio_std"] == pytest.approx({"1": 0.0, "1/2": 0.125})
+
+
+def test_magnitudes_at_chosen_rounds(tmp_path):
+    p0 = {"a": torch.tensor([1.0, -3.0]), "b": torch.tensor([0.5])}
+    p1 = {"a": torch.tensor([-2.0, 4.0]), "b": torch.tensor([-1.0])}
+    exp = fake_exp(tmp_path, p1)
+    t = Magnitudes(exp, Magnitudes.parse_options([0, 2]))
+    t.on_round(1, [], {}, p0, p1)
+    t.on_round(2, [], {}, p1, p1)
+    t.on_eval(2)
+    z = np.load(tmp_path / "analysis" / "magnitudes.npz")
+    assert z["rounds"].tolist() == [0, 2]
+    assert z["max"].tolist() == [[3.0, 0.5], [4.0, 1.0]] and z["mean"].tolist() == [[2.0, 0.5], [3.0, 1.0]]
+
+
+def test_analysis_options_are_validated():
+    assert check_analysis({"ratios": True, "updates": False, "magnitudes": [1, 5]}) == {
+        "ratios": {}, "magnitudes": {"rounds": [1, 5]}}
+    for bad, key in (({"ratio": True}, "analysis.ratio"), ({"ratios": {"last": 0}}, "analysis.ratios.last"),
+                     ({"ratios": {"window": 3}}, "analysis.ratios.window"),
+                     ({"magnitudes": [1, -2]}, "analysis.magnitudes"), ({"updates": 3}, "analysis.updates")):
+        with pytest.raises(ConfigError) as e:
+            check_analysis(bad)
+        assert e.value.key == key
+
+
+# ---- a real run: trackers do not change training and survive resume bit-identically --------------------------
+ALL = ["analysis.ratios.last=2", "analysis.updates=true", "analysis.magnitudes=true"]
+
+
+def test_trackers_resume_bit_identically(tiny_cfg, tmp_path):
+    whole = run_experiment(tiny_cfg(*ALL, "rounds=4", out=str(tmp_path / "whole")), progress=False)
+    run_experiment(tiny_cfg(*ALL, "rounds=2", out=str(tmp_path / "split")), progress=False)
+    split = run_experiment(tiny_cfg(*ALL, "rounds=4", out=str(tmp_path / "split")), resume=True, progress=False)
+    plain = run_experiment(tiny_cfg("rounds=4", out=str(tmp_path / "plain")), progress=False)
+    for key in ("global_acc", "local_acc", "ratio_std", "updates"):
+        assert whole["final"][key] == split["final"][key]
+    assert whole["final"]["levels"] == plain["final"]["levels"]   # analyses never change training
+    for name in ("ratios", "updates", "magnitudes"):
+        a, b = np.load(tmp_path / "whole/analysis" / f"{name}.npz"), np.load(tmp_path / "split/analysis" / f"{name}.npz")
+        assert set(a) == set(b)
+        for k in a:
+            assert np.array_equal(a[k], b[k]), (name, k)
+    z = np.load(tmp_path / "whole/analysis/magnitudes.npz")
+    assert z["rounds"].tolist() == [1, 2, 3, 4]
+    z = np.load(tmp_path / "whole/analysis/updates.npz")
+    assert int(z["clients"]) == 4 * 2 and z["hist"].sum(axis=1).tolist() == z["size"].tolist()
+    lines = [json.loads(ln) for ln in (tmp_path / "whole/metrics.jsonl").read_text().splitlines()]
+    assert all("ratio_std" in ln and "updates" in ln for ln in lines)
+
+
+def test_build_trackers_rejects_unknown_names():
+    with pytest.raises(ConfigError, match="analysis.sizes"):
+        build_trackers({"sizes": True}, None)

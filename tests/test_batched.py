@@ -1,0 +1,113 @@
+"""Batched clients (fedlase/batched.py): the same round as the sequential engine, up to float rounding."""
+import pytest
+import torch
+
+from fedlase import batched
+from fedlase.batched import local_train_batched, train_clients_batched
+from fedlase.engine import Experiment
+from fedlase.errors import ConfigError
+from fedlase.masks import Submodel
+from fedlase.models import build_model
+from fedlase.train import LocalWork, local_train
+
+# 4 clients at 2 levels, all sampled: every round mixes levels (different masks and thresholds).
+ALL = ["participation=1.0"]
+
+
+def _round_both_ways(tiny_cfg, *overrides, rounds=1):
+    """Params after `rounds` rounds, sequential and batched, from the same start."""
+    out = []
+    for batched in (False, True):
+        exp = Experiment(tiny_cfg(*ALL, *overrides, f"batched_clients={str(batched).lower()}"))
+        stats = [exp.run_round(r) for r in range(1, rounds + 1)]
+        out.append((exp.params, stats))
+    return out
+
+
+def _max_diff(a, b):
+    return max(float((a[n] - b[n]).abs().max()) for n in a)
+
+
+@pytest.mark.parametrize("overrides, tol", [
+    (["method=fiarse"], 1e-4),                                 # thresholds, one tau per client
+    (["method=fiarse", "method_args.ste=paper"], 1e-4),        # straight-through rule with a tau tensor
+    (["method=fiarse", "method_args.ste=fixed"], 1e-4),        # fixed masks
+    (["method=fiarse", "momentum=0.9", "weight_decay=0.01"], 1e-4),   # stacked SGD state
+    (["method=fiarse", "optimizer=adamw", "lr=0.01"], 1e-3),   # stacked AdamW state; its g/sqrt(v)
+    # turns rounding noise on near-zero gradients into steps of up to ~lr, hence the looser bound
+    (["method=heterofl", "bn=static"], 1e-4),                  # slices, a per-level scaler buffer, running stats
+    (["method=fedavg"], 1e-4),
+])
+def test_batched_round_equals_sequential(tiny_cfg, overrides, tol):
+    (seq, seq_stats), (bat, bat_stats) = _round_both_ways(tiny_cfg, *overrides, rounds=2)
+    assert _max_diff(seq, bat) < tol
+    # and training really moved the model, so the comparison means something
+    start = Experiment(tiny_cfg(*ALL, *overrides)).params
+    assert _max_diff(seq, start) > 1e-3
+    assert seq_stats[-1]["train_loss"] == pytest.approx(bat_stats[-1]["train_loss"], rel=1e-4)
+
+
+def test_ragged_last_batch_trains_in_one_group(tiny_cfg, monkeypatch):
+    # balanced partition, one epoch: every client has the same batch sizes, the last one partial
+    cfg = tiny_cfg(*ALL, "local_steps=null", "local_epochs=1", "batch_size=50")
+    exp = Experiment(cfg)
+    assert len(exp.client_train[0]) % 50 != 0
+    def no_sequential(*a, **k):
+        raise AssertionError("a client fell back to sequential training")
+    monkeypatch.setattr(batched, "local_train", no_sequential)
+    (seq, _), (bat, _) = _round_both_ways(tiny_cfg, "local_steps=null", "local_epochs=1", "batch_size=50")
+    assert _max_diff(seq, bat) < 1e-4
+
+
+def test_clients_with_different_steps_fall_into_groups(tiny_cfg):
+    # dirichlet: clients of different sizes train different numbers of steps by epochs
+    (seq, _), (bat, _) = _round_both_ways(tiny_cfg, "partition=dirichlet", "local_steps=null", "local_epochs=0.5")
+    assert _max_diff(seq, bat) < 1e-4
+
+
+def test_hook_returns_clients_in_picked_order(tiny_cfg):
+    exp = Experiment(tiny_cfg(*ALL))
+    picked = exp.sample(1)
+    subs = exp.submodels([lvl for _, lvl in picked], 1)
+    batched = train_clients_batched(exp, picked, subs, 1)
+    for (client, lvl), (delta, loss) in zip(picked, batched):
+        ref_delta, ref_loss = exp.client_update(client, subs[lvl], 1)
+        assert _max_diff(ref_delta, delta) < 1e-5
+        assert loss == pytest.approx(ref_loss, rel=1e-5)
+
+
+def test_local_train_batched_by_hand():
+    # Prepare: the real CNN at quarter width, two clients with hand-set thresholds and one fixed mask
+    torch.manual_seed(0)
+    model = build_model("cnn", 1, 3, 0.25, "batch", 8)
+    params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    x, y = torch.randn(24, 1, 8, 8), torch.randint(0, 3, (24,))
+    w = "classifier.weight"
+    subs = [Submodel({w: params[w].abs() >= 0.1}, thresholds={w: 0.1}),
+            Submodel({w: params[w].abs() >= 0.3}, thresholds={w: 0.3})]
+    batches = [[torch.arange(0, 8), torch.arange(8, 16)], [torch.arange(16, 24), torch.arange(0, 8)]]
+    work = LocalWork(steps=2, batch_size=8, lr=0.1, momentum=0.5)
+    # Execute
+    got = local_train_batched(model, params, {}, subs, x, y, batches, work)
+    # Assert: each client equals its own sequential training
+    for sub, b, (delta, loss) in zip(subs, batches, got):
+        ref, ref_loss = local_train(model, params, {}, sub, x, y, b, work)
+        assert _max_diff(ref, delta) < 1e-6
+        assert loss == pytest.approx(ref_loss, rel=1e-6)
+        assert torch.all(delta[w][~sub.masks[w]] == 0)
+
+
+def test_mixed_thresholds_in_one_group_is_refused():
+    model = build_model("cnn", 1, 3, 0.25, "batch", 8)
+    params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    subs = [Submodel(thresholds={"classifier.weight": 0.1}), Submodel()]
+    with pytest.raises(ValueError, match="threshold"):
+        local_train_batched(model, params, {}, subs, torch.randn(4, 1, 8, 8), torch.zeros(4, dtype=torch.long),
+                            [[torch.arange(4)], [torch.arange(4)]], LocalWork(steps=1, batch_size=4))
+
+
+def test_dropout_model_is_a_config_error(tiny_cfg):
+    exp = Experiment(tiny_cfg(*ALL, "batched_clients=true"))
+    exp.model.features.append(torch.nn.Dropout(0.5))
+    with pytest.raises(ConfigError, match="batched_clients"):
+        exp.run_round(1)

@@ -1,0 +1,217 @@
+"""Tests for the command line (fedlase.cli): bad input gives one line on stderr naming the key and exit
+status 2, never a traceback; help lists every config key; runs, resumes and refuses to overwrite."""
+import dataclasses
+import gzip
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+from conftest import TINY  # noqa: E402
+
+from fedlase.cli import main  # noqa: E402
+from fedlase.config import Config  # noqa: E402
+from fedlase.methods import METHODS  # noqa: E402
+
+KEYS = [f.name for f in dataclasses.fields(Config) if not f.metadata.get("derived")]
+
+
+def cli(capsys, *argv):
+    rc = main(list(argv))
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def assert_user_error(rc, err, key=None):
+    assert rc == 2
+    assert "Traceback" not in err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith("fedlase: error: ")
+    if key is not None:
+        assert lines[0].startswith(f"fedlase: error: {key}:"), lines[0]
+
+
+@pytest.fixture
+def base(tmp_path):
+    return ["run", "--quiet", *TINY, f"out={tmp_path / 'run'}"]
+
+
+BAD = [
+    ("foo=1", "foo"),
+    ("system={1,1/4}_{10}", "system"),
+    ("system={1,2}_{3,4}", "system"),
+    ("system={1,1/4}_{3,0}", "system"),
+    ("system={1,1}_{3,3}", "system"),
+    ("system=garbage", "system"),
+    ("alpha=0", "alpha"),
+    ("partition=pathological classes_per_client=12", "classes_per_client"),
+    ("participation=0", "participation"),
+    ("participation={0.1,3}", "participation"),
+    ("data_dir=/no/such/folder", "data_dir"),
+    ("dataset=imagenet", "dataset"),
+    ("optimizer=rmsprop", "optimizer"),
+    ("rounds=ten", "rounds"),
+    ("lr=-1", "lr"),
+    ("momentum=1.5", "momentum"),
+    ("betas=[0.9]", "betas"),
+    ("method=bogus", "method"),
+    ("method_args.bogus=1", "method_args.bogus"),
+    ("method_args.ste=sideways", "method_args.ste"),
+    ("method_args.overlap=3", "method_args.overlap"),
+    ("method=fedavg method_args.ste=paper", "method_args.ste"),
+    ("device=cuda", "device") if not __import__("torch").cuda.is_available() else ("device=tpu", "device"),
+]
+
+
+@pytest.mark.parametrize("override, key", BAD, ids=[b[0] for b in BAD])
+def test_bad_input_is_one_line_and_exit_2(capsys, base, tmp_path, override, key):
+    # Execute
+    rc, _, err = cli(capsys, *base, *override.split())
+    # Assert
+    assert_user_error(rc, err, key)
+    assert not (tmp_path / "run" / "checkpoint.pt").exists()
+
+
+def test_override_without_value(capsys, base):
+    rc, _, err = cli(capsys, *base, "rounds")
+    assert_user_error(rc, err, "rounds")
+
+
+def test_missing_and_bad_config_files(capsys, tmp_path):
+    rc, _, err = cli(capsys, "run", str(tmp_path / "nope.yaml"))
+    assert_user_error(rc, err, "config")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("rounds: [1, 2\n")
+    rc, _, err = cli(capsys, "run", str(bad))
+    assert_user_error(rc, err, "config")
+    wrong = tmp_path / "wrong.yaml"
+    wrong.write_text("gamma: 0.5\n")
+    rc, _, err = cli(capsys, "run", str(wrong))
+    assert_user_error(rc, err, "gamma")
+
+
+# --------------------------------------------------------------------------- corrupt data files
+
+def idx(arr, magic: int) -> bytes:
+    arr = np.asarray(arr, dtype=np.uint8)
+    return magic.to_bytes(4, "big") + b"".join(int(d).to_bytes(4, "big") for d in arr.shape) + arr.tobytes()
+
+
+def write_idx_folder(folder: Path, spoil: str) -> None:
+    """The four Fashion-MNIST files (tiny), one of them spoiled."""
+    folder.mkdir()
+    rng = np.random.default_rng(0)
+    files = {"train-images-idx3-ubyte": idx(rng.integers(0, 256, (20, 8, 8)), 2051),
+             "train-labels-idx1-ubyte": idx(np.arange(20) % 10, 2049),
+             "t10k-images-idx3-ubyte": idx(rng.integers(0, 256, (10, 8, 8)), 2051),
+             "t10k-labels-idx1-ubyte": idx(np.arange(10) % 10, 2049)}
+    name = "train-images-idx3-ubyte"
+    if spoil == "truncated":
+        files[name] = files[name][:-7]
+    elif spoil == "magic":
+        files[name] = idx(np.zeros((20, 8, 8)), 2049)
+    elif spoil == "labels":
+        files["train-labels-idx1-ubyte"] = idx(np.full(20, 42), 2049)
+    elif spoil == "missing":
+        del files[name]
+    for stem, raw in files.items():
+        if spoil == "badgzip" and stem == name:
+            (folder / (stem + ".gz")).write_bytes(b"\x1f\x8b\x08\x00this is not gzip data at all")
+        else:
+            (folder / (stem + ".gz")).write_bytes(gzip.compress(raw))
+
+
+@pytest.mark.parametrize("spoil", ["truncated", "magic", "labels", "missing", "badgzip"])
+def test_corrupt_data_files(capsys, tmp_path, spoil):
+    # Prepare
+    folder = tmp_path / "fmnist"
+    write_idx_folder(folder, spoil)
+    # Execute
+    rc, _, err = cli(capsys, "run", "--quiet", "dataset=fashion_mnist", f"data_dir={folder}",
+                     "system={1}_{2}", f"out={tmp_path / 'run'}")
+    # Assert
+    assert_user_error(rc, err)
+    assert str(folder) in err
+
+
+def test_good_idx_folder_runs(capsys, tmp_path):
+    # the same tiny folder unspoiled is a valid dataset: the errors above come from the spoiled file
+    folder = tmp_path / "fmnist"
+    write_idx_folder(folder, "none")
+    rc, out, err = cli(capsys, "run", "--quiet", "dataset=fashion_mnist", f"data_dir={folder}", "system={1}_{2}",
+                       "participation=1", "width=0.25", "rounds=1", "local_steps=1", "threads=1", "device=cpu",
+                       f"out={tmp_path / 'run'}")
+    assert rc == 0, err
+    assert "level" in out
+
+
+# --------------------------------------------------------------------------- help
+
+@pytest.mark.parametrize("argv", [["--help"], ["run", "--help"]])
+def test_help_lists_every_key(capsys, argv):
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    out = capsys.readouterr().out
+    assert e.value.code == 0
+    for key in KEYS:
+        assert f"  {key} " in out, key
+
+
+def test_methods_lists_every_method(capsys):
+    rc, out, _ = cli(capsys, "methods")
+    assert rc == 0
+    for name in METHODS:
+        assert f"{name}:" in out
+
+
+# --------------------------------------------------------------------------- runs
+
+def test_run_refuse_overwrite_and_resume(capsys, tmp_path):
+    # Prepare: a YAML file with overrides on top
+    cfg = tmp_path / "exp.yaml"
+    out = tmp_path / "run"
+    cfg.write_text("".join(f"{k}: '{v}'\n" if k in ("system", "participation") else f"{k}: {v}\n"
+                           for k, v in (o.split("=", 1) for o in TINY)) + f"out: {out}\nrounds: 5\n")
+    # Execute: the file says 5 rounds, the override 2
+    rc, stdout, err = cli(capsys, "run", str(cfg), "rounds=2", "--quiet")
+    # Assert
+    assert rc == 0, err
+    assert "mean" in stdout and "1/4" in stdout
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["rounds"] == 2 and summary["config"]["batch_size"] == 16
+
+    # an existing out folder without --resume: exit 2 naming out
+    rc, _, err = cli(capsys, "run", str(cfg), "rounds=2", "--quiet")
+    assert_user_error(rc, err, "out")
+
+    # --resume continues it to 3 rounds
+    rc, _, err = cli(capsys, "run", str(cfg), "rounds=3", "--quiet", "--resume")
+    assert rc == 0, err
+    assert json.loads((out / "summary.json").read_text())["rounds"] == 3
+
+    # --resume with another seed is refused
+    rc, _, err = cli(capsys, "run", str(cfg), "rounds=4", "seed=9", "--quiet", "--resume")
+    assert_user_error(rc, err, "out")
+    assert "seed" in err
+
+
+def test_subprocess_bad_input(tmp_path):
+    # Prepare
+    exe = Path(sys.executable).with_name("fedlase")
+    exe = str(exe) if exe.exists() else shutil.which("fedlase")
+    assert exe, "the fedlase console script is not installed"
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    # Execute
+    res = subprocess.run([exe, "run", "dataset=digits", "system={1,1/4}_{3}", f"out={tmp_path / 'x'}", "--quiet"],
+                         capture_output=True, text=True, env=env, timeout=120)
+    # Assert
+    assert res.returncode == 2
+    assert res.stdout == ""
+    assert_user_error(res.returncode, res.stderr, "system")

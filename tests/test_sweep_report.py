@@ -1,0 +1,134 @@
+"""Sweeps (naming, validation, skip / resume / failure) and reports (mean ± std against the runs' summaries)."""
+import csv
+import json
+import logging
+
+import numpy as np
+import pytest
+import yaml
+
+from fedlase.cli import main
+from fedlase.config import config_from_dict
+from fedlase.engine import run_experiment
+from fedlase.errors import UserError
+from fedlase.report import find_runs, group_runs, make_report
+from fedlase.sweep import plan_sweep, run_name, run_sweep
+
+BASE = {"dataset": "digits", "model": "cnn", "width": 0.25, "system": "{1,1/4}_{2,2}", "participation": 0.5,
+        "local_steps": 2, "batch_size": 16, "rounds": 2, "eval_every": 1, "threads": 1, "device": "cpu",
+        "checkpoint_every": 1, "analysis": {"ratios": True, "updates": True, "magnitudes": True}}
+
+
+def write_sweep(tmp_path, **spec):
+    path = tmp_path / "sweep.yaml"
+    path.write_text(yaml.safe_dump({"base": BASE, "out": str(tmp_path / "out"), **spec}, sort_keys=False))
+    return path
+
+
+def test_run_names_are_readable_safe_and_unique():
+    assert run_name({"method": "fiarse", "seed": 0}) == "method=fiarse,seed=0"
+    assert run_name({"seed": 1}, "no-log") == "no-log,seed=1"
+    assert run_name({"method_args.log": False}) == "method_args.log=false"
+    a, b = run_name({"system": "{1,1/4}_{5,5}"}), run_name({"system": "{1,1/4}_{5}_{5}"})
+    assert a.startswith("system=1_1_4_5_5~") and "/" not in a and a != b   # lossy: a hash keeps them apart
+    assert run_name({"system": "{1,1/4}_{5,5}"}) == a   # deterministic
+    assert len(run_name({"x": "y" * 500})) < 140
+
+
+def test_grid_and_runs_combine(tmp_path):
+    path = write_sweep(tmp_path, grid={"seed": [0, 1], "method_args.ste": ["official", "fixed"]},
+                       runs=[{"name": "a"}, {"name": "b", "lr": 0.1}])
+    out, runs = plan_sweep(path)
+    assert len(runs) == 8 and len({r.name for r in runs}) == 8
+    r = next(r for r in runs if r.name == "b,seed=1,method_args.ste=fixed")
+    assert (r.cfg.lr, r.cfg.seed, r.cfg.method_args) == (0.1, 1, {"ste": "fixed"})
+    assert r.cfg.out == str(out / r.name) and r.status == "new"
+
+
+@pytest.mark.parametrize("spec, needle", [
+    ({"grid": {"lr": [0.1, -1]}}, "run lr=-1: lr: must be > 0"),
+    ({"grid": {"method_args.ste": ["bogus"]}}, "run method_args.ste=bogus: method_args.ste"),
+    ({"runs": [{"name": "x", "analysis.ratio": True}]}, "run x: analysis.ratio"),
+    ({"grid": {"seed": 0}}, "grid.seed must be a non-empty list"),
+    ({"grid": {"seed": [0]}, "runs": [{"seed": 1}]}, "both set seed"),
+])
+def test_bad_values_are_one_line_errors_before_anything_runs(tmp_path, capsys, spec, needle):
+    path = write_sweep(tmp_path, **spec)
+    assert main(["sweep", str(path), "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert needle in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_sweep_skips_resumes_and_records_failures(tmp_path, caplog, capsys):
+    # a run that fails at run time (more clients than digits has samples) must not stop the others
+    path = write_sweep(tmp_path, grid={"seed": [0, 1]},
+                       runs=[{"name": "ok"}, {"name": "bad", "system": "{1}_{5000}"}])
+    out = tmp_path / "out"
+    # an interrupted run: ok,seed=1 stopped after round 1 (checkpoint, no summary)
+    run_experiment(config_from_dict({**BASE, "seed": 1, "rounds": 1, "out": str(out / "ok,seed=1")}), progress=False)
+    (out / "ok,seed=1" / "summary.json").unlink()
+    assert main(["sweep", str(path), "--dry-run"]) == 0
+    assert "resume  ok,seed=1" in capsys.readouterr().out
+
+    with caplog.at_level(logging.INFO, logger="fedlase"):
+        assert main(["sweep", str(path), "--quiet"]) == 1
+    assert "resuming" in caplog.text and "at round 1" in caplog.text
+    for seed in (0, 1):
+        assert (out / f"ok,seed={seed}" / "summary.json").is_file()
+        assert "5000 clients" in (out / f"bad,seed={seed}" / "error.txt").read_text()
+    log = [json.loads(ln) for ln in (out / "sweep.jsonl").read_text().splitlines()]
+    assert [(e["run"], e["status"]) for e in log] == [("ok,seed=0", "done"), ("ok,seed=1", "done"),
+                                                        ("bad,seed=0", "failed"), ("bad,seed=1", "failed")]
+    # the resumed run equals one that was never interrupted
+    fresh = run_experiment(config_from_dict({**BASE, "seed": 1, "out": str(tmp_path / "fresh")}), progress=False)
+    resumed = json.loads((out / "ok,seed=1" / "summary.json").read_text())
+    assert resumed["final"]["levels"] == fresh["final"]["levels"]
+
+    # second pass: finished runs are skipped, failed ones retried
+    stamp = (out / "ok,seed=0" / "summary.json").stat().st_mtime_ns
+    res = run_sweep(path, progress=False)
+    assert res["skipped"] == ["ok,seed=0", "ok,seed=1"] and res["done"] == [] and len(res["failed"]) == 2
+    assert (out / "ok,seed=0" / "summary.json").stat().st_mtime_ns == stamp
+
+    # a changed base that conflicts with the runs on disk is refused before anything runs
+    path.write_text(yaml.safe_dump({"base": {**BASE, "lr": 0.2}, "out": str(out), "grid": {"seed": [0]},
+                                     "runs": [{"name": "ok"}]}))
+    with pytest.raises(UserError, match="other settings .lr"):
+        plan_sweep(path)
+
+
+def test_report_mean_std_match_the_summaries(tmp_path):
+    path = write_sweep(tmp_path, grid={"seed": [0, 1, 2]}, runs=[{"method": "fiarse"}, {"method": "fedavg"}])
+    assert run_sweep(path, progress=False)["failed"] == []
+    rep = tmp_path / "rep"
+    md = make_report([str(tmp_path / "out")], rep).read_text()
+    summaries = {}
+    for f in sorted((tmp_path / "out").rglob("summary.json")):
+        s = json.loads(f.read_text())
+        summaries.setdefault(s["config"]["method"], []).append(s["final"])
+    rows = list(csv.DictReader(open(rep / "results.csv")))
+    assert {r["group"] for r in rows} == {"method=fiarse", "method=fedavg"}
+    for method, finals in summaries.items():
+        for metric, level, vals in [("global_acc", "1/4", [f["levels"]["1/4"]["global_acc"] for f in finals]),
+                                    ("local_worst10", "1", [f["levels"]["1"]["local_worst10"] for f in finals]),
+                                    ("local_acc", "all", [f["local_acc"] for f in finals])]:
+            row = next(r for r in rows if (r["group"], r["metric"], r["level"]) == (f"method={method}", metric, level))
+            assert float(row["mean"]) == pytest.approx(np.mean(vals))
+            assert float(row["std"]) == pytest.approx(np.std(vals, ddof=1))
+            assert row["n"] == "3"
+        g = [f["global_acc"] for f in finals]
+        assert f"{100 * np.mean(g):.2f} ± {100 * np.std(g, ddof=1):.2f}" in md
+    assert "Worst-10% local accuracy" in md and "Std of local accuracies" in md and "ratio_std" in md
+    for png in ("accuracy_global_acc", "accuracy_local_acc", "update_counts", "ratios_method=fiarse",
+                "magnitudes_method=fedavg"):
+        assert (rep / "plots" / f"{png}.png").stat().st_size > 1000
+        assert f"plots/{png}.png" in md
+    # --group-by: one group over all six runs
+    assert [len(g.runs) for g in group_runs(find_runs([str(tmp_path / "out")]), ["dataset"])] == [6]
+
+
+def test_report_user_errors(tmp_path, capsys):
+    assert main(["report", str(tmp_path / "nowhere")]) == 2
+    assert main(["report", str(tmp_path)]) == 2
+    assert "no finished run" in capsys.readouterr().err
