@@ -28,7 +28,7 @@ from torch.func import functional_call, vmap
 
 from .errors import ConfigError
 from .masks import Submodel, threshold_mask
-from .train import LocalWork, client_batches, local_train, make_optimizer
+from .train import LocalWork, client_batches, has_tied_weights, local_train, make_optimizer
 
 
 _TRAINING_COPIES: "weakref.WeakKeyDictionary[nn.Module, nn.Module]" = weakref.WeakKeyDictionary()
@@ -88,8 +88,10 @@ def local_train_batched(model: nn.Module, global_params: dict[str, torch.Tensor]
         return {n: threshold_mask(w, taus[n], ste) if n in taus else w * masks[n] if n in masks else w
                 for n, w in p.items()}
 
+    tie = has_tied_weights(model)
+
     def client_loss(p, b, xb, yb):
-        return F.cross_entropy(functional_call(model, (p, b), (xb,)), yb)
+        return F.cross_entropy(functional_call(model, (p, b), (xb,), tie_weights=tie), yb)
 
     batched_loss = vmap(client_loss)
     opt = make_optimizer(list(params.values()), work)

@@ -200,7 +200,8 @@ def atomic_write(path: Path, write) -> None:
 
 
 # Keys that may differ between a checkpoint and a resumed run without changing its result so far.
-RESUMABLE_CHANGES = {"rounds", "eval_every", "checkpoint_every", "out", "device", "threads"}
+RESUMABLE_CHANGES = {"rounds", "eval_every", "checkpoint_every", "out", "device", "threads", "engine", "min_replies",
+                     "reply_timeout", "superlink"}
 
 
 def run_experiment(cfg: Config, resume: bool = False, progress: bool = True, experiment=Experiment) -> dict:

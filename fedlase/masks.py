@@ -6,6 +6,7 @@ so that its mask is re-evaluated at every forward as |w| >= tau.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -89,9 +90,32 @@ def threshold_mask(w: torch.Tensor, tau: float | torch.Tensor, ste: str = "offic
     return _ThresholdMask.apply(w, tau if isinstance(tau, torch.Tensor) else float(tau), ste == "paper")
 
 
+_BRACKET_MIN = 1 << 16   # below this size a plain kthvalue is as fast
+
+
 def kth_largest(values: torch.Tensor, k: int) -> float:
-    """The k-th largest entry of a 1-D tensor by partial selection (kthvalue), not a full sort."""
+    """The k-th largest entry of a 1-D tensor by partial selection, not a full sort. Exact.
+
+    torch.kthvalue costs ~30-40 ns an entry on a CPU (0.3-0.4 s for ResNet-18's 11.2M weights, per level and
+    round), so a large input is narrowed first: a strided sample brackets the k-th largest, and kthvalue runs
+    only on the entries inside the bracket, after counting those above it. If the bracket misses (the sample
+    is only an estimate), the plain kthvalue over everything answers: the value is the same either way."""
     n = values.numel()
     if not 1 <= k <= n:
         raise ValueError(f"k={k} outside 1..{n}")
+    if k == n:
+        return float(values.min())
+    if n >= _BRACKET_MIN:
+        sample = values[:: n // 4096].sort(descending=True).values   # ~4096 entries spread over the input
+        m = sample.numel()
+        j = (k - 1) * m / n                                          # where the k-th largest falls in it
+        margin = 4 * math.sqrt(m * (k / n) * (1 - k / n)) + 8         # ~4 standard deviations of that estimate
+        a, b = int(j - margin), int(j + margin) + 1
+        # cand: entries >= the bracket's low end (all of them when the bracket reaches the sample's end)
+        cand = values[values >= sample[b]] if b < m else values
+        hi = sample[a] if a > 0 else None
+        above = int(torch.count_nonzero(cand > hi)) if hi is not None else 0
+        inside = cand[cand <= hi] if hi is not None else cand
+        if above < k <= above + inside.numel():
+            return float(torch.kthvalue(inside, inside.numel() - (k - above) + 1).values)
     return float(torch.kthvalue(values, n - k + 1).values)

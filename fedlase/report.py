@@ -21,7 +21,8 @@ from .errors import UserError
 log = logging.getLogger("fedlase")
 
 # Config keys that do not change a run's results: never used to tell groups apart by default.
-NOT_GROUPED = {"seed", "out", "threads", "device", "checkpoint_every", "eval_every", "eval_batch_size", "data_dir"}
+NOT_GROUPED = {"seed", "out", "threads", "device", "checkpoint_every", "eval_every", "eval_batch_size", "data_dir",
+               "batched_clients"}
 METRICS = {"global_acc": "global accuracy", "local_acc": "local accuracy", "local_std": "std of local accuracies",
            "local_worst10": "worst-10% local accuracy"}
 ALL = "all"   # the row/column of a metric over all levels (mean over levels / over all clients)

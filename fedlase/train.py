@@ -55,6 +55,12 @@ def make_optimizer(params: list[torch.Tensor], work: LocalWork) -> torch.optim.O
     return torch.optim.SGD(params, lr=work.lr, momentum=work.momentum, weight_decay=work.weight_decay)
 
 
+def has_tied_weights(model: nn.Module) -> bool:
+    """Whether a parameter appears under two names. Only then must functional_call look for tied weights,
+    which costs ~0.2 ms a call (a quarter of a small CNN's forward on digits)."""
+    return sum(1 for _ in model.named_parameters(remove_duplicate=False)) != sum(1 for _ in model.parameters())
+
+
 def local_train(model: nn.Module, global_params: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor],
                 sub: Submodel, x: torch.Tensor, y: torch.Tensor, batches: list[torch.Tensor], work: LocalWork,
                 augment: Callable[[torch.Tensor], torch.Tensor] | None = None) -> tuple[dict[str, torch.Tensor], float]:
@@ -67,19 +73,20 @@ def local_train(model: nn.Module, global_params: dict[str, torch.Tensor], buffer
     bufs = {**{n: b.clone() for n, b in buffers.items()}, **sub.buffers}
     opt = make_optimizer(list(params.values()), work)
     model.train()
-    total = 0.0
+    tie = has_tied_weights(model)
+    total = torch.zeros((), dtype=torch.float64, device=x.device)   # summed where the loss is: no sync a step
     for idx in batches:
         xb, yb = x[idx], y[idx]
         if augment is not None:
             xb = augment(xb)
-        loss = F.cross_entropy(functional_call(model, (sub.apply(params), bufs), (xb,)), yb)
+        loss = F.cross_entropy(functional_call(model, (sub.apply(params), bufs), (xb,), tie_weights=tie), yb)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
-        total += float(loss.detach())
+        total += loss.detach().double()
     delta = {}
     with torch.no_grad():
         for n, p in params.items():
             d = p - global_params[n]
             delta[n] = d * sub.masks[n] if n in sub.masks else d
-    return delta, total / max(len(batches), 1)
+    return delta, float(total) / max(len(batches), 1)

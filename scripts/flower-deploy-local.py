@@ -22,7 +22,7 @@ from pathlib import Path
 from fedlase.config import load_config
 from fedlase.engine import level_name
 from fedlase.errors import UserError
-from fedlase.flower.launch import QUIET_ENV
+from fedlase.flower.launch import QUIET_ENV, descendants, reap
 
 
 def free_port() -> int:
@@ -45,7 +45,9 @@ def wait_for_port(port: int, proc: subprocess.Popen, timeout: float = 60.0) -> N
 
 
 def stop(procs: list[subprocess.Popen], grace: float = 15.0) -> None:
-    """SIGTERM each process group, then SIGKILL what is still there after `grace` seconds."""
+    """SIGTERM each process group, then SIGKILL what is still there after `grace` seconds, including the
+    processes they started in other groups (the SuperLink's flwr-serverapp)."""
+    tree = set().union(*(descendants(p.pid) for p in procs))
     for p in procs:
         if p.poll() is None:
             os.killpg(p.pid, signal.SIGTERM)
@@ -61,9 +63,12 @@ def stop(procs: list[subprocess.Popen], grace: float = 15.0) -> None:
         except ProcessLookupError:
             pass
         p.wait()
+    reap(tree, grace=5.0)
 
 
 def main(argv: list[str]) -> int:
+    # SIGTERM (e.g. a test's timeout) must still stop the SuperLink and SuperNodes: exit through `finally`.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     args = [a for a in argv if a != "--quiet"]
     config = args.pop(0) if args and "=" not in args[0] else None
     try:

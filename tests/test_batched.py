@@ -111,3 +111,42 @@ def test_dropout_model_is_a_config_error(tiny_cfg):
     exp.model.features.append(torch.nn.Dropout(0.5))
     with pytest.raises(ConfigError, match="batched_clients"):
         exp.run_round(1)
+
+
+# ---- speed changes that must not change results ----------------------------------------------------------------
+
+@pytest.mark.parametrize("kind", ["normal", "ties", "constant", "mostly_zero", "sorted", "periodic"])
+def test_kth_largest_is_exact(kind):
+    # the bracketing shortcut of masks.kth_largest must return exactly kthvalue's value, on inputs that fool
+    # its strided sample too (periodic, sorted, heavy ties)
+    from fedlase.masks import kth_largest
+    g = torch.Generator().manual_seed(1)
+    n = 200_000
+    v = {"normal": torch.randn(n, generator=g), "ties": torch.randint(0, 5, (n,), generator=g).float(),
+         "constant": torch.ones(n), "sorted": torch.arange(float(n)),
+         "mostly_zero": torch.where(torch.rand(n, generator=g) < 0.9, 0.0, torch.rand(n, generator=g)),
+         "periodic": (torch.arange(n) % 4096).float()}[kind]
+    for k in [1, 2, n // 64, n // 16, n // 4, n // 2, n - 1, n, *torch.randint(1, n + 1, (10,), generator=g).tolist()]:
+        assert kth_largest(v, k) == float(torch.kthvalue(v, n - k + 1).values), k
+
+
+def test_bench_sections_run(capsys, tmp_path):
+    # the cheap sections end to end through the CLI, and a bad section name is one line, not a traceback
+    from fedlase.cli import main
+    out = tmp_path / "bench.md"
+    assert main(["bench", "--quick", "--only", "comm", "--out", str(out)]) == 0
+    text = out.read_text()
+    assert "values + bit mask" in text and "fiarse" in text and "Command: `fedlase bench --quick --only comm" in text
+    assert main(["bench", "--only", "nope"]) == 2
+    assert "not a section" in capsys.readouterr().err
+
+
+def test_submodel_bytes_by_hand():
+    from fedlase.bench import submodel_bytes
+    params = {"w": torch.zeros(10, 2), "b": torch.zeros(3)}
+    mask = torch.zeros(10, 2, dtype=torch.bool)
+    mask[:5] = True                                   # 10 of 20 kept
+    dense, sparse, values = submodel_bytes(Submodel({"w": mask}, thresholds={"w": 0.5}), params)
+    assert dense == 4 * 23
+    assert values == 4 * (10 + 3) + 4                 # kept values, the whole bias, one threshold
+    assert sparse == values + 3                       # + a 20-bit mask: 3 bytes

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import textwrap
 import time
+import uuid
 from pathlib import Path
 
 import pytest
@@ -18,7 +19,7 @@ import torch
 pytest.importorskip("flwr")
 pytest.importorskip("ray")
 
-from flwr.app import Array, ArrayRecord, Context, Message, RecordDict  # noqa: E402
+from flwr.app import Array, ArrayRecord, Context, Error, Message, RecordDict  # noqa: E402
 from flwr.clientapp import ClientApp  # noqa: E402
 from flwr.supercore.task_identity import TaskIdentity  # noqa: E402
 
@@ -74,9 +75,14 @@ def task_identity():
 
 
 # ---- payload codec ---------------------------------------------------------------------------------------------
-def test_submodel_round_trip_is_exact(tmp_path):
-    exp = Experiment(small_cfg(tmp_path, "system={1,1/4}_{1,1}"))
-    sub = exp.method.submodel(exp.params, 0.25, 1)
+METHODS = ["fiarse", "fedlase", "heterofl", "fedrolex", "fedavg", "fedavg_small"]
+
+
+@pytest.mark.parametrize("method", [*METHODS, "fiarse method_args.ste=fixed"])
+def test_submodel_round_trip_is_exact(tmp_path, method):
+    name, *args = method.split()
+    exp = Experiment(small_cfg(tmp_path, "system={1,1/4}_{1,1}", f"method={name}", *args))
+    sub = exp.method.submodel(exp.params, 0.25, 3)
     params, buffers, back = decode_submodel(encode_submodel(exp.params, exp.buffers, sub), exp.params)
     assert back.thresholds == sub.thresholds and back.ste == sub.ste
     assert all(torch.equal(back.masks[n], sub.masks[n]) for n in sub.masks)
@@ -84,6 +90,7 @@ def test_submodel_round_trip_is_exact(tmp_path):
     # the client's masked forward sees exactly what it would see with the whole model
     with torch.no_grad():
         assert same_params(back.apply(params), sub.apply(exp.params))
+    assert same_params(back.buffers, sub.buffers)
     delta = {n: torch.randn_like(p) * (sub.masks[n] if n in sub.masks else 1) for n, p in exp.params.items()}
     assert same_params(validate_reply(encode_delta(delta, sub), exp.params, sub), delta)
 
@@ -169,24 +176,34 @@ class LocalGrid:
     def get_node_ids(self):
         return list(self.nodes)
 
-    def send_and_receive(self, messages, *, timeout=None):
-        fns = {"query": client_app.query, "train": client_app.train}
-        return [fns[m.metadata.message_type](m, self.context(m.metadata.dst_node_id)) for m in messages]
+    def send_and_receive(self, messages, *, timeout=None, dead=()):
+        """Replies as Flower gives them; for a node in `dead`, the SuperLink's error reply (sent as node 1)."""
+        fns, out = {"query": client_app.query, "train": client_app.train}, []
+        for m in messages:
+            m.metadata.__dict__["_message_id"] = uuid.uuid4().hex   # as a Grid does when it pushes
+            if self.nodes[m.metadata.dst_node_id] in dead:
+                reply = Message(Error(code=0, reason="node unavailable"), reply_to=m)
+                reply.metadata.__dict__["_src_node_id"] = 1
+            else:
+                reply = fns[m.metadata.message_type](m, self.context(m.metadata.dst_node_id))
+            out.append(reply)
+        return out
 
 
-def _round(cfg, rnd=1, spoil=None, drop=()):
+def _round(cfg, rnd=1, spoil=None, drop=(), dead=()):
     """One Flower round in-process; spoil: (partition, kind) makes that client's reply bad; drop: partitions
-    whose replies never arrive. Returns the new global params and the round's statistics."""
+    whose replies never arrive; dead: partitions whose node died (the SuperLink answers with an error).
+    Returns the new global params and the round's statistics."""
     exp = Experiment(cfg)
     grid = LocalGrid(cfg)
     strategy = SubmodelStrategy(exp, min_replies=1)
     msgs = strategy.configure_train(rnd, ArrayRecord(), {}, grid)
-    replies = [r for r in grid.send_and_receive(msgs) if grid.nodes[r.metadata.src_node_id] not in drop]
+    replies = grid.send_and_receive(msgs, dead=dead)
+    replies = [r for r in replies if r.has_error() or grid.nodes[r.metadata.src_node_id] not in drop]
     if spoil is not None:
-        for r in replies:
-            if grid.nodes[r.metadata.src_node_id] == spoil[0]:
-                pid, lvl, sub, _ = strategy.pending[r.metadata.src_node_id]
-                _spoil(spoil[1], r.content.array_records["delta"], exp.params, sub)
+        sent, _, sub, _ = strategy.pending[spoil[0]]
+        reply = next(r for r in replies if r.metadata.reply_to_message_id == sent.metadata.message_id)
+        _spoil(spoil[1], reply.content.array_records["delta"], exp.params, sub)
     strategy.aggregate_train(rnd, replies)
     return exp.params, strategy.last
 
@@ -200,14 +217,17 @@ def _embedded(cfg, rnd=1, without=()):
     return exp.params
 
 
-def test_strategy_round_equals_the_embedded_round(tmp_path, task_identity):
-    cfg = small_cfg(tmp_path, "system={1,1/4}_{1,2}")
-    params, stats = _round(cfg)
+@pytest.mark.parametrize("method", METHODS)
+def test_strategy_round_equals_the_embedded_round(tmp_path, task_identity, method):
+    cfg = small_cfg(tmp_path, "system={1,1/4}_{1,2}", f"method={method}")
+    params, stats = _round(cfg, rnd=3)
     assert stats["clients"] == 3 and not stats["failed"] and not stats["rejected"]
-    assert same_params(params, _embedded(cfg))
+    assert same_params(params, _embedded(cfg, rnd=3))
     b = stats["bytes"]
-    assert b["levels"]["1/4"]["clients"] == 2 and 0 < b["levels"]["1/4"]["sent"] < b["levels"]["1"]["sent"]
-    assert b["received"] < b["dense_received"]
+    assert b["levels"]["1/4"]["clients"] == 2 and b["sent"] <= b["dense_sent"] + 3 * 4096
+    per_client = {lvl: row["sent"] / row["clients"] for lvl, row in b["levels"].items()}
+    if not method.startswith("fedavg"):   # the FedAvg baselines send every client the same model
+        assert 0 < per_client["1/4"] < per_client["1"] and b["received"] < b["dense_received"]
 
 
 @pytest.mark.parametrize("kind", ["nan", "outside-mask", "oversized", "dtype"])
@@ -218,10 +238,12 @@ def test_bad_reply_leaves_the_model_as_if_the_client_was_not_sampled(tmp_path, t
     assert same_params(params, _embedded(cfg, without={1}))
 
 
-def test_missing_reply_and_min_replies(tmp_path, task_identity):
+def test_missing_reply_dead_node_and_min_replies(tmp_path, task_identity):
     cfg = small_cfg(tmp_path, "system={1,1/4}_{1,2}")
     params, stats = _round(cfg, drop={2})
     assert stats["failed"] == [2] and same_params(params, _embedded(cfg, without={2}))
+    params, stats = _round(cfg, dead={0})
+    assert stats["failed"] == [0] and same_params(params, _embedded(cfg, without={0}))
     params, stats = _round(cfg, drop={0, 1, 2})
     assert stats.get("skipped") and same_params(params, Experiment(cfg).params)
 
@@ -231,15 +253,27 @@ def _env():
     return {**os.environ, **QUIET_ENV, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
 
 
+def _run(cmd: list[str], timeout: float) -> subprocess.CompletedProcess:
+    """Run a command; past the timeout, SIGTERM it (so it stops what it started) before failing."""
+    with subprocess.Popen(cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as p:
+        try:
+            out, _ = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            p.terminate()
+            out, _ = p.communicate(timeout=60)
+            pytest.fail(f"timed out after {timeout:.0f} s:\n{out[-3000:]}")
+    return subprocess.CompletedProcess(cmd, p.returncode, out, "")
+
+
 def _params(out: Path) -> dict:
     return torch.load(out / "checkpoint.pt", map_location="cpu", weights_only=False)["params"]
 
 
 def test_simulation_engine_matches_embedded(tmp_path, no_leftovers):
     args = [*SMALL, "system={1,1/4}_{2,2}", "rounds=2"]
-    res = subprocess.run([sys.executable, "-m", "fedlase", "run", *args, f"out={tmp_path / 'sim'}",
-                          "engine=flower-sim", "--quiet"], env=_env(), capture_output=True, text=True, timeout=300)
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    res = _run([sys.executable, "-m", "fedlase", "run", *args, f"out={tmp_path / 'sim'}", "engine=flower-sim",
+                "--quiet"], timeout=300)
+    assert res.returncode == 0, res.stdout[-3000:]
     run_experiment(load_config(None, [*args, f"out={tmp_path / 'emb'}"]), progress=False)
     assert same_params(_params(tmp_path / "sim"), _params(tmp_path / "emb"))
     lines = [json.loads(x) for x in (tmp_path / "sim" / "metrics.jsonl").read_text().splitlines()]
@@ -276,20 +310,21 @@ def test_a_killed_client_does_not_stop_the_run(tmp_path, no_leftovers):
         app = write_app(Path({str(tmp_path / 'app')!r}), cfg, False, False)
         simulate(cfg, app, client_app="test_flower:killing_app")
     """)
-    res = subprocess.run([sys.executable, "-c", script], env=_env(), capture_output=True, text=True, timeout=300)
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    res = _run([sys.executable, "-c", script], timeout=300)
+    assert res.returncode == 0, res.stdout[-3000:]
     line = json.loads((tmp_path / "sim" / "metrics.jsonl").read_text().splitlines()[-1])
-    assert line["failed"] == [KILLED] and line["clients"] == 2
+    # Flower 1.42's actor pool keeps the dead worker, so a later message routed to it fails too.
+    assert KILLED in line["failed"] and line["clients"] == 3 - len(line["failed"]) >= 1
     cfg = load_config(None, [*args, f"out={tmp_path / 'emb'}"])
-    assert same_params(_params(tmp_path / "sim"), _embedded(cfg, without={KILLED}))
+    assert same_params(_params(tmp_path / "sim"), _embedded(cfg, without=set(line["failed"])))
 
 
 def test_deployment_engine_matches_embedded(tmp_path, no_leftovers):
-    args = [*SMALL, "system={1,1/4}_{1,1}", "rounds=1"]
-    res = subprocess.run([sys.executable, str(ROOT / "scripts" / "flower-deploy-local.py"), *args,
-                          f"out={tmp_path / 'dep'}"], env=_env(), capture_output=True, text=True, timeout=400)
+    args = [*SMALL, "system={1,1/4}_{1,1}", "rounds=1", "reply_timeout=150"]
+    res = _run([sys.executable, str(ROOT / "scripts" / "flower-deploy-local.py"), *args, f"out={tmp_path / 'dep'}"],
+               timeout=400)
     logs = "".join(p.read_text()[-1500:] for p in sorted((tmp_path / "dep" / "flower-logs").glob("*.log")))
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:] + logs
+    assert res.returncode == 0, res.stdout[-3000:] + logs
     run_experiment(load_config(None, [*args, f"out={tmp_path / 'emb'}"]), progress=False)
     assert same_params(_params(tmp_path / "dep"), _params(tmp_path / "emb"))
     line = json.loads((tmp_path / "dep" / "metrics.jsonl").read_text().splitlines()[-1])

@@ -6,7 +6,6 @@ the embedded engine would."""
 from __future__ import annotations
 
 import json
-import logging
 
 from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
@@ -14,8 +13,6 @@ from flwr.clientapp import ClientApp
 from ..config import config_from_dict, parse_level
 from ..engine import Experiment
 from .codec import decode_submodel, encode_delta
-
-log = logging.getLogger("fedlase")
 
 app = ClientApp()
 

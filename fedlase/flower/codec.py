@@ -125,19 +125,20 @@ def validate_reply(arrays: ArrayRecord, params: dict[str, torch.Tensor], sub: Su
     delta = {}
     for n, (shape, dt) in want.items():
         a = arrays[n]
-        dense = n in sub.masks and tuple(a.shape) == tuple(params[n].shape) and a.shape != shape
-        if a.dtype != str(dt).removeprefix("torch."):
-            raise ReplyError(f"{n}: dtype {a.dtype}, expected {str(dt).removeprefix('torch.')}")
-        if tuple(a.shape) != shape and not dense:
-            raise ReplyError(f"{n}: shape {tuple(a.shape)}, expected {shape}")
-        if len(a.data) > math.prod(a.shape) * dt.itemsize + NPY_HEADER_SLACK:
-            raise ReplyError(f"{n}: payload of {len(a.data)} bytes is larger than {math.prod(a.shape)} values allow")
+        ashape, dtype = tuple(a.shape), str(dt).removeprefix("torch.")
+        dense = n in sub.masks and ashape == tuple(params[n].shape) and ashape != shape   # a whole delta
+        if a.dtype != dtype:
+            raise ReplyError(f"{n}: dtype {a.dtype}, expected {dtype}")
+        if ashape != shape and not dense:
+            raise ReplyError(f"{n}: shape {ashape}, expected {shape}")
+        if len(a.data) > math.prod(ashape) * dt.itemsize + NPY_HEADER_SLACK:
+            raise ReplyError(f"{n}: payload of {len(a.data)} bytes is larger than {math.prod(ashape)} values allow")
         try:
             v = a.numpy()
         except (ValueError, TypeError, OSError) as e:
             raise ReplyError(f"{n}: unreadable array ({e})") from None
-        if v.shape != tuple(a.shape) or str(v.dtype) != a.dtype:
-            raise ReplyError(f"{n}: holds {v.dtype}{list(v.shape)} but declares {a.dtype}{list(a.shape)}")
+        if v.shape != ashape or str(v.dtype) != dtype:
+            raise ReplyError(f"{n}: holds {v.dtype}{list(v.shape)} but declares {a.dtype}{list(ashape)}")
         v = torch.from_numpy(v.copy())
         if not bool(torch.isfinite(v).all()):
             raise ReplyError(f"{n}: NaN or Inf in the delta")

@@ -6,13 +6,17 @@ ServerApp and ClientApp and carrying the whole fedlase config as the run config,
 node read the same config (a node's level in simulation: the system spec at its partition id)."""
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 from pathlib import Path
 
 from ..config import Config
@@ -73,6 +77,9 @@ def _check_out(cfg: Config, resume: bool) -> Path:
 def run_flower(cfg: Config, resume: bool = False, progress: bool = True) -> dict:
     """Run the experiment on Flower; return its summary (written to cfg.out as by the embedded engine)."""
     quiet_env()
+    for mod in ("flwr", "ray") if cfg.engine == "flower-sim" else ("flwr",):
+        if importlib.util.find_spec(mod) is None:
+            raise UserError(f"engine={cfg.engine} needs {mod}: pip install 'fedlase[flower]'")
     cfg.out = str(Path(cfg.out).resolve())   # the ServerApp may run in another working directory
     out = _check_out(cfg, resume)
     app_dir = write_app(out / "flower-app", cfg, resume, progress and cfg.engine == "flower-sim")
@@ -91,19 +98,27 @@ def simulate(cfg: Config, app_dir: Path, client_app: str = "fedlase.flower.clien
     (one CPU each), one virtual SuperNode per client. This is what `flwr-simulation` does once a SuperLink
     has handed it the app, minus the SuperLink, so no process outlives the call. `client_app` lets tests
     run a ClientApp that misbehaves."""
+    for name in ("flwr", "alembic"):   # Flower's per-message and state-database chatter (some at import)
+        logging.getLogger(name).setLevel(logging.WARNING)
     from flwr.app import Context, RecordDict
     from flwr.common.config import get_fused_config_from_dir
     from flwr.simulation.run_simulation import _run_simulation
     from flwr.supercore.telemetry import EventType
-
-    for name in ("flwr", "alembic"):   # Flower's per-message and state-database chatter
-        logging.getLogger(name).setLevel(logging.WARNING)
     # The server's run config is given here; each node reads the same from app_dir.
     context = Context(run_id=0, node_id=0, node_config={}, state=RecordDict(),
                       run_config=get_fused_config_from_dir(app_dir, {}))
     cpus = max(1, os.cpu_count() or 1)
     backend = {"client_resources": {"num_cpus": 1, "num_gpus": 0.0},
                "init_args": {"num_cpus": cpus, "logging_level": "ERROR", "log_to_driver": False}}
+    # Ray's raylet, gcs and workers are started below this process, but Flower shuts Ray down itself and
+    # the orphaned workers then linger for tens of seconds: note them while they are ours, reap them after.
+    before, ray_procs, done = descendants(os.getpid()), set(), threading.Event()
+
+    def watch():
+        while not done.wait(0.5):
+            ray_procs.update(p for p in descendants(os.getpid()) - before if b"ray" in _read(f"/proc/{p}/cmdline"))
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
     try:
         _run_simulation(num_supernodes=cfg.num_clients, exit_event=EventType.PYTHON_API_RUN_SIMULATION_LEAVE,
                         server_app_attr="fedlase.flower.server_app:app",
@@ -111,17 +126,61 @@ def simulate(cfg: Config, app_dir: Path, client_app: str = "fedlase.flower.clien
                         backend_config=backend, app_dir=str(app_dir), server_app_context=context,
                         is_app=True)
     finally:
-        try:
-            import ray
-            ray.shutdown()
-        except ImportError:
-            pass
+        done.set()
+        watcher.join()
+        import ray
+        ray.shutdown()
+        reap(ray_procs)
+
+
+def _read(path: str) -> bytes:
+    try:
+        return Path(path).read_bytes()
+    except OSError:
+        return b""
+
+
+def _stat(pid: int) -> list[str]:
+    """Fields of /proc/<pid>/stat after the command name: [state, ppid, ...]; [] if it is gone."""
+    text = _read(f"/proc/{pid}/stat").decode(errors="replace")
+    return text.rsplit(")", 1)[1].split() if ")" in text else []
+
+
+def descendants(root: int) -> set[int]:
+    """Pids of all live processes below `root` (Linux /proc; empty elsewhere)."""
+    parent = {}
+    for d in Path("/proc").glob("[0-9]*"):
+        f = _stat(int(d.name))
+        if len(f) > 1 and f[0] != "Z":
+            parent[int(d.name)] = int(f[1])
+    out, todo = set(), [root]
+    while todo:
+        kids = [p for p, pp in parent.items() if pp == todo[-1]]
+        todo.pop()
+        out.update(kids)
+        todo += kids
+    return out
+
+
+def reap(pids: set[int], grace: float = 15.0) -> None:
+    """Wait for these processes to end, then SIGKILL what is left."""
+    alive = lambda p: (f := _stat(p)) and f[0] != "Z"   # noqa: E731
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline and any(alive(p) for p in pids):
+        time.sleep(0.2)
+    for p in pids:
+        if alive(p):
+            try:
+                os.kill(p, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
 
 
 def submit(cfg: Config, app_dir: Path) -> None:
     """`flwr run` the app on the SuperLink at cfg.superlink (insecure, e.g. loopback) and wait for the end."""
-    flwr = shutil.which("flwr") or str(Path(sys.executable).with_name("flwr"))
-    if not Path(flwr).exists():
+    flwr = Path(sys.executable).with_name("flwr")   # the one of this environment, else the PATH's
+    flwr = str(flwr) if flwr.exists() else shutil.which("flwr")
+    if flwr is None:
         raise UserError("engine=flower-deploy needs the `flwr` command: pip install 'fedlase[flower]'")
     with tempfile.TemporaryDirectory(prefix="fedlase-flwr-home-") as home:
         # A private Flower config holding one connection, so the user's ~/.flwr is neither read nor changed.

@@ -4,7 +4,6 @@ summary.json, central evaluation) with each round's training done by Flower node
 from __future__ import annotations
 
 import json
-import logging
 
 from flwr.app import ArrayRecord, ConfigRecord, Context
 from flwr.serverapp import Grid, ServerApp
@@ -12,8 +11,6 @@ from flwr.serverapp import Grid, ServerApp
 from ..config import config_from_dict
 from ..engine import Experiment, run_experiment
 from .strategy import SubmodelStrategy
-
-log = logging.getLogger("fedlase")
 
 app = ServerApp()
 
@@ -40,6 +37,7 @@ class FlowerExperiment(Experiment):
             for t in self.trackers:
                 t.on_round(rnd, last["accepted"], last["submodels"], old, self.params)
         out = {k: last[k] for k in ("train_loss", "clients", "failed", "rejected", "bytes")}
+        out["sampled"] = len(last["sampled"])
         out["rejected"] = {str(k): v for k, v in out["rejected"].items()}
         return {**out, "bytes_total": dict(self.bytes_total)}
 

@@ -32,7 +32,7 @@ class SubmodelStrategy(Strategy):
         self.nodes: dict[int, int] = {}        # partition id -> node id
         self.levels: dict[int, float] = {}     # partition id -> the level its node declared
         self.queried: set[int] = set()         # node ids asked already
-        self.pending: dict[int, tuple] = {}    # node id -> (partition, level, submodel, bytes sent)
+        self.pending: dict[int, tuple] = {}    # partition id -> (message, level, submodel, bytes sent)
         self.last: dict = {}                   # the last round's statistics, for the metrics line
         self._dense: tuple[int, int] | None = None
 
@@ -41,27 +41,40 @@ class SubmodelStrategy(Strategy):
         """QUERY the nodes not seen yet for their partition id and level. With `wait`, keep polling until
         every partition has a node or reply_timeout has passed (deployment nodes may connect late)."""
         n, deadline = self.exp.cfg.num_clients, time.monotonic() + self.reply_timeout
+        told = False
         while True:
             new = [nid for nid in grid.get_node_ids() if nid not in self.queried]
             if new:
                 msgs = [Message(RecordDict(), dst_node_id=nid, message_type=MessageType.QUERY) for nid in new]
-                for reply in grid.send_and_receive(msgs, timeout=max(1.0, deadline - time.monotonic())):
-                    self._register(reply)
+                replies = grid.send_and_receive(msgs, timeout=max(1.0, deadline - time.monotonic()))
+                asked = {m.metadata.message_id: m.metadata.dst_node_id for m in msgs}
+                for reply in replies:
+                    self._register(reply, asked.get(reply.metadata.reply_to_message_id, reply.metadata.src_node_id))
                 self.queried.update(new)
             if not wait or len(self.nodes) == n or time.monotonic() >= deadline:
                 break
+            if not told:
+                log.info("%d of %d partitions have a node; waiting up to %.0f s for the others",
+                         len(self.nodes), n, deadline - time.monotonic())
+                told = True
             time.sleep(1.0)
         if wait and len(self.nodes) < n:
             log.warning("only %d of %d partitions have a node; the others count as failed clients", len(self.nodes), n)
 
-    def _register(self, reply: Message) -> None:
-        nid = reply.metadata.src_node_id
+    def _register(self, reply: Message, nid: int) -> None:
         if reply.has_error():
             log.warning("node %d did not say who it is: %s", nid, reply.error.reason)
             return
-        node = reply.content.config_records["node"]
-        pid, level = int(node["partition-id"]), float(node["level"])
         cfg = self.exp.cfg
+        try:
+            node = reply.content.config_records["node"]
+            pid, level = int(node["partition-id"]), float(node["level"])
+        except (KeyError, TypeError, ValueError) as e:
+            log.warning("node %d gave an unreadable identity (%s); ignored", nid, e)
+            return
+        if not 0 <= pid < cfg.num_clients:
+            log.warning("node %d says partition %d, outside 0..%d; ignored", nid, pid, cfg.num_clients - 1)
+            return
         if cfg.assignment == "fixed" and level != cfg.client_levels[pid]:
             log.warning("node %d (partition %d) declares level %s but system %s gives that partition %s; ignored",
                         nid, pid, level_name(level), cfg.system, level_name(cfg.client_levels[pid]))
@@ -87,9 +100,10 @@ class SubmodelStrategy(Strategy):
                 continue
             content = RecordDict({**payload[lvl], "task": ConfigRecord(
                 {"round": server_round, "partition-id": pid, "level": lvl, **dict(config)})})
-            self.pending[self.nodes[pid]] = (pid, lvl, subs[lvl], record_bytes(*payload[lvl].array_records.values()))
-            msgs.append(Message(content, dst_node_id=self.nodes[pid], message_type=MessageType.TRAIN,
-                                group_id=str(server_round)))
+            msg = Message(content, dst_node_id=self.nodes[pid], message_type=MessageType.TRAIN,
+                          group_id=str(server_round))
+            self.pending[pid] = (msg, lvl, subs[lvl], record_bytes(*payload[lvl].array_records.values()))
+            msgs.append(msg)
         return msgs
 
     def aggregate_train(self, server_round: int, replies: Iterable[Message]):
@@ -97,12 +111,15 @@ class SubmodelStrategy(Strategy):
         model exactly as if that client had not been sampled; fewer than min_replies good ones leave the
         model unchanged."""
         exp, good, received = self.exp, [], {}
+        # Match replies by the message they answer: the SuperLink itself answers for a node that died, as
+        # node 1. (The Grid set each message's id when it pushed it.)
+        asked = {m.metadata.message_id: pid for pid, (m, *_) in self.pending.items()}
         for reply in replies:
-            nid = reply.metadata.src_node_id
-            if nid not in self.pending:
-                log.warning("round %d: ignoring a reply from node %d, which was not asked", server_round, nid)
+            pid = asked.pop(reply.metadata.reply_to_message_id, None)
+            if pid is None:
+                log.warning("round %d: ignoring a reply that answers no message of this round", server_round)
                 continue
-            pid, lvl, sub, _ = self.pending[nid]
+            _, lvl, sub, _ = self.pending[pid]
             if reply.has_error():
                 log.warning("round %d: client %d failed: %s", server_round, pid, reply.error.reason)
                 continue
@@ -112,11 +129,12 @@ class SubmodelStrategy(Strategy):
                 if int(m["partition-id"]) != pid or int(m["round"]) != server_round:
                     raise ReplyError(f"reply for partition {m['partition-id']} round {m['round']}")
                 delta = validate_reply(reply.content.array_records["delta"], exp.params, sub)
-            except (ReplyError, KeyError) as e:
+                loss = float(m["train-loss"])
+            except (KeyError, TypeError, ValueError) as e:   # ReplyError is a ValueError
                 log.warning("round %d: rejected client %d's reply: %s", server_round, pid, e)
                 self.last["rejected"][pid] = str(e)
                 continue
-            good.append((pid, lvl, delta, sub, float(m["train-loss"])))
+            good.append((pid, lvl, delta, sub, loss))
         good.sort(key=lambda g: g[0])
         self.last["failed"] = sorted(set(self.last["sampled"]) - {g[0] for g in good} - set(self.last["rejected"]))
         self.last["bytes"] = self._bytes(received)
@@ -144,7 +162,7 @@ class SubmodelStrategy(Strategy):
             up = record_bytes(ArrayRecord({k: v.detach().cpu() for k, v in self.exp.params.items()}))
             self._dense = (up + record_bytes(ArrayRecord({k: v.detach().cpu() for k, v in self.exp.buffers.items()})), up)
         dense_down, dense_up = self._dense
-        for pid, lvl, _, sent in self.pending.values():
+        for pid, (_, lvl, _, sent) in self.pending.items():
             got = received.get(pid, 0)
             row = out["levels"].setdefault(level_name(lvl), {"clients": 0, "sent": 0, "received": 0})
             row["clients"] += 1
