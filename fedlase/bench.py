@@ -90,10 +90,18 @@ def scenarios(args, data: dict) -> dict[str, list[str]]:
 
 
 # ---- timing helpers -------------------------------------------------------------------------------------------
-def _now(device: torch.device) -> float:
+def _now(device: torch.device) -> np.ndarray:
+    """[wall seconds, CPU seconds of this process]. On a shared CPU machine the CPU time is the steadier figure:
+    other processes stretch wall time, not the work done (with one torch thread). On a GPU only wall time
+    means anything (the CPU waits in synchronize)."""
     if device.type == "cuda":
         torch.cuda.synchronize()
-    return time.perf_counter()
+    return np.array([time.perf_counter(), time.process_time()])
+
+
+def _main(t: np.ndarray, device: torch.device) -> float:
+    """The figure a table shows: CPU time on a CPU, wall time on a GPU."""
+    return float(t[0] if device.type == "cuda" else t[1])
 
 
 def _max_diff(a: dict, b: dict) -> float:
@@ -116,7 +124,7 @@ def tight_round(exp, model, picked, subs, jobs) -> tuple[list[dict], float]:
     from .train import make_optimizer
     own = dict(model.named_parameters())
     model.train()
-    deltas, seconds = [], 0.0
+    deltas, seconds = [], np.zeros(2)
     for (client, lvl), (batches, augment) in zip(picked, jobs):
         sub = subs[lvl]
         with torch.no_grad():
@@ -161,11 +169,11 @@ def measure_overhead(overrides: list[str], method: str, rounds: int, repeats: in
     exp = Experiment(load_config(None, [*overrides, f"method={method}"]))
     model = deepcopy(exp.model)   # the tight loop's own module; the engine's stays untouched
     exp.run_round(1)              # warm-up: allocator, lazy initialisation
-    t = dict(engine=0.0, tight=0.0, masks=0.0, agg=0.0)
+    t = {k: np.zeros(2) for k in ("engine", "tight", "masks", "agg")}
     diff, calls_ok = 0.0, True
     for rnd in range(2, 2 + rounds):
         start = exp.params
-        best = {k: math.inf for k in t}
+        best = {k: np.full(2, math.inf) for k in t}
         for _ in range(repeats):
             exp.params = start
             calls: list[float] = []
@@ -173,31 +181,32 @@ def measure_overhead(overrides: list[str], method: str, rounds: int, repeats: in
             exp.method.submodel = lambda p, lvl, r: (calls.append(lvl), inner(p, lvl, r))[1]   # count extractions
             t0 = _now(exp.device)
             exp.run_round(rnd)
-            best["engine"] = min(best["engine"], _now(exp.device) - t0)
+            best["engine"] = np.minimum(best["engine"], _now(exp.device) - t0)
             del exp.method.submodel
             after, exp.params = exp.params, start
             picked = exp.sample(rnd)
             calls_ok &= sorted(calls) == sorted({lvl for _, lvl in picked})
             t0 = _now(exp.device)
             subs = exp.submodels([lvl for _, lvl in picked], rnd)
-            best["masks"] = min(best["masks"], _now(exp.device) - t0)
+            best["masks"] = np.minimum(best["masks"], _now(exp.device) - t0)
             deltas, secs = tight_round(exp, model, picked, subs, client_jobs(exp, picked, rnd))
-            best["tight"] = min(best["tight"], secs)
+            best["tight"] = np.minimum(best["tight"], secs)
             t0 = _now(exp.device)
             agg = Aggregator(start, exp.method.aggregation)
             for d, (_, lvl) in zip(deltas, picked):
                 agg.add(d, subs[lvl])
             mine = agg.result()
-            best["agg"] = min(best["agg"], _now(exp.device) - t0)
+            best["agg"] = np.minimum(best["agg"], _now(exp.device) - t0)
             diff = max(diff, _max_diff(mine, after))
             exp.params = after
         for k in t:
             t[k] += best[k] / rounds
-    out = {**t, "diff": diff, "calls_ok": calls_ok}
+    out = {**{k: _main(v, exp.device) for k, v in t.items()}, "diff": diff, "calls_ok": calls_ok,
+           "wall_ratio": t["engine"][0] / t["tight"][0]}
     if evaluate:
         t0 = _now(exp.device)
         exp.evaluate(1 + rounds)
-        out["eval"] = _now(exp.device) - t0
+        out["eval"] = _main(_now(exp.device) - t0, exp.device)
         out["eval_what"] = f"{len(exp.y_test):,} test samples, {exp.cfg.num_clients} local splits"
     return out
 
@@ -210,20 +219,23 @@ def section_overhead(args, scen: dict) -> str:
             try:
                 r = measure_overhead(overrides, method, args.rounds, args.repeats, evaluate=method == "fiarse")
             except Exception as e:   # a method that cannot run this model: say so, keep benchmarking
-                rows.append([name, method, f"not run: {type(e).__name__}: {e}"] + [""] * 6)
+                rows.append([name, method, f"not run: {e}"] + [""] * 7)
                 continue
             rows.append([name, method, f"{r['engine']:.3f}", f"{r['tight']:.3f}", f"{r['engine'] / r['tight']:.3f}x",
+                         f"{r['wall_ratio']:.3f}x",
                          f"{r['masks'] * 1e3:.1f} ({100 * r['masks'] / r['engine']:.1f}%)", f"{r['agg'] * 1e3:.1f}",
                          "yes" if r["calls_ok"] else "NO",
                          "bit-identical" if r["diff"] == 0 else f"max diff {r['diff']:.1e}"])
             if "eval" in r:
                 evals.append([name, f"{r['eval']:.2f}", r["eval_what"]])
             print(f"  overhead {name} {method}: {rows[-1][4]}", file=sys.stderr)
-    return ("### Engine against a tight loop of the same local steps (s per round)\n\n" + table(
-        ["scenario", "method", "engine", "tight loop", "overhead", "masks ms (share)", "aggregation ms",
+    what = "wall" if args.device == "cuda" else "CPU"
+    return (f"### Engine against a tight loop of the same local steps ({what} s per round)\n\n" + table(
+        ["scenario", "method", "engine", "tight loop", "overhead", "overhead (wall)", "masks ms (share)",
+         "aggregation ms",
          "one extraction per level", "same result"], rows) +
-        "\n\n### Evaluation (fiarse; all four levels: whole test set and every client's local split)\n\n" +
-        table(["scenario", "s per evaluation", "what"], evals))
+        f"\n\n### Evaluation ({what} s; fiarse, all four levels: whole test set and every client's local split)\n\n" +
+        table(["scenario", "s per evaluation", "data"], evals))
 
 
 # ---- masks at full size ---------------------------------------------------------------------------------------
@@ -243,13 +255,14 @@ def section_masks(args) -> str:
         for method in METHODS:
             m = build_method(method, model, {}, list(LEVELS))
             m.submodel(params, LEVELS[-1], 1)   # warm-up
-            per = []
+            per, dev = [], torch.device(args.device)
             for lvl in LEVELS:
-                t0 = _now(torch.device(args.device))
+                t0 = _now(dev)
                 m.submodel(params, lvl, 1)
-                per.append(_now(torch.device(args.device)) - t0)
+                per.append(_main(_now(dev) - t0, dev))
             rows.append([f"{mname}, {size / 1e6:.2f}M", method, f"{sum(per):.3f}"] + [f"{s * 1e3:.1f}" for s in per])
-    return ("### Mask extraction at full size (all four levels of one round, no training)\n\n" +
+    what = "wall" if args.device == "cuda" else "CPU"
+    return (f"### Mask extraction at full size ({what} time; all four levels of one round, no training)\n\n" +
             table(["model", "method", "s per round", "ms at 1", "ms at 1/4", "ms at 1/16", "ms at 1/64"], rows))
 
 
@@ -258,15 +271,18 @@ def memory_child(spec: dict) -> dict:
     """Run in a fresh process: build the experiment, run the rounds, report the RSS high-water mark."""
     from .config import load_config
     from .engine import Experiment
-    t0 = time.perf_counter()
+    t0 = time.process_time()
     exp = Experiment(load_config(None, spec["overrides"]))
-    init = time.perf_counter() - t0
+    init = time.process_time() - t0
     rss_init = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024   # Linux: KiB
-    t0 = time.perf_counter()
+    t0 = time.process_time()
     for rnd in range(1, spec["rounds"] + 1):
         exp.run_round(rnd)
-    return {"init_s": init, "round_s": (time.perf_counter() - t0) / spec["rounds"], "rss_init_mib": rss_init,
-            "rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+    status = Path("/proc/self/status")
+    now = next((int(ln.split()[1]) / 1024 for ln in status.read_text().splitlines() if ln.startswith("VmRSS:")),
+               math.nan) if status.exists() else math.nan
+    return {"init_s": init, "round_s": (time.process_time() - t0) / spec["rounds"], "rss_init_mib": rss_init,
+            "rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "rss_end_mib": now}
 
 
 def section_memory(args, data: dict) -> str:
@@ -280,17 +296,17 @@ def section_memory(args, data: dict) -> str:
         proc = subprocess.run([sys.executable, "-m", "fedlase.bench", "--memory-child", spec],
                               capture_output=True, text=True)
         if proc.returncode != 0:
-            rows.append([f"{n:,}", "failed: " + (proc.stderr.strip().splitlines() or ["?"])[-1]] + [""] * 4)
+            rows.append([f"{n:,}", "failed: " + (proc.stderr.strip().splitlines() or ["?"])[-1]] + [""] * 5)
             continue
         r = json.loads(proc.stdout.strip().splitlines()[-1])
         base = base or r["rss_mib"]
         rows.append([f"{n:,}", f"{r['init_s']:.1f}", f"{r['round_s']:.2f}", f"{r['rss_init_mib']:.0f}",
-                     f"{r['rss_mib']:.0f}", f"{r['rss_mib'] / base:.3f}x"])
+                     f"{r['rss_mib']:.0f}", f"{r['rss_mib'] / base:.3f}x", f"{r['rss_end_mib']:.0f}"])
         print(f"  memory {n} clients: {rows[-1][4]} MiB", file=sys.stderr)
     src = "Fashion-MNIST" if data["real_fmnist"] else "Fashion-MNIST-shaped random data"
     return (f"### Peak memory against the number of clients ({src}, 60,000 samples, CNN, 10 clients a round)\n\n" +
-            table(["clients", "setup s", "s per round", "peak RSS after setup (MiB)", "peak RSS (MiB)", "vs 100"],
-                  rows))
+            table(["clients", "setup CPU s", "CPU s per round", "peak RSS after setup (MiB)", "peak RSS (MiB)",
+                   "peak vs 100", "RSS at the end (MiB)"], rows))
 
 
 # ---- communication --------------------------------------------------------------------------------------------
@@ -336,23 +352,24 @@ def section_batched(args, scen: dict) -> str:
                     for b in ("false", "true")]
             for e in exps:
                 e.run_round(1)   # warm-up
-            t = [0.0, 0.0]
-            for rnd in range(2, 2 + args.rounds):   # each round `repeats` times from its start, the fastest kept
-                starts, best = [e.params for e in exps], [math.inf, math.inf]
+            t, diff = [0.0, 0.0], 0.0
+            for rnd in range(2, 2 + args.rounds):
+                # both from the sequential run's start, each `repeats` times, the fastest kept
+                start, best = exps[0].params, [math.inf, math.inf]
                 for _ in range(args.repeats):
                     for i, e in enumerate(exps):
-                        e.params = starts[i]
+                        e.params = start
                         t0 = _now(e.device)
                         e.run_round(rnd)
-                        best[i] = min(best[i], _now(e.device) - t0)
+                        best[i] = min(best[i], _main(_now(e.device) - t0, e.device))
+                diff = max(diff, _max_diff(exps[0].params, exps[1].params))
                 t = [a + b for a, b in zip(t, best)]
-            diff = _max_diff(exps[0].params, exps[1].params)
             rows.append([name, method, f"{t[0] / args.rounds:.3f}", f"{t[1] / args.rounds:.3f}",
                          f"{t[0] / t[1]:.2f}x", f"{diff:.1e}"])
             print(f"  batched {name} {method}: {rows[-1][4]}", file=sys.stderr)
-    return (f"### Batched clients against the sequential engine (s per round, {1 + args.rounds} rounds from the "
-            "same start)\n\n" + table(["scenario", "method", "sequential", "batched", "speedup",
-                                        "max param diff after the rounds"], rows))
+    what = "wall" if args.device == "cuda" else "CPU"
+    return (f"### Batched clients against the sequential engine ({what} s per round)\n\n" +
+            table(["scenario", "method", "sequential", "batched", "speedup", "max param diff after a round"], rows))
 
 
 # ---- the command ----------------------------------------------------------------------------------------------

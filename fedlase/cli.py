@@ -40,6 +40,9 @@ def _cmd_sweep(args) -> int:
         return 0
     try:
         res = run_sweep(args.sweep, progress=not args.quiet)
+    except BrokenPipeError:   # output piped into `head` and the like
+        sys.stderr.close()
+        return 0
     except KeyboardInterrupt:
         print("fedlase: sweep interrupted; run the same command again to resume it", file=sys.stderr)
         return 130
@@ -131,6 +134,9 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as e:
         print(f"fedlase: error: {e}", file=sys.stderr)
         return 2
+    except BrokenPipeError:   # output piped into `head` and the like
+        sys.stderr.close()
+        return 0
     except KeyboardInterrupt:
         print("fedlase: interrupted; rerun with --resume to continue from the last checkpoint", file=sys.stderr)
         return 130

@@ -208,6 +208,8 @@ def validate(cfg: Config) -> Config:
     if cfg.partition == "pathological" and not 1 <= cfg.classes_per_client <= n_cls:
         raise ConfigError("classes_per_client",
                           f"must be between 1 and the {n_cls} classes of {cfg.dataset}, got {cfg.classes_per_client}")
+    from .analysis import check_analysis   # the trackers' own option rules, checked before anything runs
+    check_analysis(cfg.analysis)
     if cfg.data_dir is not None and not Path(cfg.data_dir).is_dir():
         raise ConfigError("data_dir", f"folder {cfg.data_dir!r} does not exist")
     return cfg

@@ -266,7 +266,10 @@ def plot_ratios(g: Group, path: Path) -> bool:
                        extent=(rounds[0] - 0.5, rounds[-1] + 0.5, len(layers) - 0.5, -0.5))
         ax.set_title(f"level {level_name(float(levels[i]))}")
         ax.set_xlabel("round")
-        ax.xaxis.set_major_locator(plt.MaxNLocator(integer=True))
+        if len(rounds) <= 10:
+            ax.set_xticks(rounds)
+        else:
+            ax.xaxis.set_major_locator(plt.MaxNLocator(integer=True))
         ax.set_yticks(range(len(layers)))
         ax.set_yticklabels(layers, fontsize=7)
     axes[0][0].set_ylabel("layer")
@@ -359,7 +362,8 @@ def make_report(dirs: list[str], out: str | Path, group_by: list[str] | None = N
                           ("local_worst10", "all clients")):
         sections.append((f"{METRICS[name].capitalize()} per level (%)", metric_table(groups, levels, name, overall)))
     if any("ratio_std" in r.final for r in runs):
-        ratio_levels = sorted({lvl for r in runs for lvl in r.final.get("ratio_std", {})}, key=lambda s: float(Fraction(s)))
+        ratio_levels = sorted({lvl for r in runs for lvl in r.final.get("ratio_std", {})},
+                              key=lambda s: float(Fraction(s)))
         sections.append(("Extraction-ratio stability: ratio_std per level (mean over layers, x100)",
                          (["group", "runs", *ratio_levels],
                           [[g.label, str(len(g.runs)), *(_cell(*_analysis_stats(g, ("ratio_std", lvl)), digits=3)

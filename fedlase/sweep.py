@@ -162,13 +162,13 @@ def plan_sweep(path: str | Path) -> tuple[Path, list[PlannedRun]]:
     for i, variant in enumerate(variants):
         variant = dict(variant)
         vname = variant.pop("name", None)
+        if "out" in variant:
+            raise UserError(f"sweep: runs[{i}].out: the sweep names each run's folder itself")
         for point in itertools.product(*grid.values()):
             settings = dict(zip(grid, point))
             clash = set(settings) & set(variant)
             if clash:
                 raise UserError(f"sweep: runs[{i}] and grid both set {sorted(clash)[0]}; set it in one place")
-            if "out" in variant:
-                raise UserError(f"sweep: runs[{i}].out: the sweep names each run's folder itself")
             name = run_name({**({} if vname else variant), **settings}, str(vname) if vname else None)
             raw = json.loads(json.dumps(base))
             for key, value in {**variant, **settings}.items():
@@ -195,7 +195,7 @@ def plan_sweep(path: str | Path) -> tuple[Path, list[PlannedRun]]:
 
 
 def _status(run: PlannedRun) -> str:
-    """done / resume / new; UserError when the folder holds a run with other settings."""
+    """done / resume / retry / new; UserError when the folder holds a run with other settings."""
     from .engine import RESUMABLE_CHANGES
     want = _comparable(run.cfg.to_dict())
     defaults = _comparable(Config().to_dict())
@@ -278,8 +278,8 @@ def run_sweep(path: str | Path, progress: bool = True) -> dict:
 def describe_plan(out: Path, planned: list[PlannedRun]) -> str:
     """The --dry-run listing: one line per run with its status and folder."""
     width = max(len(r.status) for r in planned)
-    lines = [f"sweep {out}: {len(planned)} runs "
-             f"({sum(r.status == 'done' for r in planned)} done, {sum(r.status == 'resume' for r in planned)} to resume, "
-             f"{sum(r.status == 'new' for r in planned)} new, {sum(r.status == 'retry' for r in planned)} failed before)"]
+    count = {s: sum(r.status == s for r in planned) for s in ("done", "resume", "new", "retry")}
+    lines = [f"sweep {out}: {len(planned)} runs ({count['done']} done, {count['resume']} to resume, "
+             f"{count['new']} new, {count['retry']} failed before)"]
     lines += [f"  {r.status:<{width}}  {r.name}" for r in planned]
     return "\n".join(lines)

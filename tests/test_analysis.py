@@ -128,7 +128,7 @@ def test_trackers_resume_bit_identically(tiny_cfg, tmp_path):
         assert whole["final"][key] == split["final"][key]
     assert whole["final"]["levels"] == plain["final"]["levels"]   # analyses never change training
     for name in ("ratios", "updates", "magnitudes"):
-        a, b = np.load(tmp_path / "whole/analysis" / f"{name}.npz"), np.load(tmp_path / "split/analysis" / f"{name}.npz")
+        a, b = (np.load(tmp_path / run / "analysis" / f"{name}.npz") for run in ("whole", "split"))
         assert set(a) == set(b)
         for k in a:
             assert np.array_equal(a[k], b[k]), (name, k)
