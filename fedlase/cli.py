@@ -40,9 +40,6 @@ def _cmd_sweep(args) -> int:
         return 0
     try:
         res = run_sweep(args.sweep, progress=not args.quiet)
-    except BrokenPipeError:   # output piped into `head` and the like
-        sys.stderr.close()
-        return 0
     except KeyboardInterrupt:
         print("fedlase: sweep interrupted; run the same command again to resume it", file=sys.stderr)
         return 130

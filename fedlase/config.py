@@ -215,13 +215,17 @@ def validate(cfg: Config) -> Config:
     return cfg
 
 
-def _set_dotted(d: dict, key: str, value) -> None:
+def set_dotted(d: dict, key: str, value) -> None:
+    """Set a dotted key (method_args.score) in a nested dict; a mapping merges into a mapping already there."""
     head, _, rest = key.partition(".")
     if rest:
         sub = d.setdefault(head, {})
         if not isinstance(sub, dict):
             raise ConfigError(head, f"is not a mapping, cannot set {key}")
-        _set_dotted(sub, rest, value)
+        set_dotted(sub, rest, value)
+    elif isinstance(value, dict) and isinstance(d.get(head), dict):
+        for k, v in value.items():
+            set_dotted(d[head], str(k), v)
     else:
         d[head] = value
 
@@ -258,7 +262,7 @@ def load_config(path: str | None = None, overrides: list[str] = (), validate_: b
             raise ConfigError("config", f"{path} must hold a mapping of keys to values")
     for item in overrides:
         key, value = parse_override(item)
-        _set_dotted(raw, key, value)
+        set_dotted(raw, key, value)
     return config_from_dict(raw, validate_)
 
 

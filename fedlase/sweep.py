@@ -25,7 +25,7 @@ from pathlib import Path
 
 import yaml
 
-from .config import Config, config_from_dict
+from .config import Config, config_from_dict, set_dotted
 from .errors import ConfigError, UserError
 
 log = logging.getLogger("fedlase")
@@ -80,19 +80,6 @@ def run_name(settings: dict, name: str | None = None, max_len: int = 120) -> str
     return text
 
 
-def _merge(d: dict, key: str, value) -> None:
-    """Set a dotted key; a mapping merges into a mapping already there."""
-    head, _, rest = key.partition(".")
-    if rest:
-        sub = d.setdefault(head, {})
-        if not isinstance(sub, dict):
-            raise ConfigError(head, f"is not a mapping, cannot set {key}")
-        _merge(sub, rest, value)
-    elif isinstance(value, dict) and isinstance(d.get(head), dict):
-        for k, v in value.items():
-            _merge(d[head], str(k), v)
-    else:
-        d[head] = value
 
 
 def _load_yaml(path: Path, what: str) -> dict:
@@ -173,7 +160,7 @@ def plan_sweep(path: str | Path) -> tuple[Path, list[PlannedRun]]:
             raw = json.loads(json.dumps(base))
             for key, value in {**variant, **settings}.items():
                 try:
-                    _merge(raw, str(key), json.loads(json.dumps(value)))
+                    set_dotted(raw, str(key), json.loads(json.dumps(value)))
                 except ConfigError as e:
                     raise UserError(f"sweep: run {name}: {e}") from None
             raw["out"] = str(out / name)
