@@ -87,7 +87,10 @@ def threshold_mask(w: torch.Tensor, tau: float | torch.Tensor, ste: str = "offic
     """tau: a number, or a tensor broadcastable to w (one threshold per stacked client, fedlase/batched.py)."""
     if ste not in STE_MODES:
         raise ValueError(f"ste must be one of {STE_MODES}, got {ste!r}")
-    return _ThresholdMask.apply(w, tau if isinstance(tau, torch.Tensor) else float(tau), ste == "paper")
+    tau = tau if isinstance(tau, torch.Tensor) else float(tau)
+    if ste == "official":   # plain autograd gives the same value and gradient (g * mask) without the
+        return w * (w.abs() >= tau)   # Python Function's cost: ~10% of a step on a small model
+    return _ThresholdMask.apply(w, tau, True)
 
 
 _BRACKET_MIN = 1 << 16   # below this size a plain kthvalue is as fast
