@@ -118,7 +118,7 @@ def table(headers: list[str], rows: list[list]) -> str:
 def tight_round(exp, model, picked, subs, jobs) -> tuple[list[dict], float]:
     """The round's local steps as the plainest loop: one module, a torch optimizer, masked weights written
     inline (|w| >= tau for threshold clients, as the official code computes it), no engine code. Returns each
-    client's masked delta (computed outside the timed part) and the seconds spent in the steps."""
+    client's masked delta and the time spent (the steps and the deltas; batches are drawn beforehand)."""
     x, y, work = exp.x_train, exp.y_train, exp.work
     from .masks import threshold_mask
     from .train import make_optimizer
@@ -151,10 +151,10 @@ def tight_round(exp, model, picked, subs, jobs) -> tuple[list[dict], float]:
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
-        seconds += _now(exp.device) - t0
-        with torch.no_grad():
+        with torch.no_grad():   # the update a client must return is part of its work
             deltas.append({n: (p - exp.params[n]) * sub.masks[n] if n in sub.masks else p - exp.params[n]
                            for n, p in own.items()})
+        seconds += _now(exp.device) - t0
     return deltas, seconds
 
 
@@ -275,8 +275,9 @@ def memory_child(spec: dict) -> dict:
     exp = Experiment(load_config(None, spec["overrides"]))
     init = time.process_time() - t0
     rss_init = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024   # Linux: KiB
+    exp.run_round(1)   # warm-up, outside the timing
     t0 = time.process_time()
-    for rnd in range(1, spec["rounds"] + 1):
+    for rnd in range(2, spec["rounds"] + 2):
         exp.run_round(rnd)
     status = Path("/proc/self/status")
     now = next((int(ln.split()[1]) / 1024 for ln in status.read_text().splitlines() if ln.startswith("VmRSS:")),

@@ -212,6 +212,8 @@ def validate(cfg: Config) -> Config:
     check_analysis(cfg.analysis)
     if cfg.data_dir is not None and not Path(cfg.data_dir).is_dir():
         raise ConfigError("data_dir", f"folder {cfg.data_dir!r} does not exist")
+    if cfg.batched_clients and cfg.engine != "embedded":   # Flower trains each client in its own ClientApp
+        raise ConfigError("batched_clients", f"needs engine=embedded, got engine={cfg.engine}")
     return cfg
 
 

@@ -150,3 +150,8 @@ def test_submodel_bytes_by_hand():
     assert dense == 4 * 23
     assert values == 4 * (10 + 3) + 4                 # kept values, the whole bias, one threshold
     assert sparse == values + 3                       # + a 20-bit mask: 3 bytes
+
+
+def test_batched_needs_the_embedded_engine(tiny_cfg):
+    with pytest.raises(ConfigError, match="batched_clients"):
+        tiny_cfg("batched_clients=true", "engine=flower-sim")
