@@ -145,7 +145,7 @@ def train_clients_batched(exp, picked: list[tuple[int, float]], subs: dict[float
     groups: dict[tuple, list[int]] = {}
     for i, ((_, lvl), (batches, _)) in enumerate(zip(picked, jobs)):
         sub = subs[lvl]
-        key = (tuple(len(b) for b in batches), frozenset(sub.thresholds or ()), sub.thresholds is not None, sub.ste)
+        key = (tuple(len(b) for b in batches), frozenset(sub.thresholds or ()), sub.ste if sub.thresholds else None)
         groups.setdefault(key, []).append(i)
     results: list = [None] * len(picked)
     for members in groups.values():

@@ -10,9 +10,11 @@ Sections (each prints one Markdown table; `--only` picks some):
   comm      bytes a client receives and sends per round and level: dense, kept values + bit mask, values only.
   batched   `batched_clients=true` against the sequential engine, and how far their results differ.
 
-Timings take the sum over the measured rounds after one warm-up round; the engine and the tight loop run
-alternately, round by round, so load from other processes hits both alike. Synthetic data (random pixels)
-stands in where real data is absent: the figures are about speed, not accuracy."""
+Timings follow one warm-up round; each measured round is repeated from the same start (rounds are
+deterministic), engine and tight loop alternating, and the fastest of each is kept. On a CPU the clock is the
+process's CPU time (other processes stretch wall time, not the work done), on a GPU wall time after
+synchronising. Synthetic data (random pixels) stands in where real data is absent: the figures are about
+speed, not accuracy."""
 from __future__ import annotations
 
 import argparse
@@ -212,13 +214,14 @@ def measure_overhead(overrides: list[str], method: str, rounds: int, repeats: in
 
 
 def section_overhead(args, scen: dict) -> str:
+    from .errors import UserError
     from .methods import METHODS
     rows, evals = [], []
     for name, overrides in scen.items():
         for method in METHODS:
             try:
                 r = measure_overhead(overrides, method, args.rounds, args.repeats, evaluate=method == "fiarse")
-            except Exception as e:   # a method that cannot run this model: say so, keep benchmarking
+            except UserError as e:   # a method that refuses this model (e.g. budget too small): say so
                 rows.append([name, method, f"not run: {e}"] + [""] * 7)
                 continue
             rows.append([name, method, f"{r['engine']:.3f}", f"{r['tight']:.3f}", f"{r['engine'] / r['tight']:.3f}x",
@@ -232,8 +235,7 @@ def section_overhead(args, scen: dict) -> str:
     what = "wall" if args.device == "cuda" else "CPU"
     return (f"### Engine against a tight loop of the same local steps ({what} s per round)\n\n" + table(
         ["scenario", "method", "engine", "tight loop", "overhead", "overhead (wall)", "masks ms (share)",
-         "aggregation ms",
-         "one extraction per level", "same result"], rows) +
+         "aggregation ms", "one extraction per level", "same result"], rows) +
         f"\n\n### Evaluation ({what} s; fiarse, all four levels: whole test set and every client's local split)\n\n" +
         table(["scenario", "s per evaluation", "data"], evals))
 
