@@ -28,7 +28,7 @@ from torch.func import functional_call, vmap
 
 from .errors import ConfigError
 from .masks import Submodel, threshold_mask
-from .train import LocalWork, client_batches, has_tied_weights, local_train, make_optimizer
+from .train import LocalWork, has_tied_weights, local_train, make_optimizer
 
 
 _TRAINING_COPIES: "weakref.WeakKeyDictionary[nn.Module, nn.Module]" = weakref.WeakKeyDictionary()
@@ -121,18 +121,8 @@ def local_train_batched(model: nn.Module, global_params: dict[str, torch.Tensor]
 
 
 def client_jobs(exp, picked: list[tuple[int, float]], rnd: int) -> list[tuple[list[torch.Tensor], Callable | None]]:
-    """Each picked client's batches (index tensors into the training set) and augmentation, drawn from its own
-    seeded generator exactly as `Experiment.client_update` draws them (same seed parts, same order)."""
-    from .data import augment_batch
-    from .engine import derive_seed
-
-    jobs = []
-    for client, _ in picked:
-        gen = torch.Generator().manual_seed(derive_seed(exp.cfg.seed, rnd, 1, client))
-        idx = exp.client_train_t[client]
-        batches = [idx[b.to(exp.device)] for b in client_batches(len(idx), exp.work, gen)]
-        jobs.append((batches, (lambda xb, gen=gen: augment_batch(xb, gen)) if exp.data.augment else None))
-    return jobs
+    """Each picked client's batches and augmentation, exactly as the sequential path draws them."""
+    return [exp.client_job(client, rnd) for client, _ in picked]
 
 
 def train_clients_batched(exp, picked: list[tuple[int, float]], subs: dict[float, Submodel],

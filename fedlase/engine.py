@@ -112,11 +112,17 @@ class Experiment:
         """Each level's submodel, computed once per round and shared by all clients of that level."""
         return {lvl: self.method.submodel(self.params, lvl, rnd).to(self.device) for lvl in sorted(set(levels))}
 
-    def client_update(self, client: int, sub: Submodel, rnd: int) -> tuple[dict, float]:
+    def client_job(self, client: int, rnd: int) -> tuple[list[torch.Tensor], object]:
+        """The client's local batches (index tensors into the training set) and augmentation for this round,
+        from its own seeded stream; every training path (sequential, batched, Flower, bench) draws them here."""
         gen = torch.Generator().manual_seed(derive_seed(self.cfg.seed, rnd, 1, client))
         idx = self.client_train_t[client]
         batches = [idx[b.to(self.device)] for b in client_batches(len(idx), self.work, gen)]
         augment = (lambda xb: augment_batch(xb, gen)) if self.data.augment else None
+        return batches, augment
+
+    def client_update(self, client: int, sub: Submodel, rnd: int) -> tuple[dict, float]:
+        batches, augment = self.client_job(client, rnd)
         return local_train(self.model, self.params, self.buffers, sub, self.x_train, self.y_train, batches,
                            self.work, augment)
 
