@@ -17,7 +17,10 @@ STE_MODES = ("official", "paper")
 
 def maskable_names(model: nn.Module) -> list[str]:
     """Weights and biases of conv and linear layers, in registration (= forward) order: the parameters a
-    resource budget counts. BatchNorm parameters are outside the budget."""
+    resource budget counts. BatchNorm parameters are outside the budget. A model may declare its own list
+    with a `budgeted_names()` method (a transformer budgets embeddings and encoder linears, not its head)."""
+    if hasattr(model, "budgeted_names"):
+        return list(model.budgeted_names())
     names = []
     for mod_name, mod in model.named_modules():
         if isinstance(mod, (nn.Conv1d, nn.Conv2d, nn.Linear)):
