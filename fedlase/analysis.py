@@ -19,11 +19,15 @@ import numpy as np
 import torch
 
 from .errors import ConfigError
+from .levels import level_name
+from .options import Option, check_options
+from .registry import register_tracker
 
 
 class Tracker:
     """Base class: override what you need. State must round-trip through state_dict for resume."""
     key = ""
+    options_spec: dict[str, Option] = {}   # the tracker's options (fedlase/options.py), checked with config
 
     def __init__(self, exp, options: dict | None = None):
         self.exp = exp
@@ -35,11 +39,8 @@ class Tracker:
         if value is True:
             return {}
         if isinstance(value, dict):
-            unknown = sorted(set(value) - set(getattr(cls, "option_help", {})))
-            if unknown:
-                known = ", ".join(getattr(cls, "option_help", {})) or "none"
-                raise ConfigError(f"analysis.{cls.key}.{unknown[0]}", f"unknown option; options: {known}")
-            return dict(value)
+            checked = check_options(f"analysis.{cls.key}", cls.options_spec, value, f"analysis {cls.key}")
+            return {k: v for k, v in checked.items() if k in value}
         raise ConfigError(f"analysis.{cls.key}", f"expected true, false or a mapping of options, got {value!r}")
 
     def on_round(self, rnd: int, picked, submodels, old_params, new_params) -> None:
@@ -72,28 +73,29 @@ class Tracker:
 
 
 def _level_names(levels) -> list[str]:
-    from .engine import level_name   # engine imports this module lazily; import back lazily too
     return [level_name(lvl) for lvl in levels]
 
 
+def _rounds_rule(rounds) -> str | None:
+    if not isinstance(rounds, list) or not rounds or \
+            not all(isinstance(r, int) and not isinstance(r, bool) and r >= 0 for r in rounds):
+        return f"rounds must be a list of integers >= 0, got {rounds!r}"
+    return None
+
+
+@register_tracker
 class Magnitudes(Tracker):
     """Per-layer max and mean |theta| of the global model (maskable parameters).
 
     Option `rounds`: list of rounds after which to record (0 = the initial model); without it, every
     evaluation. Written as `rounds` (R,), `max` and `mean` (R, layers)."""
     key = "magnitudes"
-    option_help = {"rounds": "rounds to record (0 = initial model); default: every evaluation"}
+    options_spec = {"rounds": Option(None, "rounds to record (0 = initial model); default: every evaluation",
+                                     kind=list, check=_rounds_rule)}
 
     @classmethod
     def parse_options(cls, value) -> dict:
-        if isinstance(value, list):
-            value = {"rounds": value}
-        opts = super().parse_options(value)
-        rounds = opts.get("rounds")
-        if rounds is not None and (not isinstance(rounds, list) or not rounds or
-                                   not all(isinstance(r, int) and not isinstance(r, bool) and r >= 0 for r in rounds)):
-            raise ConfigError("analysis.magnitudes", f"rounds must be a list of integers >= 0, got {rounds!r}")
-        return opts
+        return super().parse_options({"rounds": value} if isinstance(value, list) else value)
 
     def __init__(self, exp, options=None):
         super().__init__(exp, options)
@@ -145,6 +147,7 @@ def ratio_std(ratios: np.ndarray, last: int | None = None) -> np.ndarray:
     return window.std(axis=0)
 
 
+@register_tracker
 class Ratios(Tracker):
     """Per-layer extraction ratio (kept / size of each maskable parameter) of each level's submodel, every round.
 
@@ -153,15 +156,7 @@ class Ratios(Tracker):
     N rounds (default: all). Written as `levels` (L,), `rounds` (R,), `ratios` (L, R, layers) and
     `ratio_std` (L, layers); the metrics line gets `ratio_std` per level, averaged over layers."""
     key = "ratios"
-    option_help = {"last": "ratio_std over the last N rounds (default: all rounds)"}
-
-    @classmethod
-    def parse_options(cls, value) -> dict:
-        opts = super().parse_options(value)
-        last = opts.get("last")
-        if last is not None and (not isinstance(last, int) or isinstance(last, bool) or last < 1):
-            raise ConfigError("analysis.ratios.last", f"must be a positive integer, got {last!r}")
-        return opts
+    options_spec = {"last": Option(None, "ratio_std over the last N rounds (default: all rounds)", kind=int, low=1)}
 
     def __init__(self, exp, options=None):
         super().__init__(exp, options)
@@ -193,7 +188,7 @@ class Ratios(Tracker):
             return None
         r = self.ratios()
         std = ratio_std(r.transpose(1, 0, 2), self.last)   # (L, layers)
-        self.save_npz(levels=np.array(self.exp.levels), rounds=np.array(self.rounds, dtype=np.int64),
+        self.save_npz(levels=np.array([float(lv) for lv in self.exp.levels]), rounds=np.array(self.rounds, dtype=np.int64),
                       ratios=r, ratio_std=std)
         return {"ratio_std": dict(zip(_level_names(self.exp.levels), map(float, std.mean(axis=1))))}
 
@@ -224,6 +219,7 @@ def gini(values) -> float:
     return gini_from_histogram(np.bincount(np.asarray(values, dtype=np.int64).ravel()))
 
 
+@register_tracker
 class Updates(Tracker):
     """Cumulative update counts: how many times each coordinate of a maskable parameter was part of a trained
     submodel (per sampled client: its level's mask at the start of the round; an unmasked parameter counts
@@ -276,23 +272,3 @@ class Updates(Tracker):
     def load_state_dict(self, state):
         self.counts = {n: c.to(self.exp.device) for n, c in state["counts"].items()}
         self.clients = state["clients"]
-
-
-TRACKERS: dict[str, type[Tracker]] = {t.key: t for t in (Magnitudes, Ratios, Updates)}
-
-
-def check_analysis(options) -> dict[str, dict]:
-    """The `analysis` config value -> {name: options} of the trackers switched on; ConfigError naming
-    `analysis.<name>` on an unknown name or a bad option. `false` (or null) switches an analysis off."""
-    if not isinstance(options, dict):
-        raise ConfigError("analysis", f"expected a mapping such as {{ratios: true}}, got {options!r}")
-    for name in options:
-        if name not in TRACKERS:
-            raise ConfigError(f"analysis.{name}", f"unknown analysis; known: {', '.join(TRACKERS)}")
-    # registry order, not the config's: checkpoints store tracker states as a list
-    return {name: cls.parse_options(options[name]) for name, cls in TRACKERS.items()
-            if options.get(name) not in (None, False)}
-
-
-def build_trackers(options: dict, exp) -> list[Tracker]:
-    return [TRACKERS[name](exp, opts) for name, opts in check_analysis(options).items()]

@@ -28,7 +28,7 @@ from torch.func import functional_call, vmap
 
 from .errors import ConfigError
 from .masks import Submodel, threshold_mask
-from .train import LocalWork, has_tied_weights, local_train, make_optimizer
+from .train import LocalWork, has_tied_weights, make_optimizer
 
 
 _TRAINING_COPIES: "weakref.WeakKeyDictionary[nn.Module, nn.Module]" = weakref.WeakKeyDictionary()
@@ -120,18 +120,14 @@ def local_train_batched(model: nn.Module, global_params: dict[str, torch.Tensor]
     return out
 
 
-def client_jobs(exp, picked: list[tuple[int, float]], rnd: int) -> list[tuple[list[torch.Tensor], Callable | None]]:
-    """Each picked client's batches and augmentation, exactly as the sequential path draws them."""
-    return [exp.client_job(client, rnd) for client, _ in picked]
-
-
-def train_clients_batched(exp, picked: list[tuple[int, float]], subs: dict[float, Submodel],
-                          rnd: int) -> list[tuple[dict, float]]:
-    """The engine's hook: (delta, loss) of every picked client, in `picked` order, trained group by group."""
-    if any(isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0 for m in exp.model.modules()):
+def train_clients_batched(trainer, params: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor],
+                          picked: list, subs: dict, rnd: int) -> list[tuple[dict, float]]:
+    """(delta, loss) of every picked (client, level), in `picked` order, trained group by group with the
+    trainer's model, data and batches (`ClientTrainer` of fedlase/engine.py)."""
+    if any(isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0 for m in trainer.model.modules()):
         raise ConfigError("batched_clients", "the model uses dropout, whose random draws under vmap cannot "
                           "match the sequential ones; set batched_clients=false")
-    jobs = client_jobs(exp, picked, rnd)
+    jobs = [trainer.job(client, rnd) for client, _ in picked]
     groups: dict[tuple, list[int]] = {}
     for i, ((_, lvl), (batches, _)) in enumerate(zip(picked, jobs)):
         sub = subs[lvl]
@@ -139,14 +135,13 @@ def train_clients_batched(exp, picked: list[tuple[int, float]], subs: dict[float
         groups.setdefault(key, []).append(i)
     results: list = [None] * len(picked)
     for members in groups.values():
-        group_subs = [subs[picked[i][1]] for i in members]
         if len(members) == 1:   # nothing to batch with: the sequential code, exactly
-            (batches, augment), = [jobs[i] for i in members]
-            results[members[0]] = local_train(exp.model, exp.params, exp.buffers, group_subs[0], exp.x_train,
-                                              exp.y_train, batches, exp.work, augment)
+            i = members[0]
+            results[i] = trainer.update(picked[i][0], params, buffers, subs[picked[i][1]], rnd)
             continue
-        outs = local_train_batched(exp.model, exp.params, exp.buffers, group_subs, exp.x_train, exp.y_train,
-                                   [jobs[i][0] for i in members], exp.work, [jobs[i][1] for i in members])
+        outs = local_train_batched(trainer.model, params, buffers, [subs[picked[i][1]] for i in members],
+                                   trainer.x, trainer.y, [jobs[i][0] for i in members], trainer.work,
+                                   [jobs[i][1] for i in members])
         for i, o in zip(members, outs):
             results[i] = o
     return results

@@ -1,127 +1,127 @@
 """The experiment config: one typed record, read from YAML and/or `key=value` overrides, validated once.
 
-Every field carries its help text, so `fedlase run --help` documents every key from this one place."""
+Every field is declared with its `Option` (fedlase/options.py): help text, allowed values read from the
+registries (fedlase/registry.py), range, and whether it changes the result. `fedlase run --help` documents
+every key from this one place, and a resumed run may differ from its checkpoint only in fields declared
+`affects_result=False`."""
 from __future__ import annotations
 
 import dataclasses
-import re
 from dataclasses import dataclass, field
-from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from . import catalog  # noqa: F401  (registers the built-in datasets, models, partitions, methods, analyses)
 from .errors import ConfigError
+from .levels import System, parse_level
+from .options import Option, check_options, check_value
+from .registry import DATASETS, METHODS, MODELS, PARTITIONS, TRACKERS
 
 
 def _f(default, help: str, **kw):
+    """A config field with its Option; kw: kind, choices, low, high, low_open, high_open, check, affects_result."""
+    meta = {"option": Option(default, help, **kw)}
     if isinstance(default, (list, dict)):
-        return field(default_factory=lambda: type(default)(default), metadata={"help": help, **kw})
-    return field(default=default, metadata={"help": help, **kw})
+        return field(default_factory=lambda: type(default)(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+def _positive(**kw):
+    return {"low": 0, "low_open": True, **kw}
 
 
 @dataclass
 class Config:
-    method: str = _f("fiarse", "submodel method: fedlase, fiarse, heterofl, fedrolex, fedavg, fedavg_small")
+    method: str = _f("fiarse", "submodel method (see `fedlase methods`)", choices=METHODS.names)
     method_args: dict = _f({}, "options of the method, e.g. method_args.score=max (see `fedlase methods`)")
-    dataset: str = _f("fashion_mnist", "fashion_mnist, cifar10, cifar100 or digits")
-    data_dir: str | None = _f(None, "folder with the data files (default for fashion_mnist: the Debian package's)")
-    model: str = _f("cnn", "cnn (small CNN) or resnet18 (CIFAR ResNet-18)")
-    width: float = _f(1.0, "width multiplier of the model's channels, > 0")
-    bn: str = _f("batch", "batch: batch statistics (FIARSE); static: stats recomputed before evaluation (HeteroFL)")
+    dataset: str = _f("fashion_mnist", "dataset", choices=DATASETS.names)
+    data_dir: str | None = _f(None, "folder with the data files (default for fashion_mnist: the Debian package's)",
+                              kind=str)
+    model: str = _f("cnn", "model", choices=MODELS.names)
+    model_path: str | None = _f(None, "model=hf: a local Hugging Face model folder (never downloaded)", kind=str)
+    max_length: int = _f(128, "text datasets: tokens per text (longer texts are cut)", low=1)
+    width: float = _f(1.0, "width multiplier of the model's channels, > 0", **_positive())
+    bn: str = _f("batch", "batch: batch statistics (FIARSE); static: stats recomputed before evaluation (HeteroFL)",
+                 choices=("batch", "static"))
     system: str = _f("{1,1/4,1/16,1/64}_{10,20,30,40}",
                      "resource levels and client counts, {levels}_{counts}; {1}_{100} is homogeneous")
-    assignment: str = _f("fixed", "fixed: levels by client index, for the whole run; random: re-drawn each round")
-    partition: str = _f("balanced_dirichlet", "iid, dirichlet, balanced_dirichlet (as FIARSE) or pathological")
-    alpha: float = _f(0.3, "Dirichlet concentration for (balanced_)dirichlet, > 0")
-    classes_per_client: int = _f(2, "classes per client for pathological, 1..number of classes")
-    local_test_ratio: float | None = _f(None, "local test split size / local train size (default: test/train of the data)")
+    assignment: str = _f("fixed", "fixed: levels by client index, for the whole run; random: the fixed counts "
+                         "permuted over clients each round; dynamic: each client's level drawn independently each "
+                         "round, in proportion to the counts (the official HeteroFL/FedRolex `dynamic`)",
+                         choices=("fixed", "random", "dynamic"))
+    partition: str = _f("balanced_dirichlet", "how the training set is split over clients", choices=PARTITIONS.names)
+    alpha: float = _f(0.3, "Dirichlet concentration for (balanced_)dirichlet, > 0", **_positive())
+    classes_per_client: int = _f(2, "classes per client for pathological, 1..number of classes", low=1)
+    local_test_ratio: float | None = _f(None, "local test split size / local train size (default: test/train of the "
+                                        "data)", kind=float, **_positive())
     participation: Any = _f(0.1, "fraction of clients sampled per round, or a set drawn per round, e.g. {0.1,0.15,0.2}")
-    local_steps: int | None = _f(20, "local SGD steps per round (set local_epochs instead to train by epochs)")
-    local_epochs: float | None = _f(None, "local epochs per round; overrides local_steps when set")
-    batch_size: int = _f(32, "local batch size")
-    optimizer: str = _f("sgd", "sgd or adamw")
-    lr: float = _f(0.05, "learning rate, > 0")
-    momentum: float = _f(0.0, "SGD momentum, in [0, 1)")
-    weight_decay: float = _f(0.0, "weight decay, >= 0")
+    local_steps: int | None = _f(20, "local SGD steps per round (set local_epochs instead to train by epochs)",
+                                 kind=int, low=1)
+    local_epochs: float | None = _f(None, "local epochs per round; overrides local_steps when set", kind=float,
+                                    **_positive())
+    batch_size: int = _f(32, "local batch size", low=1)
+    optimizer: str = _f("sgd", "sgd or adamw", choices=("sgd", "adamw"))
+    lr: float = _f(0.05, "learning rate, > 0", **_positive())
+    momentum: float = _f(0.0, "SGD momentum, in [0, 1)", low=0, high=1, high_open=True)
+    weight_decay: float = _f(0.0, "weight decay, >= 0", low=0)
     betas: list = _f([0.9, 0.999], "AdamW betas, two numbers in [0, 1)")
-    rounds: int = _f(100, "communication rounds")
-    eval_every: int = _f(10, "evaluate every N rounds (and always after the last)")
-    eval_batch_size: int = _f(1000, "batch size for evaluation")
-    seed: int = _f(0, "seed of model init, partition, sampling and local batches")
-    device: str = _f("auto", "cpu, cuda or auto")
-    threads: int = _f(0, "torch CPU threads (0: torch's default)")
+    clip_norm: float | None = _f(None, "clip each local step's gradient to this norm (the official HeteroFL and "
+                                 "FedRolex codes use 1); unset: no clipping", kind=float, **_positive())
+    rounds: int = _f(100, "communication rounds", low=1, affects_result=False)
+    eval_every: int = _f(10, "evaluate every N rounds (and always after the last)", low=1, affects_result=False)
+    eval_batch_size: int = _f(1000, "batch size for evaluation", low=1)
+    seed: int = _f(0, "seed of model init, partition, sampling and local batches", low=0)
+    device: str = _f("auto", "cpu, cuda or auto", choices=("cpu", "cuda", "auto"), affects_result=False)
+    threads: int = _f(0, "torch CPU threads (0: torch's default)", low=0, affects_result=False)
     batched_clients: bool = _f(False, "train a round's clients together in vmapped passes (pays on GPU; same "
                                "result up to float rounding; see docs/benchmarks.md)")
     engine: str = _f("embedded", "embedded (one process), flower-sim (Flower's Simulation Engine) or flower-deploy "
-                     "(a running Flower SuperLink; see docs/flower.md)")
-    min_replies: int = _f(1, "Flower: good replies a round needs to update the model (else it is left unchanged)")
-    reply_timeout: float = _f(600.0, "Flower: seconds the server waits for a round's replies, > 0")
-    superlink: str = _f("127.0.0.1:8000", "Flower: the SuperLink address (host:port) that engine=flower-deploy submits to")
-    out: str = _f("runs/default", "output folder: metrics.jsonl, summary.json, checkpoint.pt")
-    checkpoint_every: int = _f(10, "write a checkpoint every N rounds (0: never)")
+                     "(a running Flower SuperLink; see docs/flower.md)",
+                     choices=("embedded", "flower-sim", "flower-deploy"), affects_result=False)
+    min_replies: int = _f(1, "Flower: good replies a round needs to update the model (else it is left unchanged)",
+                          low=1, affects_result=False)
+    reply_timeout: float = _f(600.0, "Flower: seconds the server waits for a round's replies, > 0",
+                              affects_result=False, **_positive())
+    superlink: str = _f("127.0.0.1:8000", "Flower: the SuperLink address (host:port) that engine=flower-deploy submits to", affects_result=False)
+    tls_ca: str | None = _f(None, "Flower: CA certificate (PEM) that signed the SuperLink's; engine=flower-deploy and the "
+                            "SuperNodes verify the SuperLink with it (docs/flower.md)", kind=str, affects_result=False)
+    tls_cert: str | None = _f(None, "Flower: the SuperLink's TLS certificate (PEM), for scripts/flower-deploy-local.py "
+                              "(default: a throwaway one)", kind=str, affects_result=False)
+    tls_key: str | None = _f(None, "Flower: the SuperLink's TLS private key (PEM), with tls_cert", kind=str,
+                             affects_result=False)
+    node_keys: str | None = _f(None, "Flower: folder of SuperNode key pairs node-<i>.key and node-<i>.key.pub, for "
+                               "scripts/flower-deploy-local.py (default: throwaway ones)", kind=str, affects_result=False)
+    insecure: bool = _f(False, "Flower: true turns TLS and node authentication off (loopback or a trusted network "
+                        "only; warns)", affects_result=False)
+    out: str = _f("runs/default", "output folder: metrics.jsonl, summary.json, checkpoint.pt", affects_result=False)
+    checkpoint_every: int = _f(10, "write a checkpoint every N rounds (0: never)", low=0, affects_result=False)
     analysis: dict = _f({}, "training-time analyses, e.g. analysis.magnitudes=true (see docs)")
 
     # filled by validate()
-    levels: list = field(default_factory=list, init=False, repr=False, metadata={"derived": True})
-
-    @property
-    def client_levels(self) -> list[float]:
-        """The resource level of each client, by client index (the `fixed` assignment)."""
-        return [lvl for lvl, n in self.levels for _ in range(n)]
+    levels: System | None = field(default=None, init=False, repr=False, metadata={"derived": True})
 
     @property
     def num_clients(self) -> int:
-        return sum(n for _, n in self.levels)
+        return self.levels.num_clients
 
     def to_dict(self) -> dict:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if not f.metadata.get("derived")}
 
 
-CHOICES = {
-    "dataset": ("fashion_mnist", "cifar10", "cifar100", "digits"),
-    "model": ("cnn", "resnet18"),
-    "bn": ("batch", "static"),
-    "assignment": ("fixed", "random"),
-    "partition": ("iid", "dirichlet", "balanced_dirichlet", "pathological"),
-    "optimizer": ("sgd", "adamw"),
-    "device": ("cpu", "cuda", "auto"),
-    "engine": ("embedded", "flower-sim", "flower-deploy"),
-}
-NUM_CLASSES = {"fashion_mnist": 10, "cifar10": 10, "cifar100": 100, "digits": 10}
-
-_SYSTEM = re.compile(r"^\{([^{}]*)\}_\{([^{}]*)\}$")
+def options() -> dict[str, Option]:
+    """Every config key's Option, in declaration order."""
+    return {f.name: f.metadata["option"] for f in dataclasses.fields(Config) if "option" in f.metadata}
 
 
-def parse_level(text: str) -> float:
-    """'1/4' or '0.25' -> 0.25."""
-    return float(Fraction(text.strip()))
+def result_keys() -> set[str]:
+    """Keys that change a run's result: a checkpoint resumes only under the same values of these."""
+    return {k for k, o in options().items() if o.affects_result}
 
 
-def parse_system(text: str) -> list[tuple[float, int]]:
-    """'{1,1/4,1/16,1/64}_{10,20,30,40}' -> [(1.0, 10), (0.25, 20), (0.0625, 30), (0.015625, 40)]."""
-    allowed = "written {levels}_{counts}, e.g. {1,1/4,1/16,1/64}_{10,20,30,40}: levels in (0,1], counts positive integers"
-    m = _SYSTEM.match(str(text).replace(" ", ""))
-    if not m:
-        raise ConfigError("system", f"cannot parse {text!r}; {allowed}")
-    lv, ct = m.group(1).split(","), m.group(2).split(",")
-    if len(lv) != len(ct):
-        raise ConfigError("system", f"{len(lv)} levels but {len(ct)} counts in {text!r}; {allowed}")
-    out = []
-    for a, b in zip(lv, ct):
-        try:
-            level = parse_level(a)
-        except (ValueError, ZeroDivisionError):
-            raise ConfigError("system", f"level {a!r} is not a number or fraction; {allowed}") from None
-        if not 0 < level <= 1:
-            raise ConfigError("system", f"level {a} is outside (0,1]; {allowed}")
-        if not re.fullmatch(r"\d+", b) or int(b) < 1:
-            raise ConfigError("system", f"count {b!r} is not a positive integer; {allowed}")
-        out.append((level, int(b)))
-    if len({lvl for lvl, _ in out}) != len(out):
-        raise ConfigError("system", f"a level appears twice in {text!r}")
-    return out
+def parse_system(text: str) -> System:
+    return System.parse(text)
 
 
 def parse_participation(value) -> list[float]:
@@ -134,7 +134,7 @@ def parse_participation(value) -> list[float]:
     if not isinstance(value, (list, tuple)):
         value = [value]
     try:
-        out = [float(Fraction(str(v).strip())) for v in value]
+        out = [float(parse_level(v)) for v in value]
     except (ValueError, ZeroDivisionError):
         raise ConfigError("participation", f"cannot read {value!r}; {allowed}") from None
     if not out or any(not 0 < p <= 1 for p in out):
@@ -142,76 +142,50 @@ def parse_participation(value) -> list[float]:
     return out
 
 
-def _coerce(name: str, value, default):
-    """Check a value against the type of its field's default."""
-    kinds = {bool: "true or false", int: "an integer", float: "a number", str: "a string", dict: "a mapping",
-             list: "a list"}
-    want = type(default) if default is not None else None
-    if want is None or value is None:
-        return value
-    if want in (int, float) and isinstance(value, str):   # YAML 1.1 reads '1e-2' as a string
-        try:
-            value = float(value)
-        except ValueError:
-            pass
-    if want is float and isinstance(value, (int, float)) and not isinstance(value, bool):
-        return float(value)
-    if want is int and isinstance(value, float) and value.is_integer():
-        return int(value)
-    if isinstance(value, want) and not (want is int and isinstance(value, bool)):
-        return value
-    if want is str and isinstance(value, (int, float)):
-        return str(value)
-    raise ConfigError(name, f"expected {kinds.get(want, want.__name__)}, got {value!r}")
+_BETA = Option(0.9, "an AdamW beta", low=0, high=1, high_open=True)
 
 
-_NUMERIC_OPTIONAL = {"data_dir": str, "local_test_ratio": float, "local_steps": int, "local_epochs": float}
+def check_analysis(value) -> dict[str, dict]:
+    """The `analysis` config value -> {name: options} of the trackers switched on, in registry order (a
+    checkpoint stores tracker states as a list). `false` (or null) switches an analysis off."""
+    if not isinstance(value, dict):
+        raise ConfigError("analysis", f"expected a mapping such as {{ratios: true}}, got {value!r}")
+    for name in value:
+        if name not in TRACKERS:
+            raise ConfigError(f"analysis.{name}", f"unknown analysis; known: {', '.join(TRACKERS.names())}")
+    return {name: cls.parse_options(value[name]) for name, cls in TRACKERS.items()
+            if value.get(name) not in (None, False)}
 
 
 def validate(cfg: Config) -> Config:
     """Check every value; fill derived fields. Raises ConfigError naming the key and the allowed values."""
-    for f in dataclasses.fields(cfg):
-        if f.metadata.get("derived") or f.name in ("participation",):
+    for name, opt in options().items():
+        if name in ("participation", "system", "method_args", "analysis", "betas"):
             continue
-        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-        if f.name in _NUMERIC_OPTIONAL:
-            default = _NUMERIC_OPTIONAL[f.name]()
-        setattr(cfg, f.name, _coerce(f.name, getattr(cfg, f.name), default))
-    for key, allowed in CHOICES.items():
-        if getattr(cfg, key) not in allowed:
-            raise ConfigError(key, f"{getattr(cfg, key)!r} is not one of {', '.join(allowed)}")
-    cfg.levels = parse_system(cfg.system)
+        setattr(cfg, name, check_value(name, opt, getattr(cfg, name)))
+    cfg.levels = System.parse(cfg.system)
     cfg.participation = parse_participation(cfg.participation)
-    positive = {"width": cfg.width, "lr": cfg.lr, "alpha": cfg.alpha, "batch_size": cfg.batch_size,
-                "rounds": cfg.rounds, "eval_every": cfg.eval_every, "eval_batch_size": cfg.eval_batch_size}
-    for key, v in positive.items():
-        if not v > 0:
-            raise ConfigError(key, f"must be > 0, got {v}")
-    if cfg.local_epochs is not None and not cfg.local_epochs > 0:
-        raise ConfigError("local_epochs", f"must be > 0, got {cfg.local_epochs}")
-    if cfg.local_epochs is None and (cfg.local_steps is None or cfg.local_steps < 1):
-        raise ConfigError("local_steps", f"must be a positive integer (or set local_epochs), got {cfg.local_steps}")
-    if cfg.local_test_ratio is not None and not cfg.local_test_ratio > 0:
-        raise ConfigError("local_test_ratio", f"must be > 0, got {cfg.local_test_ratio}")
-    if not 0 <= cfg.momentum < 1:
-        raise ConfigError("momentum", f"must be in [0, 1), got {cfg.momentum}")
-    if cfg.weight_decay < 0:
-        raise ConfigError("weight_decay", f"must be >= 0, got {cfg.weight_decay}")
-    if len(cfg.betas) != 2 or not all(isinstance(b, (int, float)) and 0 <= b < 1 for b in cfg.betas):
+    if not isinstance(cfg.betas, (list, tuple)) or len(cfg.betas) != 2:
         raise ConfigError("betas", f"must be two numbers in [0, 1), got {cfg.betas}")
-    if not cfg.reply_timeout > 0:
-        raise ConfigError("reply_timeout", f"must be > 0, got {cfg.reply_timeout}")
-    for key in ("checkpoint_every", "threads", "seed", "min_replies"):
-        if getattr(cfg, key) < 0:
-            raise ConfigError(key, f"must be >= 0, got {getattr(cfg, key)}")
-    n_cls = NUM_CLASSES[cfg.dataset]
-    if cfg.partition == "pathological" and not 1 <= cfg.classes_per_client <= n_cls:
-        raise ConfigError("classes_per_client",
-                          f"must be between 1 and the {n_cls} classes of {cfg.dataset}, got {cfg.classes_per_client}")
-    from .analysis import check_analysis   # the trackers' own option rules, checked before anything runs
+    cfg.betas = [check_value("betas", _BETA, b) for b in cfg.betas]
+    method = METHODS.get(cfg.method)
+    if not isinstance(cfg.method_args, dict):
+        raise ConfigError("method_args", f"expected a mapping of options, got {cfg.method_args!r}")
+    method.check_args(cfg.method_args)
+    data, model = DATASETS.get(cfg.dataset), MODELS.get(cfg.model)
+    if data.kind != model.kind:
+        raise ConfigError("model", f"{cfg.model} is a {model.kind} model but dataset {cfg.dataset} is {data.kind}; "
+                          f"pick a {data.kind} model ({', '.join(n for n, m in MODELS.items() if m.kind == data.kind)})")
+    if cfg.local_epochs is None and cfg.local_steps is None:
+        raise ConfigError("local_steps", "must be a positive integer (or set local_epochs)")
+    if cfg.partition == "pathological" and cfg.classes_per_client > data.num_classes:
+        raise ConfigError("classes_per_client", f"must be between 1 and the {data.num_classes} classes of "
+                          f"{cfg.dataset}, got {cfg.classes_per_client}")
     check_analysis(cfg.analysis)
     if cfg.data_dir is not None and not Path(cfg.data_dir).is_dir():
         raise ConfigError("data_dir", f"folder {cfg.data_dir!r} does not exist")
+    if data.needs_data_dir and cfg.data_dir is None:
+        raise ConfigError("data_dir", f"dataset {cfg.dataset} needs data_dir: the folder holding its files")
     if cfg.batched_clients and cfg.engine != "embedded":   # Flower trains each client in its own ClientApp
         raise ConfigError("batched_clients", f"needs engine=embedded, got engine={cfg.engine}")
     return cfg
@@ -232,7 +206,7 @@ def set_dotted(d: dict, key: str, value) -> None:
         d[head] = value
 
 
-_RAW_STRING_KEYS = {"system", "participation", "out", "data_dir"}
+_RAW_STRING_KEYS = {"system", "participation", "out", "data_dir", "model_path"}
 
 
 def parse_override(item: str) -> tuple[str, Any]:
@@ -282,9 +256,8 @@ def config_from_dict(raw: dict, validate_: bool = True) -> Config:
 def describe_keys() -> str:
     """Help text for every config key, for the CLI."""
     lines = []
-    for f in dataclasses.fields(Config):
-        if f.metadata.get("derived"):
-            continue
-        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-        lines.append(f"  {f.name:<18} {f.metadata['help']} [default: {default}]")
+    for name, opt in options().items():
+        allowed = opt.allowed()
+        choices = f" ({', '.join(map(str, allowed))})" if allowed and name in ("method", "dataset", "model", "partition") else ""
+        lines.append(f"  {name:<18} {opt.help}{choices} [default: {opt.default}]")
     return "\n".join(lines)

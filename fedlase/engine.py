@@ -1,8 +1,10 @@
-"""The embedded engine: a whole experiment in one process.
+"""The engine: one round loop for every way of training a round.
 
-A round: sample clients -> each level's submodel (once per level) -> masked local training -> per-coordinate
-aggregation -> (every eval_every rounds) evaluation per resource level. The engine knows no method by name:
-it asks the method for submodels and the aggregation rule, and does everything else itself."""
+A round: sample clients -> each level's submodel (once per level) -> the round runner trains the clients
+(one after another, in vmapped groups, or on Flower nodes) -> per-coordinate aggregation of the updates it
+returns -> trackers -> (every eval_every rounds) evaluation per resource level. The loop, the aggregation and
+the tracker calls exist once, here; a runner only turns (clients, submodels, global model) into updates. The
+engine knows no method, dataset, model or analysis by name: it builds them through fedlase.registry."""
 from __future__ import annotations
 
 import json
@@ -10,36 +12,30 @@ import logging
 import math
 import os
 import time
-from fractions import Fraction
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 import torch
 
 from .aggregate import Aggregator
-from .config import Config
-from .data import augment_batch, load_dataset, local_test_split, partition
+from .config import Config, check_analysis, result_keys
+from .data import local_test_split
 from .errors import UserError
 from .evaluate import accuracy, predict, recompute_bn_stats
+from .levels import Level, level_name
 from .masks import Submodel
-from .methods import build_method
-from .models import build_model
-from .train import LocalWork, client_batches, local_train
+from .registry import DATASETS, METHODS, MODELS, PARTITIONS, TRACKERS
+from .sampling import client_job, derive_seed, dropout_seed, sample_clients
+from .train import LocalWork, local_train
 
 log = logging.getLogger("fedlase")
 
 BN_RECOMPUTE_SAMPLES = 5000   # training samples used to recompute static BN statistics before evaluation
 
-
-def level_name(level: float) -> str:
-    """0.0625 -> '1/16' (the papers' notation)."""
-    return str(Fraction(level).limit_denominator(1 << 20))
-
-
-def derive_seed(*parts: int) -> int:
-    """A well-mixed 63-bit seed from integers (seed, round, client, ...), so every round and client has its
-    own random stream and a resumed run draws exactly what an uninterrupted one would."""
-    return int(np.random.SeedSequence([int(p) for p in parts]).generate_state(2, np.uint64)[0] >> 1)
+__all__ = ["Experiment", "RunState", "Update", "RoundResult", "ClientTrainer", "run_experiment", "derive_seed",
+           "fairness", "level_name", "pick_device", "build_model_for", "client_splits"]
 
 
 def pick_device(name: str) -> torch.device:
@@ -58,116 +54,199 @@ def fairness(accs: list[float]) -> dict:
     return {"mean": float(a.mean()), "std": float(a.std()), "worst10": float(a[: max(1, math.ceil(0.1 * len(a)))].mean())}
 
 
-class Experiment:
-    """Everything one run holds: data, partition, model, method, round counter, and trackers."""
+def client_splits(cfg: Config, y_train: np.ndarray, y_test: np.ndarray, num_classes: int):
+    """Each client's training indices (the configured partition) and local test indices."""
+    n = cfg.num_clients
+    if n > len(y_train):
+        raise UserError(f"system: {n} clients but only {len(y_train)} training samples")
+    train = PARTITIONS.get(cfg.partition).split(y_train, n, cfg)
+    ratio = cfg.local_test_ratio or len(y_test) / len(y_train)
+    test = local_test_split([y_train[i] for i in train], y_test, num_classes, ratio, seed=cfg.seed)
+    return train, test
 
-    def __init__(self, cfg: Config):
+
+def build_model_for(cfg: Config, data) -> torch.nn.Module:
+    """The global model, initialised from the run's seed."""
+    torch.manual_seed(cfg.seed)
+    return MODELS.get(cfg.model).build(cfg, data)
+
+
+# ---- state and rounds ----------------------------------------------------------------------------------------
+@dataclass
+class RunState:
+    """Everything a run changes as it goes, besides the method's and trackers' own state."""
+    round: int
+    params: dict[str, torch.Tensor]
+    buffers: dict[str, torch.Tensor]
+    train_time: float = 0.0
+
+
+@dataclass
+class Update:
+    """One client's contribution to a round."""
+    client: int
+    level: Level
+    delta: dict[str, torch.Tensor]
+    loss: float
+
+
+@dataclass
+class RoundResult:
+    updates: list[Update]                       # the accepted updates, in client order
+    stats: dict = field(default_factory=dict)   # runner-specific figures for the metrics line
+
+
+class RoundRunner(Protocol):
+    """Trains one round's clients. The engine aggregates what it returns."""
+    def train(self, exp: "Experiment", rnd: int, picked: list[tuple[int, Level]],
+              subs: dict[Level, Submodel]) -> RoundResult: ...
+
+    def state_dict(self) -> dict: ...
+
+    def load_state_dict(self, state: dict) -> None: ...
+
+
+class ClientTrainer:
+    """What a client needs to train and nothing more: the model, the training tensors, each client's index
+    array, and the local work. A Flower ClientApp builds one for its own partition only."""
+
+    def __init__(self, cfg: Config, model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor,
+                 train_idx: dict[int, torch.Tensor], augment: bool):
+        self.cfg, self.model, self.x, self.y = cfg, model, x, y
+        self.train_idx, self.augment = train_idx, augment
+        self.work = LocalWork.from_config(cfg)
+
+    def job(self, client: int, rnd: int):
+        return client_job(self.cfg.seed, self.work, self.train_idx[client], rnd, client, self.augment)
+
+    def update(self, client: int, params: dict, buffers: dict, sub: Submodel, rnd: int) -> tuple[dict, float]:
+        """The client's delta (zero outside its submodel) and mean training loss for this round."""
+        batches, augment = self.job(client, rnd)
+        with torch.random.fork_rng(devices=[]):   # dropout draws from the client's own stream
+            torch.manual_seed(dropout_seed(self.cfg.seed, rnd, client))
+            return local_train(self.model, params, buffers, sub, self.x, self.y, batches, self.work, augment)
+
+
+class SequentialRounds:
+    """The plain runner: the round's clients train one after another."""
+
+    def train(self, exp, rnd, picked, subs):
+        updates = []
+        for client, lvl in picked:
+            delta, loss = exp.trainer.update(client, exp.state.params, exp.state.buffers, subs[lvl], rnd)
+            updates.append(Update(client, lvl, delta, loss))
+        return RoundResult(updates)
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
+
+class BatchedRounds(SequentialRounds):
+    """The round's clients train together in vmapped groups (fedlase/batched.py); equal up to float rounding."""
+
+    def train(self, exp, rnd, picked, subs):
+        from .batched import train_clients_batched   # torch.func.vmap machinery, loaded only when used
+        results = train_clients_batched(exp.trainer, exp.state.params, exp.state.buffers, picked, subs, rnd)
+        return RoundResult([Update(c, lvl, d, loss) for (c, lvl), (d, loss) in zip(picked, results)])
+
+
+# ---- the experiment --------------------------------------------------------------------------------------------
+class Experiment:
+    """One run: its data and client splits, model, method, trackers, state, and the runner of its rounds."""
+
+    def __init__(self, cfg: Config, runner: RoundRunner | None = None):
         self.cfg = cfg
         self.device = pick_device(cfg.device)
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
-        self.data = load_dataset(cfg.dataset, cfg.data_dir)
-        d = self.data
+        self.data = d = DATASETS.get(cfg.dataset).load(cfg)
         self.x_train, self.y_train = d.x_train.to(self.device), d.y_train.to(self.device)
         self.x_test, self.y_test = d.x_test.to(self.device), d.y_test.to(self.device)
-
-        n = cfg.num_clients
-        if n > len(d.y_train):
-            raise UserError(f"system: {n} clients but only {len(d.y_train)} training samples")
-        self.client_train = partition(d.y_train.numpy(), n, cfg.partition, alpha=cfg.alpha,
-                                      classes_per_client=cfg.classes_per_client, seed=cfg.seed)
-        ratio = cfg.local_test_ratio or len(d.y_test) / len(d.y_train)
-        self.client_test = local_test_split([d.y_train.numpy()[i] for i in self.client_train], d.y_test.numpy(),
-                                            d.num_classes, ratio, seed=cfg.seed)
-        self.client_train_t = [torch.as_tensor(i, device=self.device) for i in self.client_train]
+        self.client_train, self.client_test = client_splits(cfg, d.y_train.numpy(), d.y_test.numpy(), d.num_classes)
         self.client_test_t = [torch.as_tensor(i, device=self.device) for i in self.client_test]
-
-        torch.manual_seed(cfg.seed)
-        self.model = build_model(cfg.model, d.in_channels, d.num_classes, cfg.width, cfg.bn, d.image_size).to(self.device)
-        self.params = {k: v.detach().clone() for k, v in self.model.named_parameters()}
-        self.buffers = {k: v.detach().clone() for k, v in self.model.named_buffers()}
-        self.levels = sorted({lvl for lvl, _ in cfg.levels}, reverse=True)
-        self.method = build_method(cfg.method, self.model, dict(cfg.method_args), self.levels)
-        self.work = LocalWork.from_config(cfg)
+        self.model = build_model_for(cfg, d).to(self.device)
+        self.state = RunState(0, {k: v.detach().clone() for k, v in self.model.named_parameters()},
+                              {k: v.detach().clone() for k, v in self.model.named_buffers()})
+        self.levels: tuple[Level, ...] = cfg.levels.levels
+        self.method = METHODS.get(cfg.method)(self.model, cfg.levels, **cfg.method_args)
+        self.trainer = ClientTrainer(cfg, self.model, self.x_train, self.y_train,
+                                     {c: torch.as_tensor(i, device=self.device) for c, i in enumerate(self.client_train)},
+                                     d.augment)
         g = torch.Generator().manual_seed(cfg.seed)
         self.bn_sample = torch.randperm(len(d.y_train), generator=g)[:BN_RECOMPUTE_SAMPLES].to(self.device)
-        from .analysis import build_trackers   # analyses are optional extras, kept out of the core
-        self.trackers = build_trackers(cfg.analysis, self)
-        self.round = 0
-        self.train_time = 0.0
+        self.trackers = [TRACKERS.get(name)(self, opts) for name, opts in check_analysis(cfg.analysis).items()]
+        self.runner = runner or (BatchedRounds() if cfg.batched_clients else SequentialRounds())
 
-    # ---- one round -------------------------------------------------------------------------------------------
-    def sample(self, rnd: int) -> list[tuple[int, float]]:
-        """(client, level) pairs of round `rnd`, sorted by client id, from the round's own seeded stream."""
-        rng = np.random.default_rng(derive_seed(self.cfg.seed, rnd, 0))
-        n = self.cfg.num_clients
-        frac = self.cfg.participation[rng.integers(len(self.cfg.participation))]
-        chosen = np.sort(rng.choice(n, size=max(1, int(round(frac * n))), replace=False))
-        levels = self.cfg.client_levels
-        if self.cfg.assignment == "random":
-            levels = list(rng.permutation(levels))
-        return [(int(c), float(levels[c])) for c in chosen]
+    # the global model, as trackers and runners read it
+    @property
+    def params(self) -> dict[str, torch.Tensor]:
+        return self.state.params
 
-    def submodels(self, levels, rnd: int) -> dict[float, Submodel]:
+    @property
+    def buffers(self) -> dict[str, torch.Tensor]:
+        return self.state.buffers
+
+    @property
+    def round(self) -> int:
+        return self.state.round
+
+    def sample(self, rnd: int) -> list[tuple[int, Level]]:
+        return sample_clients(self.cfg, rnd)
+
+    def submodels(self, levels, rnd: int) -> dict[Level, Submodel]:
         """Each level's submodel, computed once per round and shared by all clients of that level."""
-        return {lvl: self.method.submodel(self.params, lvl, rnd).to(self.device) for lvl in sorted(set(levels))}
-
-    def client_job(self, client: int, rnd: int) -> tuple[list[torch.Tensor], object]:
-        """The client's local batches (index tensors into the training set) and augmentation for this round,
-        from its own seeded stream; every training path (sequential, batched, Flower, bench) draws them here."""
-        gen = torch.Generator().manual_seed(derive_seed(self.cfg.seed, rnd, 1, client))
-        idx = self.client_train_t[client]
-        batches = [idx[b.to(self.device)] for b in client_batches(len(idx), self.work, gen)]
-        augment = (lambda xb: augment_batch(xb, gen)) if self.data.augment else None
-        return batches, augment
-
-    def client_update(self, client: int, sub: Submodel, rnd: int) -> tuple[dict, float]:
-        batches, augment = self.client_job(client, rnd)
-        return local_train(self.model, self.params, self.buffers, sub, self.x_train, self.y_train, batches,
-                           self.work, augment)
+        return {lvl: self.method.submodel(self.state.params, lvl, rnd).to(self.device)
+                for lvl in sorted(set(levels), key=lambda lv: lv.index)}
 
     def run_round(self, rnd: int) -> dict:
         picked = self.sample(rnd)
         subs = self.submodels([lvl for _, lvl in picked], rnd)
-        agg = Aggregator(self.params, self.method.aggregation)
-        losses = []
-        if self.cfg.batched_clients:   # all clients in vmapped passes; equal up to float rounding
-            from .batched import train_clients_batched
-            results = train_clients_batched(self, picked, subs, rnd)
+        result = self.runner.train(self, rnd, picked, subs)
+        updates = result.updates
+        old = self.state.params
+        stats = {"train_loss": float(np.mean([u.loss for u in updates])) if updates else float("nan"),
+                 "clients": len(updates), **result.stats}
+        if len(updates) >= self.cfg.min_replies and updates:
+            agg = Aggregator(old, self.method.aggregation)
+            for u in updates:
+                agg.add(u.delta, subs[u.level])
+            self.state.params = agg.result()
+            trained = {u.level for u in updates}
+            for t in self.trackers:   # analyses see the clients that were aggregated
+                t.on_round(rnd, [(u.client, u.level) for u in updates], {lv: subs[lv] for lv in trained},
+                           old, self.state.params)
         else:
-            results = (self.client_update(client, subs[lvl], rnd) for client, lvl in picked)
-        for (client, lvl), (delta, loss) in zip(picked, results):
-            agg.add(delta, subs[lvl])
-            losses.append(loss)
-        old = self.params
-        self.params = agg.result()
-        for t in self.trackers:
-            t.on_round(rnd, picked, subs, old, self.params)
-        return {"train_loss": float(np.mean(losses)), "clients": len(picked)}
+            log.warning("round %d: %d updates, fewer than min_replies=%d; global model unchanged",
+                        rnd, len(updates), self.cfg.min_replies)
+            stats["skipped"] = True
+        return stats
 
     # ---- evaluation ------------------------------------------------------------------------------------------
     def evaluate(self, rnd: int) -> dict:
         """Per level: global accuracy (the level's submodel on the whole test set) and local accuracy (each
-        client of that level on its own test split), with client fairness. Under `assignment: random` a
+        client of that level on its own test split), with client fairness. Unless the assignment is fixed a
         client has no fixed level, so every client is evaluated at every level."""
-        cfg, bs = self.cfg, self.cfg.eval_batch_size
+        cfg, bs, params = self.cfg, self.cfg.eval_batch_size, self.state.params
         out: dict = {"levels": {}}
         all_local = []
-        client_levels = cfg.client_levels
+        client_level = cfg.levels.client_level
         for lvl in self.levels:
-            sub = self.method.eval_submodel(self.params, lvl, rnd).to(self.device)
+            sub = self.method.eval_submodel(params, lvl, rnd).to(self.device)
             with torch.no_grad():
-                weights = sub.apply(self.params)
-            buffers = recompute_bn_stats(self.model, weights, self.buffers, self.x_train[self.bn_sample], bs)
+                weights = sub.apply(params)
+            buffers = recompute_bn_stats(self.model, weights, self.state.buffers, self.x_train[self.bn_sample], bs)
             glob = accuracy(predict(self.model, weights, buffers, self.x_test, bs), self.y_test)
-            clients = [c for c in range(cfg.num_clients) if cfg.assignment == "random" or client_levels[c] == lvl]
+            clients = [c for c in range(cfg.num_clients) if cfg.assignment != "fixed" or client_level[c] == lvl.index]
             local = [accuracy(predict(self.model, weights, buffers, self.x_test[self.client_test_t[c]], bs),
                               self.y_test[self.client_test_t[c]]) for c in clients]
             all_local += local
             fair = fairness(local)
-            out["levels"][level_name(lvl)] = {"clients": len(clients), "global_acc": glob, "local_acc": fair["mean"],
-                                              "local_std": fair["std"], "local_worst10": fair["worst10"],
-                                              "kept": sub.kept(self.method.maskable, self.params)}
+            out["levels"][lvl.name] = {"clients": len(clients), "global_acc": glob, "local_acc": fair["mean"],
+                                       "local_std": fair["std"], "local_worst10": fair["worst10"],
+                                       "kept": sub.kept(self.method.maskable, params)}
         fair = fairness(all_local)
         out["global_acc"] = float(np.mean([v["global_acc"] for v in out["levels"].values()]))
         out["local_acc"], out["local_std"], out["local_worst10"] = fair["mean"], fair["std"], fair["worst10"]
@@ -177,19 +256,21 @@ class Experiment:
 
     # ---- state -----------------------------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        return {"round": self.round, "params": self.params, "buffers": self.buffers, "train_time": self.train_time,
+        s = self.state
+        return {"round": s.round, "params": s.params, "buffers": s.buffers, "train_time": s.train_time,
                 "method": self.method.state_dict(), "trackers": [t.state_dict() for t in self.trackers],
-                "config": self.cfg.to_dict()}
+                "runner": self.runner.state_dict(), "config": self.cfg.to_dict()}
 
     def load_state_dict(self, state: dict) -> None:
-        self.round, self.train_time = state["round"], state["train_time"]
-        self.params = {k: v.to(self.device) for k, v in state["params"].items()}
-        self.buffers = {k: v.to(self.device) for k, v in state["buffers"].items()}
+        self.state = RunState(state["round"], {k: v.to(self.device) for k, v in state["params"].items()},
+                              {k: v.to(self.device) for k, v in state["buffers"].items()}, state["train_time"])
         self.method.load_state_dict(state["method"])
         for t, s in zip(self.trackers, state["trackers"]):
             t.load_state_dict(s)
+        self.runner.load_state_dict(state.get("runner", {}))
 
 
+# ---- the run loop ----------------------------------------------------------------------------------------------
 def _metrics_round(line: str) -> float:
     """The round of a metrics line; a line cut short by a kill counts as after every checkpoint."""
     try:
@@ -205,26 +286,27 @@ def atomic_write(path: Path, write) -> None:
     os.replace(tmp, path)
 
 
-# Keys that may differ between a checkpoint and a resumed run without changing its result so far.
-RESUMABLE_CHANGES = {"rounds", "eval_every", "checkpoint_every", "out", "device", "threads", "engine", "min_replies",
-                     "reply_timeout", "superlink"}
+def config_changes(saved: dict, cfg: Config) -> set[str]:
+    """Keys whose values differ between a checkpoint's config and `cfg` and would change the result."""
+    now = cfg.to_dict()
+    return {k for k in result_keys() if k in saved and saved[k] != now.get(k)}
 
 
-def run_experiment(cfg: Config, resume: bool = False, progress: bool = True, experiment=Experiment) -> dict:
+def run_experiment(cfg: Config, resume: bool = False, progress: bool = True, runner: RoundRunner | None = None) -> dict:
     """Run (or resume) one experiment; write metrics.jsonl, checkpoint.pt and summary.json into cfg.out.
-    `experiment(cfg)` builds the Experiment (Flower's ServerApp passes one whose rounds run on nodes)."""
+    `runner` trains the rounds (default: sequential, or batched with batched_clients; Flower passes its own)."""
     out = Path(cfg.out)
     ckpt, metrics_path, summary_path = out / "checkpoint.pt", out / "metrics.jsonl", out / "summary.json"
     if out.exists() and not out.is_dir():
         raise UserError(f"out: {out} is a file, not a folder; choose another out")
     if not resume and (ckpt.exists() or summary_path.exists()):
         raise UserError(f"out: {out} already holds a run; pass --resume to continue it or choose another out")
-    exp = experiment(cfg)
+    exp = Experiment(cfg, runner)
     out.mkdir(parents=True, exist_ok=True)
     lines: list[str] = []
     if resume and ckpt.exists():
         state = torch.load(ckpt, map_location="cpu", weights_only=False)
-        diff = {k for k, v in state["config"].items() if cfg.to_dict().get(k) != v} - RESUMABLE_CHANGES
+        diff = config_changes(state["config"], cfg)
         if diff:
             raise UserError(f"out: {out} holds a run with other settings ({', '.join(sorted(diff))}); "
                             "use another out folder")
@@ -251,11 +333,11 @@ def run_experiment(cfg: Config, resume: bool = False, progress: bool = True, exp
             rnd = exp.round + 1
             t0 = time.perf_counter()
             stats = exp.run_round(rnd)
-            exp.train_time += time.perf_counter() - t0
-            exp.round = rnd
+            exp.state.train_time += time.perf_counter() - t0
+            exp.state.round = rnd
             if rnd % cfg.eval_every == 0 or rnd == cfg.rounds:
                 t1 = time.perf_counter()
-                last = {"round": rnd, **stats, "train_time": exp.train_time, **exp.evaluate(rnd)}
+                last = {"round": rnd, **stats, "train_time": exp.state.train_time, **exp.evaluate(rnd)}
                 last["eval_time"] = time.perf_counter() - t1
                 mf.write(json.dumps(last) + "\n")
                 mf.flush()
@@ -270,8 +352,8 @@ def run_experiment(cfg: Config, resume: bool = False, progress: bool = True, exp
     if bar is not None:
         bar.close()
     if last is None or last["round"] != cfg.rounds:   # e.g. resumed a finished run with more eval needed
-        last = {"round": cfg.rounds, "train_time": exp.train_time, **exp.evaluate(cfg.rounds)}
-    summary = {"config": cfg.to_dict(), "rounds": cfg.rounds, "train_time": exp.train_time,
+        last = {"round": cfg.rounds, "train_time": exp.state.train_time, **exp.evaluate(cfg.rounds)}
+    summary = {"config": cfg.to_dict(), "rounds": cfg.rounds, "train_time": exp.state.train_time,
                "final": last, "num_clients": cfg.num_clients}
     atomic_write(summary_path, lambda p: p.write_text(json.dumps(summary, indent=1, default=str)))
     return summary

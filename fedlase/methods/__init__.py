@@ -1,23 +1,24 @@
-"""The method registry: the only place that knows every method by name."""
+"""The built-in methods, registered in fedlase.registry.METHODS (a method of your own: see docs/library.md)."""
 from __future__ import annotations
 
 from torch import nn
 
-from ..errors import ConfigError
-from .base import Method, Option
+from ..registry import METHODS, register_method
+from .base import Method, Option, ThresholdMethod
 from .fedavg import FedAvg, FedAvgSmall
 from .fedlase import FedLASE
 from .fedrolex import FedRolex
 from .fiarse import FIARSE
 from .heterofl import HeteroFL
 
-METHODS: dict[str, type[Method]] = {m.name: m for m in (FedLASE, FIARSE, HeteroFL, FedRolex, FedAvg, FedAvgSmall)}
+for _cls in (FedLASE, FIARSE, HeteroFL, FedRolex, FedAvg, FedAvgSmall):
+    if _cls.name not in METHODS:
+        register_method(_cls)
 
 
-def build_method(name: str, model: nn.Module, options: dict, levels: list[float]) -> Method:
-    if name not in METHODS:
-        raise ConfigError("method", f"{name!r} is not one of {', '.join(METHODS)}")
-    return METHODS[name](model, levels, **options)
+def build_method(name: str, model: nn.Module, options: dict, system) -> Method:
+    """The registered method `name` on `model`; `system`: a fedlase.levels.System or level fractions."""
+    return METHODS.get(name)(model, system, **options)
 
 
 def describe_methods() -> str:
@@ -29,4 +30,4 @@ def describe_methods() -> str:
     return "\n".join(lines)
 
 
-__all__ = ["METHODS", "Method", "Option", "build_method", "describe_methods"]
+__all__ = ["METHODS", "Method", "Option", "ThresholdMethod", "build_method", "describe_methods"]

@@ -1,33 +1,22 @@
 """What a method is: an object that turns (global parameters, level, round) into a Submodel.
 
-Methods never train and never aggregate; they only decide masks. Options are declared once as `Option`s,
-validated at construction with errors that name `method_args.<key>` and the allowed values."""
+Methods never train and never aggregate; they only decide masks (and the aggregation rule's name). Options
+are declared once as `Option`s (fedlase/options.py, the same mechanism as config keys) and checked at
+construction with errors that name `method_args.<key>`. A method receives the run's `System` (levels largest
+first, looked up by index) and each call a `Level`; `float(level)` is its fraction."""
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Callable, ClassVar
+import math
+from typing import ClassVar
 
 import torch
 from torch import nn
 
-from ..errors import ConfigError
-from ..masks import Submodel, maskable_names
+from ..levels import System, as_system
+from ..masks import Submodel, kth_largest, maskable_names
+from ..options import Option, check_options
 
-
-@dataclass(frozen=True)
-class Option:
-    default: Any
-    help: str
-    choices: tuple | None = None
-    check: Callable[[Any], bool] | None = None   # extra rule, described in help
-
-
-def _same_kind(value, default) -> bool:
-    if isinstance(default, bool):
-        return isinstance(value, bool)
-    if isinstance(default, float):
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-    return isinstance(value, type(default))
+__all__ = ["Method", "Option", "ThresholdMethod"]
 
 
 class Method:
@@ -35,40 +24,34 @@ class Method:
     name: ClassVar[str] = ""
     options: ClassVar[dict[str, Option]] = {}
 
-    def __init__(self, model: nn.Module, levels: list[float] = (1.0,), **options):
+    def __init__(self, model: nn.Module, system: System | list = (1.0,), **options):
         self.model = model
-        self.levels = sorted(levels)   # the system's resource levels, ascending
+        self.system = as_system(system)
         self.maskable = maskable_names(model)
-        for key, value in options.items():
-            if key not in self.options:
-                known = ", ".join(self.options) or "none"
-                raise ConfigError(f"method_args.{key}", f"unknown option for {self.name}; its options: {known}")
-            opt = self.options[key]
-            if not _same_kind(value, opt.default):
-                raise ConfigError(f"method_args.{key}", f"expected a value like {opt.default!r}, got {value!r}")
-            if opt.choices is not None and value not in opt.choices:
-                allowed = ", ".join(str(c).lower() if isinstance(c, bool) else str(c) for c in opt.choices)
-                raise ConfigError(f"method_args.{key}", f"{value!r} is not one of {allowed}")
-            if opt.check is not None and not opt.check(value):
-                raise ConfigError(f"method_args.{key}", f"{value!r} is not allowed: {opt.help}")
-        self.args = {k: options.get(k, o.default) for k, o in self.options.items()}
+        self.args = check_options("method_args", self.options, options, self.name)
+
+    @classmethod
+    def check_args(cls, options: dict) -> dict:
+        """Check method_args without building the method (config validation)."""
+        return check_options("method_args", cls.options, options, cls.name)
 
     @property
     def aggregation(self) -> str:
         """'coverage' (per-coordinate mean over the clients that trained it) or 'mean' (divide by |A|)."""
         return "coverage"
 
-    def submodel(self, params: dict[str, torch.Tensor], level: float, round: int) -> Submodel:
+    def submodel(self, params: dict[str, torch.Tensor], level, round: int) -> Submodel:
         """The submodel of the given resource level at this round. All clients of a level share it."""
         raise NotImplementedError
 
-    def eval_submodel(self, params: dict[str, torch.Tensor], level: float, round: int) -> Submodel:
+    def eval_submodel(self, params: dict[str, torch.Tensor], level, round: int) -> Submodel:
         """The submodel a level is evaluated with after `round`; the training submodel unless overridden."""
         return self.submodel(params, level, round)
 
-    def budget(self, params: dict[str, torch.Tensor], level: float) -> int:
-        """Maskable coordinates a client of this level may hold: int(level * maskable count), as FIARSE."""
-        return int(level * sum(params[n].numel() for n in self.maskable))
+    def budget(self, params: dict[str, torch.Tensor], level) -> int:
+        """Maskable coordinates a client of this level may hold: int(level * maskable count), as FIARSE
+        (computed in float, as the official code does)."""
+        return int(float(level) * sum(params[n].numel() for n in self.maskable))
 
     # Methods with state across rounds override these; the engine checkpoints them.
     def state_dict(self) -> dict:
@@ -76,3 +59,38 @@ class Method:
 
     def load_state_dict(self, state: dict) -> None:
         pass
+
+
+STE = Option("official", "gradient through the threshold mask: official (g*mask, what the official FIARSE code "
+             "computes), paper (the FIARSE paper's straight-through rule), fixed (mask fixed for the round: the "
+             "FedLASE rebuttal's 'w/o STE')", choices=("official", "paper", "fixed"))
+OVERLAP = Option(True, "true: average each coordinate over the clients that trained it; false: divide by the "
+                 "number of clients (the FedLASE rebuttal's 'w/o overlap')", choices=(True, False))
+
+
+class ThresholdMethod(Method):
+    """Magnitude-threshold methods (FIARSE, FedLASE): a submodel keeps, per group of parameters, the
+    coordinates with |w| >= that group's threshold tau; the client keeps the thresholds and re-evaluates its
+    mask at each forward (`ste`), and the server averages each coordinate over the clients that trained it
+    (`overlap`). Subclasses only say how many coordinates each group keeps (`group_budgets`)."""
+    options = {"ste": STE, "overlap": OVERLAP}
+
+    @property
+    def aggregation(self) -> str:
+        return "coverage" if self.args["overlap"] else "mean"
+
+    def group_budgets(self, params: dict[str, torch.Tensor], level) -> list[tuple[list[str], int]]:
+        """[(parameter names of a group, coordinates it keeps)]; maskable names in no group are kept whole."""
+        raise NotImplementedError
+
+    def submodel(self, params, level, round):
+        masks, thresholds = {}, {}
+        for names, k in self.group_budgets(params, level):
+            a = [params[n].detach().abs() for n in names]
+            tau = kth_largest(torch.cat([t.flatten() for t in a]), k) if k > 0 else math.inf
+            for n, t in zip(names, a):
+                masks[n] = t >= tau
+                thresholds[n] = tau
+        if self.args["ste"] == "fixed":
+            return Submodel(masks)
+        return Submodel(masks, thresholds=thresholds, ste=self.args["ste"])

@@ -20,4 +20,4 @@ class FedAvgSmall(Method):
     name = "fedavg_small"
 
     def submodel(self, params, level, round):
-        return Submodel(width_masks(self.model, params, width_rate(self.levels[0])))
+        return Submodel(width_masks(self.model, params, width_rate(float(self.system.smallest))))

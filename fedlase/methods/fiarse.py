@@ -1,38 +1,39 @@
-"""FIARSE (Wu et al., 2024): one global magnitude threshold over all conv and linear parameters.
+"""FIARSE (Wu et al., 2024): one magnitude threshold over all budgeted parameters.
 
-Follows the official code's semantics (see docs/methods.md): k = int(level * maskable count), tau = the k-th
+Follows the official code's semantics (see docs/methods.md): k = int(level * budgeted count), tau = the k-th
 largest |w|; BatchNorm outside the budget and trained whole; the client keeps tau and re-evaluates its mask
-at every forward; aggregation averages each coordinate over the clients that trained it."""
+at every forward; aggregation averages each coordinate over the clients that trained it.
+
+`scope=layerwise` is the official code's layer-wise variant (`fiarse_layerwise/`): one top-k per stage of the
+model instead of one over everything; a stage is a top-level module (for the CIFAR ResNet-18: the first conv,
+each of the four residual stages, the classifier), each keeping int(level * its size)."""
 from __future__ import annotations
 
-import torch
-
-from ..masks import Submodel, kth_largest
-from .base import Method, Option
+from .base import Option, ThresholdMethod
 
 
-class FIARSE(Method):
-    """FIARSE: one global magnitude threshold over all conv and linear parameters."""
+def stages(names: list[str]) -> list[list[str]]:
+    """Budgeted parameter names grouped by top-level module, in forward order."""
+    groups: dict[str, list[str]] = {}
+    for n in names:
+        groups.setdefault(n.split(".", 1)[0], []).append(n)
+    return list(groups.values())
+
+
+class FIARSE(ThresholdMethod):
+    """FIARSE: one global magnitude threshold over all budgeted parameters (or one per stage)."""
     name = "fiarse"
-    options = {
-        "ste": Option("official", "gradient through the threshold mask: official (g*mask, what the official "
-                      "code computes), paper (the paper's straight-through rule), fixed (mask fixed for the round)",
-                      choices=("official", "paper", "fixed")),
-        "overlap": Option(True, "true: average each coordinate over the clients that trained it; "
-                          "false: divide by the number of clients", choices=(True, False)),
-    }
+    options = {**ThresholdMethod.options,
+               "scope": Option("global", "global: one threshold over the whole model (the paper); layerwise: one "
+                               "per top-level stage (the official code's fiarse_layerwise)",
+                               choices=("global", "layerwise"))}
 
-    @property
-    def aggregation(self) -> str:
-        return "coverage" if self.args["overlap"] else "mean"
-
-    def submodel(self, params, level, round):
-        k = self.budget(params, level)
-        if k < 1:
-            raise ValueError(f"level {level} leaves no parameter of the model")
-        scores = torch.cat([params[n].detach().abs().flatten() for n in self.maskable])
-        tau = kth_largest(scores, k)
-        masks = {n: params[n].detach().abs() >= tau for n in self.maskable}
-        if self.args["ste"] == "fixed":
-            return Submodel(masks)
-        return Submodel(masks, thresholds={n: tau for n in self.maskable}, ste=self.args["ste"])
+    def group_budgets(self, params, level):
+        groups = [self.maskable] if self.args["scope"] == "global" else stages(self.maskable)
+        out = []
+        for names in groups:
+            k = int(float(level) * sum(params[n].numel() for n in names))
+            if k < 1:
+                raise ValueError(f"level {level} leaves no parameter of {names[0]}")
+            out.append((names, k))
+        return out

@@ -23,8 +23,8 @@ class HeteroFL(Method):
                          "(the official code's Scaler); false: no scaling", choices=(True, False)),
     }
 
-    def __init__(self, model, levels=(1.0,), **options):
-        super().__init__(model, levels, **options)
+    def __init__(self, model, system=(1.0,), **options):
+        super().__init__(model, system, **options)
         if not hasattr(model, "channel_groups"):
             raise ConfigError("method", f"{self.name} slices channels; model {type(model).__name__} declares no "
                               "channel_groups()")
@@ -37,7 +37,7 @@ class HeteroFL(Method):
         return 0
 
     def submodel(self, params, level, round):
-        rate = width_rate(level)
+        rate = width_rate(float(level))
         if rate >= 1:
             return Submodel()   # the whole model: no masks to apply or count
         masks = width_masks(self.model, params, rate, self.roll(round))

@@ -1,15 +1,25 @@
-"""Model zoo. Every model exposes `channel_groups()` so structured (width-slice) methods can cut it."""
+"""Model zoo; the built-ins register themselves in fedlase.registry here. Every image model exposes
+`channel_groups()` so structured (width-slice) methods can cut it."""
 from torch import nn
 
+from ..registry import register_model
 from .cnn import SmallCNN
 from .resnet import BN_MODES, ResNet18
 
-MODELS = {"cnn": SmallCNN, "resnet18": ResNet18}
+IMAGE_MODELS = {"cnn": SmallCNN, "resnet18": ResNet18}
 
 
 def build_model(name: str, in_channels: int, num_classes: int, width: float = 1.0, bn: str = "batch",
                 image_size: int = 28) -> nn.Module:
-    return MODELS[name](in_channels=in_channels, num_classes=num_classes, width=width, bn=bn, image_size=image_size)
+    return IMAGE_MODELS[name](in_channels=in_channels, num_classes=num_classes, width=width, bn=bn,
+                              image_size=image_size)
 
 
-__all__ = ["MODELS", "BN_MODES", "build_model", "SmallCNN", "ResNet18"]
+def _builder(name: str):
+    return lambda cfg, data: build_model(name, data.in_channels, data.num_classes, cfg.width, cfg.bn, data.image_size)
+
+
+register_model("cnn", _builder("cnn"), "image", "small CNN for 28x28 images, first and last layers fit 1/64")
+register_model("resnet18", _builder("resnet18"), "image", "the CIFAR ResNet-18 of FIARSE's code")
+
+__all__ = ["IMAGE_MODELS", "BN_MODES", "build_model", "SmallCNN", "ResNet18"]

@@ -1,0 +1,56 @@
+"""Who trains in a round, at which level, and on which batches: plain functions of (config, round, client).
+
+Every round and client draws from its own seeded stream, so any engine (embedded, batched, a Flower node)
+computes the same draws, and a resumed run draws exactly what an uninterrupted one would."""
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+import torch
+
+from .data import augment_batch
+from .levels import Level
+from .train import LocalWork, client_batches
+
+
+def derive_seed(*parts: int) -> int:
+    """A well-mixed 63-bit seed from integers (seed, round, client, ...)."""
+    return int(np.random.SeedSequence([int(p) for p in parts]).generate_state(2, np.uint64)[0] >> 1)
+
+
+# Stream tags: the second integer after (seed, round) names what a stream is for.
+SAMPLING, BATCHES, DROPOUT = 0, 1, 2
+
+
+def sample_clients(cfg, rnd: int) -> list[tuple[int, Level]]:
+    """(client, level) pairs of round `rnd`, sorted by client id.
+
+    fixed: each client keeps the level of its index; random: the system's counts permuted over clients;
+    dynamic: each sampled client's level drawn independently, with probabilities proportional to the counts."""
+    rng = np.random.default_rng(derive_seed(cfg.seed, rnd, SAMPLING))
+    system, n = cfg.levels, cfg.num_clients
+    frac = cfg.participation[rng.integers(len(cfg.participation))]
+    chosen = np.sort(rng.choice(n, size=max(1, int(round(frac * n))), replace=False))
+    index = list(system.client_level)
+    if cfg.assignment == "random":
+        index = list(rng.permutation(index))
+    elif cfg.assignment == "dynamic":
+        p = np.array([lv.count for lv in system.levels], dtype=np.float64)
+        drawn = rng.choice(len(system.levels), size=len(chosen), p=p / p.sum())
+        return [(int(c), system.levels[int(i)]) for c, i in zip(chosen, drawn)]
+    return [(int(c), system.levels[int(index[c])]) for c in chosen]
+
+
+def client_job(seed: int, work: LocalWork, train_idx: torch.Tensor, rnd: int, client: int,
+               augment: bool) -> tuple[list[torch.Tensor], Callable | None]:
+    """The client's local batches (index tensors into the training set) and augmentation for this round,
+    from its own seeded stream; every training path (sequential, batched, Flower, bench) draws them here."""
+    gen = torch.Generator().manual_seed(derive_seed(seed, rnd, BATCHES, client))
+    batches = [train_idx[b.to(train_idx.device)] for b in client_batches(len(train_idx), work, gen)]
+    return batches, (lambda xb: augment_batch(xb, gen)) if augment else None
+
+
+def dropout_seed(seed: int, rnd: int, client: int) -> int:
+    """The seed of the global torch stream while a client trains (dropout draws from it)."""
+    return derive_seed(seed, rnd, DROPOUT, client)
