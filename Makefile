@@ -14,7 +14,7 @@ $(BIN)/python:
 
 $(VENV)/.installed: pyproject.toml | $(BIN)/python
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[test,flower]'
+	$(BIN)/pip install -q -e '.[test,flower,text]'
 	touch $@
 
 setup: $(VENV)/.installed
@@ -23,7 +23,9 @@ data:
 	@[ -f $(FMNIST)/train-images-idx3-ubyte.gz ] || { $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq dataset-fashion-mnist; }
 
 demo: setup data
-	$(BIN)/fedlase run configs/demo.yaml --resume
+	$(BIN)/fedlase sweep configs/demo-sweep.yaml --jobs 2 --quiet
+	@$(BIN)/fedlase report runs/demo/fedlase runs/demo/fiarse --out runs/demo/report >/dev/null
+	@sed -n '/^## Local accuracy per level/,/^## Std of/p' runs/demo/report/report.md | sed '$$d'
 
 test: setup data
 	$(BIN)/python -m pytest -q

@@ -2,7 +2,7 @@
 per local step, instead of one after another.
 
 Every parameter is stacked over clients (C, *shape), as are masks, thresholds (one tau per client) and
-buffers (e.g. HeteroFL's per-level scaler). One step is `vmap(functional_call)` over the stack, then one
+buffers and training-time scales (HeteroFL's per-level scaler). One step is `vmap(functional_call)` over the stack, then one
 backward of the SUM of the clients' losses: client c's loss depends only on slice c, so slice c of the
 gradient is exactly client c's own gradient. SGD (momentum, weight decay) and AdamW act per coordinate, so a
 plain torch optimizer over the stacked tensors keeps exactly per-client state (AdamW's step count is shared,
@@ -10,7 +10,12 @@ and all clients step together). Batch-statistics BN under vmap normalises each c
 
 Ragged rounds: a vmapped step needs every client's batch to have the same size. Clients are grouped by their
 sequence of batch sizes (and by which parameters carry thresholds, since the masking op differs); each group
-is one batched pass and a group of one client runs the sequential `local_train`. A balanced partition, or
+is one batched pass and a group of one client runs the sequential `local_train`.
+
+Width slices (`Submodel.slices`, sliced=true): the stacked tensors must have one shape, so clients are also
+grouped by their slice; a group trains its gathered smaller tensors together and each delta is scattered
+back. Clients of one level share a slice (FedAvg-small: every client), so a round's groups are its levels; a
+level with a single client trains alone with the sequential `local_train` (sliced too). A balanced partition, or
 `local_steps * batch_size` within every client's data, gives one group.
 
 The result equals the sequential engine's up to float rounding (a batched conv sums in another order); the
@@ -67,9 +72,15 @@ def local_train_batched(model: nn.Module, global_params: dict[str, torch.Tensor]
     own = dict(model.named_buffers())   # without running statistics; functional_call's default for a missing key
     bufs = {n: _stack([{**own, **buffers, **s.buffers}[n] for s in subs]).to(dev) for n in own}
 
+    if subs[0].slices:   # one slice for the whole group (grouped so): train the gathered smaller tensors
+        sl = subs[0]
+        outs = local_train_batched(model, sl.gather(global_params), sl.gather(buffers), [s.inner() for s in subs],
+                                   x, y, batches, work, augments)
+        return [(s.scatter(d, global_params), loss) for s, (d, loss) in zip(subs, outs)]
     # The stacked version of Submodel.apply: thresholds (one tau per client), else fixed masks (ones where a
-    # client keeps the parameter whole: w * 1 == w), else the plain weight.
-    taus, masks = {}, {}
+    # client keeps the parameter whole: w * 1 == w), else the plain weight; then the training-time scales
+    # (1.0 where a client has none: w * 1.0 == w).
+    taus, masks, scales = {}, {}, {}
     for n, g in global_params.items():
         view = (C, *[1] * g.dim())
         has_tau = [s.thresholds is not None and n in s.thresholds for s in subs]
@@ -80,13 +91,16 @@ def local_train_batched(model: nn.Module, global_params: dict[str, torch.Tensor]
         if any(n in s.masks for s in subs):
             masks[n] = torch.stack([s.masks[n] if n in s.masks else torch.ones_like(g, dtype=torch.bool)
                                     for s in subs]).to(dev)
+        if any(n in s.scales for s in subs):
+            scales[n] = torch.tensor([s.scales.get(n, 1.0) for s in subs], dtype=g.dtype, device=dev).view(view)
     ste = subs[0].ste
     if taus and any(s.ste != ste for s in subs):
         raise ValueError("clients of a batched group use different ste modes")
 
     def effective(p: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return {n: threshold_mask(w, taus[n], ste) if n in taus else w * masks[n] if n in masks else w
-                for n, w in p.items()}
+        out = {n: threshold_mask(w, taus[n], ste) if n in taus else w * masks[n] if n in masks else w
+               for n, w in p.items()}
+        return {n: w * scales[n] if n in scales else w for n, w in out.items()}
 
     tie = has_tied_weights(model)
 
@@ -120,6 +134,11 @@ def local_train_batched(model: nn.Module, global_params: dict[str, torch.Tensor]
     return out
 
 
+def _slice_key(sub: Submodel) -> tuple:
+    """Equal for submodels with the same slices (same kept indices everywhere), so they can stack."""
+    return tuple((n, tuple(None if i is None else tuple(i.tolist()) for i in sl)) for n, sl in sorted(sub.slices.items()))
+
+
 def train_clients_batched(trainer, params: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor],
                           picked: list, subs: dict, rnd: int) -> list[tuple[dict, float]]:
     """(delta, loss) of every picked (client, level), in `picked` order, trained group by group with the
@@ -128,10 +147,13 @@ def train_clients_batched(trainer, params: dict[str, torch.Tensor], buffers: dic
         raise ConfigError("batched_clients", "the model uses dropout, whose random draws under vmap cannot "
                           "match the sequential ones; set batched_clients=false")
     jobs = [trainer.job(client, rnd) for client, _ in picked]
+    if not getattr(trainer.cfg, "sliced", True):   # sliced=false: masks over the full model, for checking
+        subs = {lvl: s.masked() if s.slices else s for lvl, s in subs.items()}
     groups: dict[tuple, list[int]] = {}
     for i, ((_, lvl), (batches, _)) in enumerate(zip(picked, jobs)):
         sub = subs[lvl]
-        key = (tuple(len(b) for b in batches), frozenset(sub.thresholds or ()), sub.ste if sub.thresholds else None)
+        key = (tuple(len(b) for b in batches), frozenset(sub.thresholds or ()), sub.ste if sub.thresholds else None,
+               _slice_key(sub))
         groups.setdefault(key, []).append(i)
     results: list = [None] * len(picked)
     for members in groups.values():

@@ -9,6 +9,8 @@ Sections (each prints one Markdown table; `--only` picks some):
             subprocess (resource.getrusage high-water mark), so they do not pollute each other.
   comm      bytes a client receives and sends per round and level: dense, kept values + bit mask, values only.
   batched   `batched_clients=true` against the sequential engine, and how far their results differ.
+  sliced    width-slice methods (heterofl, fedrolex, fedavg_small): sliced training against the masked
+            full-size path (`sliced=false`), per round, and how far their results differ.
 
 Timings follow one warm-up round; each measured round is repeated from the same start (rounds are
 deterministic), engine and tight loop alternating, and the fastest of each is kept. On a CPU the clock is the
@@ -36,7 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch.func import functional_call
 
-SECTIONS = ("overhead", "masks", "memory", "comm", "batched")
+SECTIONS = ("overhead", "sliced", "masks", "memory", "comm", "batched")
 MEMORY_CLIENTS = (100, 1000, 10000)
 LEVELS = (1.0, 0.25, 0.0625, 0.015625)
 SYSTEM = "{1,1/4,1/16,1/64}_{%d,%d,%d,%d}"
@@ -118,46 +120,80 @@ def table(headers: list[str], rows: list[list]) -> str:
 
 # ---- overhead: the engine against a tight loop ------------------------------------------------------------
 def tight_round(exp, model, picked, subs, jobs) -> tuple[list[dict], float]:
-    """The round's local steps as the plainest loop: one module, a torch optimizer, masked weights written
-    inline (|w| >= tau for threshold clients, as the official code computes it), no engine code. Returns each
-    client's masked delta and the time spent (the steps and the deltas; batches are drawn beforehand)."""
-    x, y, work = exp.x_train, exp.y_train, exp.work
-    from .masks import threshold_mask
+    """The round's local steps as the plainest loop: one module, a torch optimizer, masked (or, for a width
+    slice, gathered) weights written inline (|w| >= tau for threshold clients, as the official code computes
+    it; HeteroFL's scaler as weight x factor), no engine code. Returns each client's full-size delta and the
+    time spent (the steps and the deltas; batches are drawn beforehand)."""
+    x, y, work = exp.trainer.x, exp.trainer.y, exp.trainer.work
+    from .masks import _block, threshold_mask
     from .train import make_optimizer
+    params, buffers = exp.state.params, exp.state.buffers
     own = dict(model.named_parameters())
     model.train()
     deltas, seconds = [], np.zeros(2)
     for (client, lvl), (batches, augment) in zip(picked, jobs):
         sub = subs[lvl]
-        with torch.no_grad():
-            for n, p in own.items():
-                p.copy_(exp.params[n])
+        sliced = bool(sub.slices) and exp.cfg.sliced
         t0 = _now(exp.device)
-        opt = make_optimizer(list(own.values()), work)
-        plain = not sub.masks and not sub.thresholds and not sub.buffers
-        bufs = {**exp.buffers, **sub.buffers}
+        if sliced:   # the physically smaller model: gathered copies of the kept rows/columns
+            blocks = {n: _block(sl) for n, sl in sub.slices.items()}   # w[rows[:, None], cols[None, :]]
+            train = {n: (p[blocks[n]] if n in blocks else p).clone().requires_grad_(True) for n, p in params.items()}
+            bufs = {n: b[blocks[n]] if n in blocks else b.clone() for n, b in buffers.items()}
+            masks = {}
+        else:
+            with torch.no_grad():
+                for n, p in own.items():
+                    p.copy_(params[n])
+            train, bufs, masks = own, {**buffers, **sub.buffers}, sub.masks
+        opt = make_optimizer(list(train.values()), work)
+        plain = not sliced and not sub.masks and not sub.thresholds and not sub.buffers and not sub.scales
         for idx in batches:
             xb = x[idx] if augment is None else augment(x[idx])
             if plain:
                 out = model(xb)
             else:
                 w = {}
-                for n, p in own.items():
+                for n, p in train.items():
                     if sub.thresholds and n in sub.thresholds:
                         tau = sub.thresholds[n]
                         w[n] = p * (p.abs() >= tau) if sub.ste == "official" else threshold_mask(p, tau, sub.ste)
                     else:
-                        w[n] = p * sub.masks[n] if n in sub.masks else p
+                        w[n] = p * masks[n] if n in masks else p
+                    if n in sub.scales:
+                        w[n] = w[n] * sub.scales[n]
                 out = functional_call(model, (w, bufs), (xb,))
             loss = F.cross_entropy(out, y[idx])
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
         with torch.no_grad():   # the update a client must return is part of its work
-            deltas.append({n: (p - exp.params[n]) * sub.masks[n] if n in sub.masks else p - exp.params[n]
-                           for n, p in own.items()})
+            if sliced:
+                d = {}
+                for n, p in train.items():
+                    if n in blocks:
+                        d[n] = torch.zeros_like(params[n])
+                        d[n][blocks[n]] = p - params[n][blocks[n]]
+                    else:
+                        d[n] = p - params[n]
+            else:
+                d = {n: (p - params[n]) * masks[n] if n in masks else p - params[n] for n, p in own.items()}
+            deltas.append(d)
         seconds += _now(exp.device) - t0
     return deltas, seconds
+
+
+class _Counted:
+    """The run's method, counting its submodel extractions (the engine must extract once per level a round)."""
+
+    def __init__(self, method):
+        self.inner, self.calls = method, []
+
+    def submodel(self, params, level, round):
+        self.calls.append(level)
+        return self.inner.submodel(params, level, round)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
 
 
 def measure_overhead(overrides: list[str], method: str, rounds: int, repeats: int, evaluate: bool = False) -> dict:
@@ -165,33 +201,31 @@ def measure_overhead(overrides: list[str], method: str, rounds: int, repeats: in
     same start (a round is deterministic), engine and tight loop alternating; the minimum of each is kept, the
     usual estimate of a time without interference from other processes. Times are per round."""
     from .aggregate import Aggregator
-    from .batched import client_jobs
     from .config import load_config
     from .engine import Experiment
     exp = Experiment(load_config(None, [*overrides, f"method={method}"]))
+    exp.method = counted = _Counted(exp.method)
     model = deepcopy(exp.model)   # the tight loop's own module; the engine's stays untouched
     exp.run_round(1)              # warm-up: allocator, lazy initialisation
     t = {k: np.zeros(2) for k in ("engine", "tight", "masks", "agg")}
     diff, calls_ok = 0.0, True
     for rnd in range(2, 2 + rounds):
-        start = exp.params
+        start = exp.state.params
         best = {k: np.full(2, math.inf) for k in t}
         for _ in range(repeats):
-            exp.params = start
-            calls: list[float] = []
-            inner = exp.method.submodel
-            exp.method.submodel = lambda p, lvl, r: (calls.append(lvl), inner(p, lvl, r))[1]   # count extractions
+            exp.state.params = start
+            counted.calls.clear()
             t0 = _now(exp.device)
             exp.run_round(rnd)
             best["engine"] = np.minimum(best["engine"], _now(exp.device) - t0)
-            del exp.method.submodel
-            after, exp.params = exp.params, start
+            after, exp.state.params = exp.state.params, start
             picked = exp.sample(rnd)
-            calls_ok &= sorted(calls) == sorted({lvl for _, lvl in picked})
+            calls_ok &= sorted(lv.index for lv in counted.calls) == sorted({lvl.index for _, lvl in picked})
             t0 = _now(exp.device)
             subs = exp.submodels([lvl for _, lvl in picked], rnd)
             best["masks"] = np.minimum(best["masks"], _now(exp.device) - t0)
-            deltas, secs = tight_round(exp, model, picked, subs, client_jobs(exp, picked, rnd))
+            jobs = [exp.trainer.job(client, rnd) for client, _ in picked]
+            deltas, secs = tight_round(exp, model, picked, subs, jobs)
             best["tight"] = np.minimum(best["tight"], secs)
             t0 = _now(exp.device)
             agg = Aggregator(start, exp.method.aggregation)
@@ -200,7 +234,7 @@ def measure_overhead(overrides: list[str], method: str, rounds: int, repeats: in
             mine = agg.result()
             best["agg"] = np.minimum(best["agg"], _now(exp.device) - t0)
             diff = max(diff, _max_diff(mine, after))
-            exp.params = after
+            exp.state.params = after
         for k in t:
             t[k] += best[k] / rounds
     out = {**{k: _main(v, exp.device) for k, v in t.items()}, "diff": diff, "calls_ok": calls_ok,
@@ -361,7 +395,7 @@ def section_batched(args, scen: dict) -> str:
                 start, best = exps[0].params, [math.inf, math.inf]
                 for _ in range(args.repeats):
                     for i, e in enumerate(exps):
-                        e.params = start
+                        e.state.params = start
                         t0 = _now(e.device)
                         e.run_round(rnd)
                         best[i] = min(best[i], _main(_now(e.device) - t0, e.device))
@@ -373,6 +407,41 @@ def section_batched(args, scen: dict) -> str:
     what = "wall" if args.device == "cuda" else "CPU"
     return (f"### Batched clients against the sequential engine ({what} s per round)\n\n" +
             table(["scenario", "method", "sequential", "batched", "speedup", "max param diff after a round"], rows))
+
+
+# ---- sliced against masked ------------------------------------------------------------------------------
+def section_sliced(args, scen: dict) -> str:
+    """Width-slice methods: a round with sliced training (the physically smaller model) against the masked
+    full-size path (sliced=false), from the same start, alternating, the fastest of `repeats` kept."""
+    from .config import load_config
+    from .engine import Experiment
+    rows = []
+    for name in [n for n in scen if "digits" not in n]:
+        for method in ("heterofl", "fedrolex", "fedavg_small"):
+            exps = [Experiment(load_config(None, [*scen[name], f"method={method}", f"sliced={b}"]))
+                    for b in ("false", "true")]
+            for e in exps:
+                e.run_round(1)   # warm-up
+            t, diff = [0.0, 0.0], 0.0
+            for rnd in range(2, 2 + args.rounds):
+                start, best = exps[0].state.params, [math.inf, math.inf]
+                for _ in range(args.repeats):
+                    for i, e in enumerate(exps):
+                        e.state.params = start
+                        t0 = _now(e.device)
+                        e.run_round(rnd)
+                        best[i] = min(best[i], _main(_now(e.device) - t0, e.device))
+                diff = max(diff, _max_diff(exps[0].state.params, exps[1].state.params))
+                t = [a + b for a, b in zip(t, best)]
+                for e in exps:
+                    e.state.params = exps[0].state.params
+            rows.append([name, method, f"{t[0] / args.rounds:.3f}", f"{t[1] / args.rounds:.3f}",
+                         f"{t[0] / t[1]:.2f}x", f"{diff:.1e}"])
+            print(f"  sliced {name} {method}: {rows[-1][4]}", file=sys.stderr)
+    what = "wall" if args.device == "cuda" else "CPU"
+    return (f"### Width slices: sliced training against the masked full-size path ({what} s per round)\n\n" +
+            table(["scenario", "method", "masked (sliced=false)", "sliced", "speedup", "max param diff after a round"],
+                  rows))
 
 
 # ---- the command ----------------------------------------------------------------------------------------------
@@ -407,6 +476,8 @@ def run(args) -> str:
             print(f"bench: {section} ...", file=sys.stderr)
             if section == "overhead":
                 parts.append(section_overhead(args, scen))
+            elif section == "sliced":
+                parts.append(section_sliced(args, scen))
             elif section == "masks":
                 parts.append(section_masks(args))
             elif section == "memory":

@@ -39,7 +39,7 @@ def _cmd_sweep(args) -> int:
         print(describe_plan(*plan_sweep(args.sweep)))
         return 0
     try:
-        res = run_sweep(args.sweep, progress=not args.quiet)
+        res = run_sweep(args.sweep, progress=not args.quiet, jobs=args.jobs)
     except KeyboardInterrupt:
         print("fedlase: sweep interrupted; run the same command again to resume it", file=sys.stderr)
         return 130
@@ -112,6 +112,8 @@ def main(argv: list[str] | None = None) -> int:
     sw.add_argument("sweep", help="sweep YAML file")
     sw.add_argument("--dry-run", action="store_true", help="validate every run and list them; start nothing")
     sw.add_argument("--quiet", action="store_true", help="no progress bars")
+    sw.add_argument("--jobs", type=int, default=1, metavar="N", help="runs at once, each in its own process with "
+                    "cores/N torch threads unless the sweep sets threads [default: 1]")
     sw.set_defaults(func=_cmd_sweep)
     rep = sub.add_parser("report", help="tables (Markdown, CSV) and plots from finished runs",
                          description="Collect runs (folders holding summary.json, searched recursively) into "

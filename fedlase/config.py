@@ -7,6 +7,8 @@ every key from this one place, and a resumed run may differ from its checkpoint 
 from __future__ import annotations
 
 import dataclasses
+import importlib
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -69,6 +71,13 @@ class Config:
     betas: list = _f([0.9, 0.999], "AdamW betas, two numbers in [0, 1)")
     clip_norm: float | None = _f(None, "clip each local step's gradient to this norm (the official HeteroFL and "
                                  "FedRolex codes use 1); unset: no clipping", kind=float, **_positive())
+    coverage: str = _f("mask", "which clients a coordinate's step is averaged over: mask (the clients whose mask "
+                       "holds it), nonzero (those whose delta is nonzero: the official FIARSE server), kept (mask, "
+                       "but a BN or bias channel only where the client kept a weight of that channel); see "
+                       "docs/methods.md", choices=("mask", "nonzero", "kept"))
+    eval_order: str = _f("test", "global accuracy on: test (the test set in stored order, batches of "
+                         "eval_batch_size) or clients (the clients' local test parts in client order, batches of "
+                         "20: the official FIARSE evaluation)", choices=("test", "clients"))
     rounds: int = _f(100, "communication rounds", low=1, affects_result=False)
     eval_every: int = _f(10, "evaluate every N rounds (and always after the last)", low=1, affects_result=False)
     eval_batch_size: int = _f(1000, "batch size for evaluation", low=1)
@@ -77,6 +86,9 @@ class Config:
     threads: int = _f(0, "torch CPU threads (0: torch's default)", low=0, affects_result=False)
     batched_clients: bool = _f(False, "train a round's clients together in vmapped passes (pays on GPU; same "
                                "result up to float rounding; see docs/benchmarks.md)")
+    sliced: bool = _f(True, "a width-slice submodel (heterofl, fedrolex, fedavg_small) trains and is evaluated as "
+                      "the physically smaller model; false: as masks over the full model (same result up to float "
+                      "rounding, for checking)")
     engine: str = _f("embedded", "embedded (one process), flower-sim (Flower's Simulation Engine) or flower-deploy "
                      "(a running Flower SuperLink; see docs/flower.md)",
                      choices=("embedded", "flower-sim", "flower-deploy"), affects_result=False)
@@ -98,6 +110,8 @@ class Config:
     out: str = _f("runs/default", "output folder: metrics.jsonl, summary.json, checkpoint.pt", affects_result=False)
     checkpoint_every: int = _f(10, "write a checkpoint every N rounds (0: never)", low=0, affects_result=False)
     analysis: dict = _f({}, "training-time analyses, e.g. analysis.magnitudes=true (see docs)")
+    plugins: list = _f([], "Python modules imported before the config is checked, in every process of the run "
+                       "(they register methods, datasets or models; see docs/library.md)")
 
     # filled by validate()
     levels: System | None = field(default=None, init=False, repr=False, metadata={"derived": True})
@@ -157,10 +171,46 @@ def check_analysis(value) -> dict[str, dict]:
             if value.get(name) not in (None, False)}
 
 
+def _readable(key: str, path: str, what: str) -> Path:
+    p = Path(path).expanduser()
+    try:
+        with open(p, "rb") as f:
+            head = f.read(64)
+    except OSError as e:
+        raise ConfigError(key, f"cannot read the {what} {str(p)!r}: {e.strerror or e}") from None
+    if b"-----BEGIN" not in head:
+        raise ConfigError(key, f"{str(p)!r} is not a PEM file (the {what})")
+    return p
+
+
+def check_security(cfg) -> None:
+    """Check the Flower security keys of a config; raise ConfigError(key, one line) on the first problem."""
+    if cfg.tls_ca is not None:
+        _readable("tls_ca", cfg.tls_ca, "CA certificate")
+    if cfg.tls_cert is not None:
+        _readable("tls_cert", cfg.tls_cert, "SuperLink certificate")
+    if cfg.tls_key is not None:
+        _readable("tls_key", cfg.tls_key, "SuperLink private key")
+    if (cfg.tls_cert is None) != (cfg.tls_key is None):
+        missing = "tls_key" if cfg.tls_key is None else "tls_cert"
+        raise ConfigError(missing, "tls_cert and tls_key go together (the SuperLink's certificate and its key)")
+    if cfg.tls_cert is not None and cfg.tls_ca is None:
+        raise ConfigError("tls_ca", "needed with tls_cert: the CA certificate that signed it")
+    if cfg.node_keys is not None:
+        folder = Path(cfg.node_keys).expanduser()
+        if not folder.is_dir():
+            raise ConfigError("node_keys", f"folder {str(folder)!r} does not exist")
+        if not os.access(folder, os.R_OK | os.X_OK):
+            raise ConfigError("node_keys", f"folder {str(folder)!r} cannot be read")
+    if cfg.insecure and any(getattr(cfg, k) is not None for k in ("tls_ca", "tls_cert", "tls_key", "node_keys")):
+        raise ConfigError("insecure", "insecure=true turns TLS and node authentication off; drop it or the "
+                                      "tls_*/node_keys files")
+
+
 def validate(cfg: Config) -> Config:
     """Check every value; fill derived fields. Raises ConfigError naming the key and the allowed values."""
     for name, opt in options().items():
-        if name in ("participation", "system", "method_args", "analysis", "betas"):
+        if name in ("participation", "system", "method_args", "analysis", "betas", "plugins"):
             continue
         setattr(cfg, name, check_value(name, opt, getattr(cfg, name)))
     cfg.levels = System.parse(cfg.system)
@@ -186,8 +236,14 @@ def validate(cfg: Config) -> Config:
         raise ConfigError("data_dir", f"folder {cfg.data_dir!r} does not exist")
     if data.needs_data_dir and cfg.data_dir is None:
         raise ConfigError("data_dir", f"dataset {cfg.dataset} needs data_dir: the folder holding its files")
+    check_security(cfg)
     if cfg.batched_clients and cfg.engine != "embedded":   # Flower trains each client in its own ClientApp
         raise ConfigError("batched_clients", f"needs engine=embedded, got engine={cfg.engine}")
+    if cfg.batched_clients and model.kind == "text":   # the forward trims batches with a data-dependent size
+        raise ConfigError("batched_clients", f"{cfg.model} is a text model, which vmap cannot batch; "
+                          "set batched_clients=false")
+    if cfg.batched_clients and cfg.clip_norm is not None:   # one norm per client: not in the vmapped step
+        raise ConfigError("batched_clients", "clip_norm needs the sequential path; set batched_clients=false")
     return cfg
 
 
@@ -206,7 +262,8 @@ def set_dotted(d: dict, key: str, value) -> None:
         d[head] = value
 
 
-_RAW_STRING_KEYS = {"system", "participation", "out", "data_dir", "model_path"}
+_RAW_STRING_KEYS = {"system", "participation", "out", "data_dir", "model_path", "tls_ca", "tls_cert", "tls_key",
+                    "node_keys"}
 
 
 def parse_override(item: str) -> tuple[str, Any]:
@@ -242,6 +299,17 @@ def load_config(path: str | None = None, overrides: list[str] = (), validate_: b
     return config_from_dict(raw, validate_)
 
 
+def import_plugins(modules) -> None:
+    """Import the `plugins` modules (each registers its methods, datasets, models); ConfigError if one fails."""
+    if not isinstance(modules, (list, tuple)) or not all(isinstance(m, str) for m in modules):
+        raise ConfigError("plugins", f"expected a list of module names, got {modules!r}")
+    for name in modules:
+        try:
+            importlib.import_module(name)
+        except Exception as e:   # the user's module: report it in one line, whatever it raised
+            raise ConfigError("plugins", f"cannot import {name!r}: {type(e).__name__}: {e}") from None
+
+
 def config_from_dict(raw: dict, validate_: bool = True) -> Config:
     names = {f.name for f in dataclasses.fields(Config) if not f.metadata.get("derived")}
     for key in raw:
@@ -249,6 +317,7 @@ def config_from_dict(raw: dict, validate_: bool = True) -> Config:
             close = [n for n in sorted(names) if n.startswith(str(key)[:3])]
             hint = f" (did you mean {', '.join(close)}?)" if close else ""
             raise ConfigError(str(key), f"unknown key{hint}; see `fedlase run --help` for the keys")
+    import_plugins(raw.get("plugins", []))
     cfg = Config(**raw)
     return validate(cfg) if validate_ else cfg
 

@@ -19,11 +19,11 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from .aggregate import Aggregator
+from .aggregate import Aggregator, channel_owners
 from .config import Config, check_analysis, result_keys
 from .data import local_test_split
 from .errors import UserError
-from .evaluate import accuracy, predict, recompute_bn_stats
+from .evaluate import OFFICIAL_EVAL_BATCH_SIZE, accuracy, global_eval_set, predict, recompute_bn_stats
 from .levels import Level, level_name
 from .masks import Submodel
 from .registry import DATASETS, METHODS, MODELS, PARTITIONS, TRACKERS
@@ -122,6 +122,8 @@ class ClientTrainer:
     def update(self, client: int, params: dict, buffers: dict, sub: Submodel, rnd: int) -> tuple[dict, float]:
         """The client's delta (zero outside its submodel) and mean training loss for this round."""
         batches, augment = self.job(client, rnd)
+        if sub.slices and not self.cfg.sliced:   # sliced=false: the masked full-size path, for checking
+            sub = sub.masked()
         with torch.random.fork_rng(devices=[]):   # dropout draws from the client's own stream
             torch.manual_seed(dropout_seed(self.cfg.seed, rnd, client))
             return local_train(self.model, params, buffers, sub, self.x, self.y, batches, self.work, augment)
@@ -178,6 +180,7 @@ class Experiment:
         g = torch.Generator().manual_seed(cfg.seed)
         self.bn_sample = torch.randperm(len(d.y_train), generator=g)[:BN_RECOMPUTE_SAMPLES].to(self.device)
         self.trackers = [TRACKERS.get(name)(self, opts) for name, opts in check_analysis(cfg.analysis).items()]
+        self.owners = channel_owners(self.model) if cfg.coverage == "kept" else None
         self.runner = runner or (BatchedRounds() if cfg.batched_clients else SequentialRounds())
 
     # the global model, as trackers and runners read it
@@ -201,6 +204,10 @@ class Experiment:
         return {lvl: self.method.submodel(self.state.params, lvl, rnd).to(self.device)
                 for lvl in sorted(set(levels), key=lambda lv: lv.index)}
 
+    def client_update(self, client: int, sub: Submodel, rnd: int) -> tuple[dict, float]:
+        """One client's (delta, loss) on the current global model."""
+        return self.trainer.update(client, self.state.params, self.state.buffers, sub, rnd)
+
     def run_round(self, rnd: int) -> dict:
         picked = self.sample(rnd)
         subs = self.submodels([lvl for _, lvl in picked], rnd)
@@ -210,7 +217,7 @@ class Experiment:
         stats = {"train_loss": float(np.mean([u.loss for u in updates])) if updates else float("nan"),
                  "clients": len(updates), **result.stats}
         if len(updates) >= self.cfg.min_replies and updates:
-            agg = Aggregator(old, self.method.aggregation)
+            agg = Aggregator(old, self.method.aggregation, self.cfg.coverage, self.owners)
             for u in updates:
                 agg.add(u.delta, subs[u.level])
             self.state.params = agg.result()
@@ -230,15 +237,18 @@ class Experiment:
         client of that level on its own test split), with client fairness. Unless the assignment is fixed a
         client has no fixed level, so every client is evaluated at every level."""
         cfg, bs, params = self.cfg, self.cfg.eval_batch_size, self.state.params
+        if cfg.eval_order == "clients":   # the official FIARSE evaluation: client-ordered batches of 20
+            bs = OFFICIAL_EVAL_BATCH_SIZE
+        x_glob, y_glob = global_eval_set(cfg.eval_order, self.x_test, self.y_test, self.client_test_t)
         out: dict = {"levels": {}}
         all_local = []
         client_level = cfg.levels.client_level
         for lvl in self.levels:
             sub = self.method.eval_submodel(params, lvl, rnd).to(self.device)
-            with torch.no_grad():
-                weights = sub.apply(params)
-            buffers = recompute_bn_stats(self.model, weights, self.state.buffers, self.x_train[self.bn_sample], bs)
-            glob = accuracy(predict(self.model, weights, buffers, self.x_test, bs), self.y_test)
+            with torch.no_grad():   # a width slice is evaluated as the smaller model (unless sliced=false)
+                weights, buffers = sub.model(params, self.state.buffers, sliced=cfg.sliced)
+            buffers = recompute_bn_stats(self.model, weights, buffers, self.x_train[self.bn_sample], bs)
+            glob = accuracy(predict(self.model, weights, buffers, x_glob, bs), y_glob)
             clients = [c for c in range(cfg.num_clients) if cfg.assignment != "fixed" or client_level[c] == lvl.index]
             local = [accuracy(predict(self.model, weights, buffers, self.x_test[self.client_test_t[c]], bs),
                               self.y_test[self.client_test_t[c]]) for c in clients]

@@ -5,15 +5,59 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
+from .train import class_keep
+
+
+EVAL_ORDERS = ("test", "clients")
+OFFICIAL_EVAL_BATCH_SIZE = 20   # FIARSE's README runs use --bsz 20, also the server's test loader's batch size
+
 
 @torch.no_grad()
-def predict(model: nn.Module, weights: dict, buffers: dict, x: torch.Tensor, batch_size: int) -> torch.Tensor:
+def predict(model: nn.Module, weights: dict, buffers: dict, x: torch.Tensor, batch_size: int,
+            classes: torch.Tensor | None = None) -> torch.Tensor:
     """Predicted classes for x. With batch-statistics BN (as FIARSE) predictions depend on the batch, so
-    callers evaluate each client's split as its own batches."""
+    callers evaluate each client's split as its own batches. `classes`: HeteroFL's label-split local metric,
+    the other classes' logits set to 0 before the argmax (`train.label_mask_logits`)."""
     model.eval()
-    out = [functional_call(model, (weights, buffers), (x[i:i + batch_size],)).argmax(1)
-           for i in range(0, len(x), batch_size)]
+    keep = None
+    out = []
+    for i in range(0, len(x), batch_size):
+        logits = functional_call(model, (weights, buffers), (x[i:i + batch_size],))
+        if classes is not None:
+            if keep is None:
+                keep = class_keep(classes, logits.shape[-1], logits.device)
+            logits = logits.masked_fill(~keep, 0.0)
+        out.append(logits.argmax(1))
     return torch.cat(out) if out else torch.empty(0, dtype=torch.long)
+
+
+def global_eval_set(order: str, x_test: torch.Tensor, y_test: torch.Tensor,
+                    client_test: list[torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The inputs and labels a level's global accuracy is computed on, in the order they are batched.
+
+    With batch-statistics BN (`bn=batch`, FIARSE's and FedRolex's setting) a prediction depends on the other
+    inputs of its batch, so the global accuracy depends on how the test set is cut into batches:
+
+    test: the whole test set in its stored order (the default; batches of `eval_batch_size`, 1,000). Stored
+        test sets are class-mixed, so every batch is close to the test distribution.
+    clients: the clients' local test parts joined in client order (client 0's part, then client 1's, ...),
+        each part in its stored (sorted-index) order, as FIARSE's official server evaluates: its test loader
+        is the concatenation of the clients' test partitions in client order, unshuffled, in batches of
+        `--bsz` (20 in every README command; `OFFICIAL_EVAL_BATCH_SIZE`). Batches then carry the label skew of
+        one client. fedlase's local parts follow each client's training label mix and are drawn per client
+        from the shared test set, so samples may repeat across clients and some may be left out (the official
+        code partitions the test set itself, with Dirichlet draws of its own); the official code also shuffles
+        inside each client's part.
+
+    `test` returns the given tensors themselves, so that path is unchanged."""
+    if order == "test":
+        return x_test, y_test
+    if order == "clients":
+        if not client_test:
+            raise ValueError("eval_order='clients' needs the clients' local test indices")
+        idx = torch.cat([torch.as_tensor(c, device=x_test.device).long() for c in client_test])
+        return x_test[idx], y_test[idx]
+    raise ValueError(f"eval_order must be one of {EVAL_ORDERS}, got {order!r}")
 
 
 @torch.no_grad()

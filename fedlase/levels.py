@@ -47,9 +47,11 @@ def level_name(level) -> str:
 
 @dataclass(frozen=True)
 class System:
-    """The resource levels, largest first, and each client's level index."""
+    """The resource levels, largest first, and each client's level index. Clients are numbered level by
+    level in the order the system is written (`{1/4,1}_{5,1}`: clients 0-4 at 1/4, client 5 at 1)."""
     levels: tuple[Level, ...]
     text: str = ""
+    written: tuple[int, ...] = ()   # level indices in the order written (empty: largest first)
 
     @classmethod
     def parse(cls, text: str, key: str = "system") -> "System":
@@ -78,9 +80,11 @@ class System:
     def of(cls, pairs, text: str = "") -> "System":
         """From (fraction, count) pairs in any order; a bare list of fractions gives each one client."""
         pairs = [(p, 1) if not isinstance(p, tuple) else p for p in pairs]
-        ordered = sorted(((Fraction(f).limit_denominator(1 << 20) if not isinstance(f, Fraction) else f, n)
-                          for f, n in pairs), key=lambda p: -p[0])
-        return cls(tuple(Level(i, f, n) for i, (f, n) in enumerate(ordered)), text)
+        pairs = [(Fraction(f).limit_denominator(1 << 20) if not isinstance(f, Fraction) else f, n) for f, n in pairs]
+        ordered = sorted(pairs, key=lambda p: -p[0])
+        index = {f: i for i, (f, _) in enumerate(ordered)}
+        return cls(tuple(Level(i, f, n) for i, (f, n) in enumerate(ordered)), text,
+                   tuple(index[f] for f, _ in pairs))
 
     @property
     def smallest(self) -> Level:
@@ -93,7 +97,12 @@ class System:
     @property
     def client_level(self) -> tuple[int, ...]:
         """Level index of each client under the fixed assignment (clients numbered level by level)."""
-        return tuple(lv.index for lv in self.levels for _ in range(lv.count))
+        order = self.written or tuple(range(len(self.levels)))
+        return tuple(i for i in order for _ in range(self.levels[i].count))
+
+    def level_of(self, client: int) -> Level:
+        """The level of a client under the fixed assignment."""
+        return self.levels[self.client_level[client]]
 
     def by_name(self, name: str) -> Level:
         for lv in self.levels:

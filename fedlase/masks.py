@@ -38,15 +38,23 @@ class Submodel:
         at the start of the round, which is also what the client is credited with in aggregation.
     ste: gradient through a threshold mask: 'official' = g * mask (what the FIARSE code computes),
         'paper' = g * mask * (1 + 2 tau |w| / (|w| + tau)^2) (the FIARSE paper's straight-through rule).
-    buffers: buffer overrides used in local training only (e.g. a structured method's activation scaler).
+    buffers: buffer overrides used in local training only.
+    slices: name -> (kept indices or None, per leading dim) of a parameter or buffer, for a width slice
+        (whole rows/columns/channels; `masks` holds the same support). A client then trains the gathered
+        smaller dense tensors (`gather`) and scatters its delta back (`scatter`); empty: train masked.
+    scales: name -> factor the weight is multiplied by in local training only (HeteroFL's scaler folded into
+        the weights: a layer's output times s equals its weight and bias times s).
     """
     masks: dict[str, torch.Tensor] = field(default_factory=dict)
     thresholds: dict[str, float] | None = None
     ste: str = "official"
     buffers: dict[str, torch.Tensor] = field(default_factory=dict)
+    slices: dict[str, tuple] = field(default_factory=dict)
+    scales: dict[str, float] = field(default_factory=dict)
 
-    def apply(self, params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """The effective weights: params times their (threshold or fixed) masks, differentiable."""
+    def apply(self, params: dict[str, torch.Tensor], train: bool = False) -> dict[str, torch.Tensor]:
+        """The effective weights: params times their (threshold or fixed) masks, differentiable; in training
+        (`train`) also times their scales."""
         out = {}
         for name, w in params.items():
             if self.thresholds is not None and name in self.thresholds:
@@ -55,7 +63,52 @@ class Submodel:
                 out[name] = w * self.masks[name]
             else:
                 out[name] = w
+            if train and name in self.scales:
+                out[name] = out[name] * self.scales[name]
         return out
+
+    # ---- width slices ----------------------------------------------------------------------------------------
+    def gather(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The sliced (smaller) copies of the named tensors; tensors without a slice pass through."""
+        return {n: t[_block(self.slices[n])] if n in self.slices else t for n, t in tensors.items()}
+
+    def scatter(self, small: dict[str, torch.Tensor], like: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Full-size tensors shaped like `like`, zero outside the slice, holding `small` on it."""
+        out = {}
+        for n, t in small.items():
+            if n in self.slices:
+                full = torch.zeros_like(like[n])
+                full[_block(self.slices[n])] = t
+                out[n] = full
+            else:
+                out[n] = t
+        return out
+
+    def inner(self) -> "Submodel":
+        """What trains the gathered slice: the same scales, and masks only where the gathered mask is not
+        whole (a width slice is; a label-split restriction ANDed into it need not be). Computed once: every
+        client of a level shares its submodel."""
+        if "_inner" in self.__dict__:
+            return self.__dict__["_inner"]
+        masks = {}
+        for n, m in self.masks.items():
+            g = m[_block(self.slices[n])] if n in self.slices else m
+            if not bool(g.all()):
+                masks[n] = g
+        self.__dict__["_inner"] = Submodel(masks, scales=self.scales)
+        return self.__dict__["_inner"]
+
+    def masked(self) -> "Submodel":
+        """This submodel without its slices: trained and evaluated as masks over the full-size model."""
+        return Submodel(self.masks, self.thresholds, self.ste, self.buffers, {}, self.scales)
+
+    def model(self, params: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor],
+              sliced: bool = True) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """(weights, buffers) a level is evaluated with: the gathered slice (sliced and a slice), else the
+        masked full-size weights and the buffers as they are."""
+        if sliced and self.slices:
+            return self.gather(params), self.gather(buffers)
+        return self.apply(params), buffers
 
     def kept(self, names: list[str], params: dict[str, torch.Tensor]) -> int:
         """How many of the named parameters' coordinates this submodel holds."""
@@ -63,7 +116,26 @@ class Submodel:
 
     def to(self, device) -> "Submodel":
         return Submodel({k: v.to(device) for k, v in self.masks.items()}, self.thresholds, self.ste,
-                        {k: v.to(device) for k, v in self.buffers.items()})
+                        {k: v.to(device) for k, v in self.buffers.items()},
+                        {k: tuple(None if i is None else i.to(device) for i in v) for k, v in self.slices.items()},
+                        self.scales)
+
+
+def _block(index: tuple) -> tuple:
+    """An indexing tuple that selects the block kept indices[d] x ... of the leading dims (None: all of a
+    dim), e.g. (rows, cols) -> w[rows[:, None], cols[None, :]]."""
+    sliced = [d for d, i in enumerate(index) if i is not None]
+    if sliced and sliced[-1] - sliced[0] + 1 != len(sliced):   # torch would move split advanced dims first
+        raise ValueError("a slice must cut adjacent dims")
+    out = []
+    for d, i in enumerate(index):
+        if i is None:
+            out.append(slice(None))
+        else:
+            shape = [1] * len(sliced)
+            shape[sliced.index(d)] = -1
+            out.append(i.view(shape))
+    return tuple(out)
 
 
 class _ThresholdMask(torch.autograd.Function):
@@ -82,7 +154,10 @@ class _ThresholdMask(torch.autograd.Function):
         grad = g * mask
         if ctx.paper:
             a, tau = w.abs(), ctx.tau
-            grad = grad * (1 + 2 * tau * a / (a + tau) ** 2)
+            s = a + tau
+            # 0/0 where |w| = tau = 0 (level 1 keeps every weight, zeros included); the factor is 1 along both
+            # edges (tau = 0, any |w| > 0; |w| = 0, any tau > 0), so its limit there is taken as 1
+            grad = grad * torch.where(s > 0, 1 + 2 * tau * a / s ** 2, 1.0)
         return grad, None, None
 
 

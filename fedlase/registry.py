@@ -39,6 +39,12 @@ class Registry(Generic[T]):
     def items(self):
         return self._entries.items()
 
+    def __iter__(self):
+        return iter(self._entries)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
     def __contains__(self, name) -> bool:
         return name in self._entries
 
@@ -52,6 +58,7 @@ class DatasetEntry:
     kind: str = "image"
     help: str = ""
     needs_data_dir: bool = False
+    shape: tuple[int, ...] | None = None   # one input's shape, known before loading (for checks); None: varies
 
 
 @dataclass(frozen=True)
@@ -78,9 +85,10 @@ TRACKERS: Registry[type] = Registry("analysis")  # Tracker subclasses
 
 
 def register_dataset(name: str, load: Callable, num_classes: int, kind: str = "image", help: str = "",
-                     needs_data_dir: bool = False, replace: bool = False) -> DatasetEntry:
+                     needs_data_dir: bool = False, replace: bool = False,
+                     shape: tuple[int, ...] | None = None) -> DatasetEntry:
     """Make `dataset=name` valid everywhere: load(cfg) returns a fedlase.data.Dataset."""
-    return DATASETS.add(name, DatasetEntry(load, num_classes, kind, help, needs_data_dir), replace)
+    return DATASETS.add(name, DatasetEntry(load, num_classes, kind, help, needs_data_dir, shape), replace)
 
 
 def register_model(name: str, build: Callable, kind: str = "image", help: str = "",

@@ -9,7 +9,12 @@
 
 Every run's config is built and validated before anything starts. A run is done when its folder holds
 summary.json; an interrupted one resumes from its checkpoint; a run that fails is recorded (error.txt in
-its folder, a line in sweep.jsonl) and the others go on."""
+its folder, a line in sweep.jsonl) and the others go on.
+
+`run_sweep(path, jobs=N)` (`fedlase sweep FILE --jobs N`) runs N runs at once, each in its own subprocess
+(its output in `<run folder>/sweep.log`), with torch's CPU threads split between them: a run gets
+`threads = max(1, cores // N)` unless the sweep sets `threads` itself. Results do not depend on N. On Ctrl-C
+the children are stopped and nothing is recorded for them; rerunning the sweep resumes them."""
 from __future__ import annotations
 
 import contextlib
@@ -17,7 +22,12 @@ import hashlib
 import itertools
 import json
 import logging
+import os
 import re
+import signal
+import subprocess
+import sys
+import threading
 import time
 import traceback
 from dataclasses import dataclass
@@ -30,11 +40,6 @@ from .errors import ConfigError, UserError
 
 log = logging.getLogger("fedlase")
 
-# Keys that may change between a finished run and the sweep's config without changing its final result.
-IGNORED_ON_RERUN = {"out", "threads", "device", "checkpoint_every", "eval_every"}
-# Input shapes (channels, image size) per dataset, to build a model for validating method options
-# without loading the data.
-_SHAPES = {"fashion_mnist": (1, 28), "digits": (1, 8), "cifar10": (3, 32), "cifar100": (3, 32)}
 _SAFE = re.compile(r"[^A-Za-z0-9._+-]")
 
 
@@ -44,6 +49,7 @@ class PlannedRun:
     settings: dict      # dotted key -> value: what distinguishes this run
     cfg: Config
     status: str = "new"   # new | resume | retry (failed before) | done
+    sets_threads: bool = False   # the sweep file sets `threads` for this run (then --jobs leaves it alone)
 
     @property
     def out(self) -> Path:
@@ -104,25 +110,30 @@ def _base(spec: dict, folder: Path) -> dict:
     raise UserError(f"sweep: base config {base!r} not found (looked in {folder} and the working directory)")
 
 
-def _check_method(cfg: Config) -> None:
-    """Build the model and the method once, so that bad method_args fail now, not hours into the sweep."""
-    from .methods import build_method
-    from .models import build_model
-    from .config import NUM_CLASSES
-    channels, size = _SHAPES[cfg.dataset]
-    model = build_model(cfg.model, channels, NUM_CLASSES[cfg.dataset], cfg.width, cfg.bn, size)
-    build_method(cfg.method, model, dict(cfg.method_args), sorted({lvl for lvl, _ in cfg.levels}, reverse=True))
+def _check_method(cfg: Config, data: dict) -> None:
+    """Build the model and the method as the run will, so that a method that cannot work on the model (say a
+    level too small for what it keeps whole) fails now, not hours into the sweep. `data` caches the loaded
+    datasets; one that cannot be loaded is left to the run, which records the failure when it starts."""
+    from .engine import build_model_for
+    from .registry import DATASETS, METHODS
+    key = json.dumps(cfg.to_dict(), sort_keys=True, default=str) if DATASETS.get(cfg.dataset).kind != "image" \
+        else (cfg.dataset, cfg.data_dir)   # an image dataset depends only on these; others: on the whole config
+    if key not in data:
+        try:
+            data[key] = DATASETS.get(cfg.dataset).load(cfg)
+        except Exception:
+            data[key] = None
+    if data[key] is not None:
+        METHODS.get(cfg.method)(build_model_for(cfg, data[key]), cfg.levels, **cfg.method_args)
 
 
-def _comparable(d: dict) -> dict:
-    d = json.loads(json.dumps(d, default=str))
-    return {k: v for k, v in d.items() if k not in IGNORED_ON_RERUN}
+def _plain(d: dict) -> dict:
+    return json.loads(json.dumps(d, default=str))
 
 
 def plan_sweep(path: str | Path) -> tuple[Path, list[PlannedRun]]:
     """Read a sweep file; build, validate and name every run, and find which are done or can resume.
     Raises UserError naming the run and the key on the first bad value."""
-    from .analysis import check_analysis
     path = Path(path)
     if not path.is_file():
         raise UserError(f"sweep: file {str(path)!r} does not exist")
@@ -146,6 +157,7 @@ def plan_sweep(path: str | Path) -> tuple[Path, list[PlannedRun]]:
 
     planned: list[PlannedRun] = []
     seen: dict[str, int] = {}
+    datasets: dict = {}
     for i, variant in enumerate(variants):
         variant = dict(variant)
         vname = variant.pop("name", None)
@@ -165,9 +177,8 @@ def plan_sweep(path: str | Path) -> tuple[Path, list[PlannedRun]]:
                     raise UserError(f"sweep: run {name}: {e}") from None
             raw["out"] = str(out / name)
             try:
-                cfg = config_from_dict(raw)
-                check_analysis(cfg.analysis)
-                _check_method(cfg)
+                cfg = config_from_dict(raw)   # checks every key, method_args and analysis included
+                _check_method(cfg, datasets)
             except UserError as e:
                 raise UserError(f"sweep: run {name}: {e}") from None
             except Exception as e:   # a value the config accepts but the model/method cannot use
@@ -175,7 +186,8 @@ def plan_sweep(path: str | Path) -> tuple[Path, list[PlannedRun]]:
             if name in seen:
                 raise UserError(f"sweep: two runs get the same folder {name!r}; give the runs distinct names")
             seen[name] = i
-            planned.append(PlannedRun(name, {**({"name": vname} if vname else variant), **settings}, cfg))
+            planned.append(PlannedRun(name, {**({"name": vname} if vname else variant), **settings}, cfg,
+                                      sets_threads="threads" in raw))
     for run in planned:
         run.status = _status(run)
     return out, planned
@@ -183,22 +195,21 @@ def plan_sweep(path: str | Path) -> tuple[Path, list[PlannedRun]]:
 
 def _status(run: PlannedRun) -> str:
     """done / resume / retry / new; UserError when the folder holds a run with other settings."""
-    from .engine import RESUMABLE_CHANGES
-    want = _comparable(run.cfg.to_dict())
-    defaults = _comparable(Config().to_dict())
+    from .config import result_keys
+    want, defaults = _plain(run.cfg.to_dict()), _plain(Config().to_dict())
     for f, key in ((run.out / "summary.json", "config"), (run.out / "config.json", None)):
         try:
             data = json.loads(f.read_text())
-            have = _comparable(data[key] if key else data)
-        except (OSError, json.JSONDecodeError, KeyError, TypeError):
+            have = _plain(data[key] if key else data)
+        except (OSError, json.JSONDecodeError, KeyError, TypeError, AttributeError):
             continue
-        # a key newer than the stored run counts as equal when the sweep leaves it at its default
-        diff = sorted(k for k in want.keys() | have.keys() if want.get(k) != have.get(k, defaults.get(k)))
-        if set(diff) - RESUMABLE_CHANGES:
+        # only keys that change the result matter (out, threads, device, eval_every ... do not); a key newer
+        # than the stored run counts as equal when the sweep leaves it at its default
+        diff = sorted(k for k in result_keys() if want.get(k) != have.get(k, defaults.get(k)))
+        if diff:
             raise UserError(f"sweep: run {run.name}: {run.out} holds a run with other settings "
-                            f"({', '.join(sorted(set(diff) - RESUMABLE_CHANGES))}); use another sweep out or "
-                            "remove that folder")
-        if key and not diff:
+                            f"({', '.join(diff)}); use another sweep out or remove that folder")
+        if key and have.get("rounds") == want["rounds"]:
             return "done"
     if (run.out / "error.txt").is_file():
         return "retry"   # failed last time; resumes from its checkpoint if it has one
@@ -216,15 +227,24 @@ def _fmt_time(seconds: float) -> str:
     return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s"
 
 
-def run_sweep(path: str | Path, progress: bool = True) -> dict:
-    """Run every run of a sweep that is not done; return {'done', 'skipped', 'failed': [names]}."""
-    from .engine import run_experiment
+def cpu_cores() -> int:
+    """CPU cores this process may use."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:   # not Linux
+        return os.cpu_count() or 1
+
+
+def run_sweep(path: str | Path, progress: bool = True, jobs: int = 1) -> dict:
+    """Run every run of a sweep that is not done, `jobs` at a time; return {'done', 'skipped', 'failed': [names]}
+    (done and failed in the order the runs finished)."""
+    if isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1:
+        raise UserError(f"sweep: --jobs must be a whole number >= 1, got {jobs!r}")
     out, planned = plan_sweep(path)
     out.mkdir(parents=True, exist_ok=True)
     (out / "sweep.yaml").write_text(Path(path).read_text())   # the spec next to its results
     todo = [r for r in planned if r.status != "done"]
     result = {"done": [], "skipped": [r.name for r in planned if r.status == "done"], "failed": []}
-    spent, rounds_done = 0.0, 0
     with contextlib.ExitStack() as stack:
         bar = None
         if progress:
@@ -234,32 +254,169 @@ def run_sweep(path: str | Path, progress: bool = True) -> dict:
             bar = stack.enter_context(tqdm(total=len(planned), initial=len(result["skipped"]), unit="run",
                                            desc="sweep", dynamic_ncols=True,
                                            bar_format="{desc}: {n}/{total} runs |{bar}| {elapsed}{postfix}"))
-        for i, run in enumerate(todo):
-            if bar is not None:
-                eta = ""
-                if rounds_done:   # from the time per round of the runs finished in this invocation
-                    eta = f"eta {_fmt_time(spent / rounds_done * sum(r.cfg.rounds for r in todo[i:]))}, "
-                bar.set_postfix_str(f"{eta}now {run.name}")
-            t0 = time.perf_counter()
-            err = run.out / "error.txt"
-            try:
-                run_experiment(run.cfg, resume=True, progress=progress)
-            except Exception as e:   # one failed run must not stop the sweep: record it and go on
-                run.out.mkdir(parents=True, exist_ok=True)
-                err.write_text(traceback.format_exc())
-                msg = str(e).splitlines()[0] if str(e) else type(e).__name__
-                log.error("sweep: run %s failed: %s (details in %s)", run.name, msg, err)
-                result["failed"].append(run.name)
-                _record(out, {"run": run.name, "status": "failed", "error": msg, "time": time.perf_counter() - t0})
-            else:
-                err.unlink(missing_ok=True)
-                spent += time.perf_counter() - t0
-                rounds_done += run.cfg.rounds
-                result["done"].append(run.name)
-                _record(out, {"run": run.name, "status": "done", "time": time.perf_counter() - t0})
-            if bar is not None:
-                bar.update(1)
+        if jobs == 1:
+            _run_in_process(out, todo, result, bar, progress)
+        else:
+            _run_in_subprocesses(out, todo, result, bar, jobs)
     return result
+
+
+def _finished(out: Path, run: PlannedRun, result: dict, seconds: float, error: str | None) -> None:
+    """Record a run that ended: a line in sweep.jsonl and its name in the result."""
+    if error is None:
+        result["done"].append(run.name)
+        _record(out, {"run": run.name, "status": "done", "time": seconds})
+    else:
+        log.error("sweep: run %s failed: %s (details in %s)", run.name, error, run.out / "error.txt")
+        result["failed"].append(run.name)
+        _record(out, {"run": run.name, "status": "failed", "error": error, "time": seconds})
+
+
+def _run_in_process(out: Path, todo: list[PlannedRun], result: dict, bar, progress: bool) -> None:
+    spent, rounds_done = 0.0, 0
+    for i, run in enumerate(todo):
+        if bar is not None:
+            eta = ""
+            if rounds_done:   # from the time per round of the runs finished in this invocation
+                eta = f"eta {_fmt_time(spent / rounds_done * sum(r.cfg.rounds for r in todo[i:]))}, "
+            bar.set_postfix_str(f"{eta}now {run.name}")
+        t0 = time.perf_counter()
+        error = _run_one(run, progress)
+        if error is None:
+            spent += time.perf_counter() - t0
+            rounds_done += run.cfg.rounds
+        _finished(out, run, result, time.perf_counter() - t0, error)
+        if bar is not None:
+            bar.update(1)
+
+
+def _run_one(run: PlannedRun, progress: bool) -> str | None:
+    """Run (or resume) one run in this process; None, or the first line of its error (then in error.txt)."""
+    from .engine import run_experiment
+    err = run.out / "error.txt"
+    try:
+        run_experiment(run.cfg, resume=True, progress=progress)
+    except Exception as e:   # one failed run must not stop the sweep: record it and go on
+        run.out.mkdir(parents=True, exist_ok=True)
+        err.write_text(traceback.format_exc())
+        return str(e).splitlines()[0] if str(e) else type(e).__name__
+    err.unlink(missing_ok=True)
+    return None
+
+
+_CHILD = "import sys; from fedlase.sweep import _child_main; sys.exit(_child_main())"
+
+
+def _child_main() -> int:
+    """A subprocess of a parallel sweep: read one run's config (JSON) from stdin, run it, and print one JSON
+    line {"error": null or the first line of the error} to stdout. Exits when the sweep process goes away."""
+    from .config import config_from_dict
+    parent = int(os.environ.get("FEDLASE_SWEEP_PARENT", os.getppid()))
+
+    def watch():   # a killed sweep must not leave its runs going on
+        while True:
+            if os.getppid() != parent:
+                os._exit(143)
+            time.sleep(1.0)
+    threading.Thread(target=watch, daemon=True).start()
+    report = os.fdopen(os.dup(1), "w")   # the result line goes here; whatever the run prints goes to the log
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    spec = json.loads(sys.stdin.read())
+    run = PlannedRun(spec["name"], {}, config_from_dict(spec["config"]))
+    error = _run_one(run, progress=False)
+    report.write(json.dumps({"error": error}) + "\n")
+    report.close()
+    return 0 if error is None else 1
+
+
+def _start(run: PlannedRun, threads: int) -> tuple[subprocess.Popen, object]:
+    config = run.cfg.to_dict()
+    if not run.sets_threads:
+        config["threads"] = threads
+    run.out.mkdir(parents=True, exist_ok=True)
+    logf = open(run.out / "sweep.log", "a")
+    root = str(Path(__file__).resolve().parents[1])   # the child imports this very package
+    env = {**os.environ, "FEDLASE_SWEEP_PARENT": str(os.getpid()),
+           "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}
+    # its own session: a Ctrl-C at the terminal reaches only the sweep, which then stops the children itself
+    proc = subprocess.Popen([sys.executable, "-c", _CHILD], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=logf, env=env, start_new_session=True, text=True)
+    proc.stdin.write(json.dumps({"name": run.name, "config": config}, default=str))
+    proc.stdin.close()
+    return proc, logf
+
+
+def _child_error(run: PlannedRun, proc: subprocess.Popen) -> str | None:
+    """The outcome a finished child reported; a child that died without reporting is a failure, recorded here."""
+    text = proc.stdout.read() if proc.stdout else ""
+    for line in reversed(text.strip().splitlines()):
+        try:
+            return json.loads(line)["error"]
+        except (ValueError, KeyError, TypeError):
+            continue
+    how = f"killed by signal {-proc.returncode}" if proc.returncode < 0 else f"exit status {proc.returncode}"
+    error = f"the run's process ended without a result ({how}); see {run.out / 'sweep.log'}"
+    (run.out / "error.txt").write_text(error + "\n")
+    return error
+
+
+def _stop(procs: dict) -> None:
+    """Stop every child (SIGTERM, then SIGKILL after 10 s) and wait for them."""
+    for proc in procs:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+    deadline = time.monotonic() + 10
+    for proc in procs:
+        try:
+            proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    for _, (_, _, logf) in procs.items():
+        logf.close()
+
+
+def _run_in_subprocesses(out: Path, todo: list[PlannedRun], result: dict, bar, jobs: int) -> None:
+    threads = max(1, cpu_cores() // jobs)
+    queue, procs = list(todo), {}   # proc -> (run, start time, log file)
+    spent, rounds_done = 0.0, 0
+
+    def show():
+        if bar is None:
+            return
+        eta = ""
+        if rounds_done:   # from the time per round of the runs finished so far, `jobs` of them at a time
+            per_round, now = spent / rounds_done, time.perf_counter()
+            running = [max(0.0, per_round * r.cfg.rounds - (now - t0)) for r, t0, _ in procs.values()]
+            left = sum(running) + per_round * sum(r.cfg.rounds for r in queue)
+            eta = f"eta {_fmt_time(max([left / jobs, *running]))}, "
+        bar.set_postfix_str(f"{eta}now {', '.join(r.name for r, _, _ in procs.values())}")
+
+    try:
+        while queue or procs:
+            while queue and len(procs) < jobs:
+                run = queue.pop(0)
+                proc, logf = _start(run, threads)
+                procs[proc] = (run, time.perf_counter(), logf)
+                show()
+            time.sleep(0.1)
+            for proc in [p for p in procs if p.poll() is not None]:
+                run, t0, logf = procs.pop(proc)
+                logf.close()
+                error = _child_error(run, proc)
+                if error is None:
+                    spent += time.perf_counter() - t0
+                    rounds_done += run.cfg.rounds
+                _finished(out, run, result, time.perf_counter() - t0, error)
+                if bar is not None:
+                    bar.update(1)
+                show()
+    except BaseException:   # Ctrl-C (or any error here): no run goes on without the sweep
+        _stop(procs)
+        raise
 
 
 def describe_plan(out: Path, planned: list[PlannedRun]) -> str:

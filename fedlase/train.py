@@ -3,6 +3,7 @@
 batched path that stacks several clients' parameters."""
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Callable
@@ -26,11 +27,12 @@ class LocalWork:
     momentum: float = 0.0
     weight_decay: float = 0.0
     betas: tuple[float, float] = (0.9, 0.999)
+    clip_norm: float | None = None   # clip each step's gradient to this total L2 norm (HeteroFL/FedRolex: 1)
 
     @classmethod
     def from_config(cls, cfg) -> "LocalWork":
         return cls(cfg.local_steps, cfg.local_epochs, cfg.batch_size, cfg.optimizer, cfg.lr, cfg.momentum,
-                   cfg.weight_decay, tuple(cfg.betas))
+                   cfg.weight_decay, tuple(cfg.betas), getattr(cfg, "clip_norm", None))
 
     def num_steps(self, n_samples: int) -> int:
         if self.epochs is not None:
@@ -63,25 +65,45 @@ def has_tied_weights(model: nn.Module) -> bool:
 
 def local_train(model: nn.Module, global_params: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor],
                 sub: Submodel, x: torch.Tensor, y: torch.Tensor, batches: list[torch.Tensor], work: LocalWork,
-                augment: Callable[[torch.Tensor], torch.Tensor] | None = None) -> tuple[dict[str, torch.Tensor], float]:
+                augment: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                classes: torch.Tensor | None = None) -> tuple[dict[str, torch.Tensor], float]:
     """Train `sub` of the global model on (x, y) for the given batches; return the delta, zero outside the
     submodel's mask, and the mean training loss.
 
     The local optimizer is fresh each round (as in FIARSE and HeteroFL). Coordinates outside the mask get no
-    gradient; whatever weight decay does to them locally is dropped with the mask on the delta."""
+    gradient; whatever weight decay does to them locally is dropped with the mask on the delta.
+    `work.clip_norm` clips each step's gradient (all parameters together; coordinates outside the mask have a
+    zero gradient, so this is the norm of the submodel's own gradient, as the official structured codes clip
+    their sliced model). `classes` (the client's present classes, as indices or a bool mask over the classes)
+    sets the other classes' logits to 0 before the loss, as HeteroFL's and FedRolex's official `mask=1`.
+    A submodel with `slices` trains the gathered smaller tensors (same module: conv, linear and BN take their
+    shapes from the tensors) and its delta is scattered back to full size, zero outside the slice."""
+    if sub.slices:
+        small, loss = local_train(model, sub.gather(global_params), sub.gather({**buffers, **sub.buffers}),
+                                  sub.inner(), x, y, batches, work, augment, classes)
+        return sub.scatter(small, global_params), loss
     params = {n: p.detach().clone().requires_grad_(True) for n, p in global_params.items()}
     bufs = {**{n: b.clone() for n, b in buffers.items()}, **sub.buffers}
-    opt = make_optimizer(list(params.values()), work)
+    plist = list(params.values())
+    opt = make_optimizer(plist, work)
     model.train()
     tie = has_tied_weights(model)
+    keep = None
     total = torch.zeros((), dtype=torch.float64, device=x.device)   # summed where the loss is: no sync a step
     for idx in batches:
         xb, yb = x[idx], y[idx]
         if augment is not None:
             xb = augment(xb)
-        loss = F.cross_entropy(functional_call(model, (sub.apply(params), bufs), (xb,), tie_weights=tie), yb)
+        logits = functional_call(model, (sub.apply(params, train=True), bufs), (xb,), tie_weights=tie)
+        if classes is not None:
+            if keep is None:
+                keep = class_keep(classes, logits.shape[-1], logits.device)
+            logits = logits.masked_fill(~keep, 0.0)
+        loss = F.cross_entropy(logits, yb)
         opt.zero_grad(set_to_none=True)
         loss.backward()
+        if work.clip_norm is not None:
+            torch.nn.utils.clip_grad_norm_(plist, work.clip_norm)
         opt.step()
         total += loss.detach().double()
     delta = {}
@@ -90,3 +112,60 @@ def local_train(model: nn.Module, global_params: dict[str, torch.Tensor], buffer
             d = p - global_params[n]
             delta[n] = d * sub.masks[n] if n in sub.masks else d
     return delta, float(total) / max(len(batches), 1)
+
+
+# ---- label-split masking (HeteroFL's and FedRolex's official `mask=1`) ---------------------------------------
+
+def class_keep(classes: torch.Tensor, num_classes: int, device=None) -> torch.Tensor:
+    """A bool vector over the classes: True for the given classes (indices, or already a bool mask)."""
+    classes = torch.as_tensor(classes, device=device)
+    if classes.dtype == torch.bool:
+        if classes.numel() != num_classes:
+            raise ValueError(f"a class mask must have {num_classes} entries, got {classes.numel()}")
+        return classes
+    keep = torch.zeros(num_classes, dtype=torch.bool, device=device)
+    keep[classes.long()] = True
+    return keep
+
+
+def label_mask_logits(logits: torch.Tensor, present_classes: torch.Tensor) -> torch.Tensor:
+    """The official label-split masking: the logits of classes outside `present_classes` are set to 0 (not
+    -inf: those classes stay in the softmax with logit 0 and get no gradient; in an argmax an absent class
+    wins when every present logit is negative). Used in the local loss and the local accuracy."""
+    return logits.masked_fill(~class_keep(present_classes, logits.shape[-1], logits.device), 0.0)
+
+
+def classifier_names(model: nn.Module) -> tuple[str, str | None]:
+    """(weight, bias) names of the classifier: the last linear layer registered (the CNN's `classifier`,
+    ResNet-18's `linear`)."""
+    last = None
+    for mod_name, mod in model.named_modules():
+        if isinstance(mod, nn.Linear):
+            last = (f"{mod_name}.weight", f"{mod_name}.bias" if mod.bias is not None else None)
+    if last is None:
+        raise ValueError("the model has no linear layer to restrict to the client's classes")
+    return last
+
+
+def label_split_masks(params: dict[str, torch.Tensor], weight: str, bias: str | None,
+                      present_classes: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Masks that restrict a client to its classes' classifier rows; AND them into its Submodel's masks
+    (`restrict_submodel`). The delta is then zero on the other rows and the aggregation counts the client
+    only on its own rows, as the official `combine` does; in the forward the masked rows (weight and bias)
+    give those classes a logit of exactly 0, the same as `label_mask_logits`."""
+    w = params[weight]
+    keep = class_keep(present_classes, w.shape[0], w.device)
+    out = {weight: keep.view(-1, *([1] * (w.dim() - 1))).expand_as(w).clone()}
+    if bias is not None:
+        out[bias] = keep.clone()
+    return out
+
+
+def restrict_submodel(sub: Submodel, extra: dict[str, torch.Tensor]) -> Submodel:
+    """A copy of `sub` whose masks are ANDed with `extra` (a parameter without a mask takes `extra`'s).
+    For a threshold parameter (FIARSE, FedLASE) the forward keeps its own |w| >= tau rule, so `extra` then
+    restricts only the returned delta and the credit; pass `classes` to `local_train` for the loss."""
+    masks = dict(sub.masks)
+    for n, m in extra.items():
+        masks[n] = masks[n] & m if n in masks else m
+    return dataclasses.replace(sub, masks=masks)

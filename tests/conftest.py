@@ -1,4 +1,10 @@
-"""Shared fixtures for the core tests: a tiny, fast experiment on the bundled digits data."""
+"""Shared fixtures and helpers for the core tests: a tiny, fast experiment on the bundled digits data, and tiny
+Fashion-MNIST IDX files. Test modules import the helpers with `from conftest import ...` (pytest puts tests/
+on sys.path)."""
+import gzip
+from pathlib import Path
+
+import numpy as np
 import pytest
 
 from fedlase.config import load_config
@@ -16,3 +22,35 @@ def tiny_cfg(tmp_path):
     def make(*overrides: str, out: str | None = None):
         return load_config(None, [*TINY, f"out={out or tmp_path / 'run'}", *overrides])
     return make
+
+
+# ---- IDX files (the Fashion-MNIST format), for the loader and CLI tests --------------------------------------
+FMNIST_STEMS = {"x_train": "train-images-idx3-ubyte", "y_train": "train-labels-idx1-ubyte",
+                "x_test": "t10k-images-idx3-ubyte", "y_test": "t10k-labels-idx1-ubyte"}
+
+
+def idx_bytes(arr, magic: int) -> bytes:
+    """An IDX file: magic number, each dimension as a big-endian int32, then the unsigned bytes."""
+    arr = np.asarray(arr, dtype=np.uint8)
+    head = magic.to_bytes(4, "big") + b"".join(int(d).to_bytes(4, "big") for d in arr.shape)
+    return head + arr.tobytes()
+
+
+def write_fmnist(folder: Path, n_train: int = 12, n_test: int = 5, size: int = 6, gz: bool = True,
+                 seed: int = 0) -> dict[str, np.ndarray]:
+    """The four Fashion-MNIST files, tiny: random pixels, labels 0..9 repeating. Returns {file stem: array}."""
+    rng = np.random.default_rng(seed)
+    folder.mkdir(parents=True, exist_ok=True)
+    data = {
+        FMNIST_STEMS["x_train"]: (rng.integers(0, 256, (n_train, size, size)), 2051),
+        FMNIST_STEMS["y_train"]: (np.arange(n_train) % 10, 2049),
+        FMNIST_STEMS["x_test"]: (rng.integers(0, 256, (n_test, size, size)), 2051),
+        FMNIST_STEMS["y_test"]: (np.arange(n_test) % 10, 2049),
+    }
+    for stem, (arr, magic) in data.items():
+        raw = idx_bytes(arr, magic)
+        if gz:
+            (folder / (stem + ".gz")).write_bytes(gzip.compress(raw))
+        else:
+            (folder / stem).write_bytes(raw)
+    return {k: v[0] for k, v in data.items()}

@@ -85,21 +85,6 @@ def test_no_clients_leaves_the_model_unchanged():
         assert all(torch.equal(new[k], glob[k]) for k in glob)
 
 
-def test_weighted_add_equals_repeated_adds():
-    # Prepare
-    glob, updates = three_clients()
-    delta, sub = updates[0]
-    once, twice = Aggregator(glob), Aggregator(glob)
-    # Execute: the same client added twice vs. its pre-summed delta with weight 2
-    once.add(delta, sub)
-    once.add(delta, sub)
-    twice.add({k: 2 * v for k, v in delta.items()}, sub, weight=2)
-    # Assert
-    for k in glob:
-        assert torch.equal(once.result()[k], twice.result()[k])
-    assert once.clients == twice.clients == 2
-
-
 def test_unknown_mode():
     with pytest.raises(ValueError):
         Aggregator({"w": torch.zeros(1)}, "median")

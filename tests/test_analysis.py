@@ -6,18 +6,24 @@ import numpy as np
 import pytest
 import torch
 
-from fedlase.analysis import (Magnitudes, Ratios, Updates, build_trackers, check_analysis, gini,
-                              gini_from_histogram, ratio_std)
-from fedlase.engine import run_experiment
+from fedlase.analysis import Magnitudes, Ratios, Tracker, Updates, gini, gini_from_histogram, ratio_std
+from fedlase.config import check_analysis, load_config
+from fedlase.engine import Experiment, run_experiment
 from fedlase.errors import ConfigError
+from fedlase.levels import System
 from fedlase.masks import Submodel
+from fedlase.options import Option
+from fedlase.registry import TRACKERS, register_tracker
+
+# the levels of the fake experiments: FULL = 1, HALF = 1/2
+FULL, HALF = System.of([1.0, 0.5]).levels
 
 
-def fake_exp(tmp_path, params, levels=(1.0, 0.5), method=None):
+def fake_exp(tmp_path, params, levels=(FULL, HALF), method=None):
     """The parts of an Experiment that trackers read."""
     method = method or SimpleNamespace()
     method.maskable = list(params)
-    return SimpleNamespace(params=params, levels=list(levels), method=method, device=torch.device("cpu"),
+    return SimpleNamespace(params=params, levels=tuple(levels), method=method, device=torch.device("cpu"),
                            cfg=SimpleNamespace(out=str(tmp_path)))
 
 
@@ -50,8 +56,8 @@ def test_updates_counts_and_summaries(tmp_path):
     t = Updates(exp)
     half = Submodel({"a": torch.tensor([True, True, False, False])})   # b unmasked: trained whole
     # round 1: one client at level 1, two at 0.5; round 2: one client at 0.5
-    t.on_round(1, [(0, 1.0), (1, 0.5), (2, 0.5)], {1.0: Submodel(), 0.5: half}, params, params)
-    t.on_round(2, [(3, 0.5)], {0.5: half}, params, params)
+    t.on_round(1, [(0, FULL), (1, HALF), (2, HALF)], {FULL: Submodel(), HALF: half}, params, params)
+    t.on_round(2, [(3, HALF)], {HALF: half}, params, params)
     assert t.counts["a"].tolist() == [4, 4, 1, 1] and t.counts["b"].tolist() == [4, 4]
     line = t.on_eval(2)["updates"]
     z = np.load(tmp_path / "analysis" / "updates.npz")
@@ -79,14 +85,15 @@ def test_ratios_fill_unsampled_levels_and_ratio_std(tmp_path):
             Submodel({"a": torch.tensor([True, True, True, False])}),
             Submodel({"a": torch.tensor([True, True, True, True])})]
     for rnd, s in enumerate(subs, 1):
-        picked = [(0, 1.0), (1, 0.5)] if rnd < 3 else [(0, 1.0)]
-        t.on_round(rnd, picked, {1.0: Submodel(), **({0.5: s} if rnd < 3 else {})}, params, params)
-    assert calls == [(0.5, 3)]
+        picked = [(0, FULL), (1, HALF)] if rnd < 3 else [(0, FULL)]
+        t.on_round(rnd, picked, {FULL: Submodel(), **({HALF: s} if rnd < 3 else {})}, params, params)
+    assert calls == [(HALF, 3)]
     r = t.ratios()   # (levels, rounds, layers)
     assert r[1, :, 0].tolist() == [0.5, 0.75, 0.25] and r[1, :, 1].tolist() == [1, 1, 1] and (r[0] == 1).all()
     line = t.on_eval(3)
     z = np.load(tmp_path / "analysis" / "ratios.npz")
     assert z["ratios"].shape == (2, 3, 2) and z["rounds"].tolist() == [1, 2, 3]
+    assert z["levels"].tolist() == [1.0, 0.5]
     assert z["ratio_std"][1] == pytest.approx([0.25, 0.0])   # last 2 rounds: 0.75, 0.25
     assert line["ratio_std"] == pytest.approx({"1": 0.0, "1/2": 0.125})
 
@@ -109,10 +116,19 @@ def test_analysis_options_are_validated():
         "ratios": {}, "magnitudes": {"rounds": [1, 5]}}
     for bad, key in (({"ratio": True}, "analysis.ratio"), ({"ratios": {"last": 0}}, "analysis.ratios.last"),
                      ({"ratios": {"window": 3}}, "analysis.ratios.window"),
-                     ({"magnitudes": [1, -2]}, "analysis.magnitudes"), ({"updates": 3}, "analysis.updates")):
+                     # the list shorthand of magnitudes is its option `rounds`, and the error names that option
+                     ({"magnitudes": [1, -2]}, "analysis.magnitudes.rounds"),
+                     ({"magnitudes": {"rounds": [1, -2]}}, "analysis.magnitudes.rounds"),
+                     ({"magnitudes": {"rounds": 3}}, "analysis.magnitudes.rounds"),
+                     ({"ratios": {"last": float("inf")}}, "analysis.ratios.last"),
+                     ({"updates": {"last": 2}}, "analysis.updates.last"),
+                     ({"updates": 3}, "analysis.updates")):
         with pytest.raises(ConfigError) as e:
             check_analysis(bad)
         assert e.value.key == key
+        assert str(e.value).startswith(f"{key}: ") and "\n" not in str(e.value)
+    assert check_analysis({"magnitudes": {"rounds": [0, 3]}, "ratios": {"last": 4}}) == {
+        "magnitudes": {"rounds": [0, 3]}, "ratios": {"last": 4}}
 
 
 # ---- a real run: trackers do not change training and survive resume bit-identically --------------------------
@@ -140,6 +156,46 @@ def test_trackers_resume_bit_identically(tiny_cfg, tmp_path):
     assert all("ratio_std" in ln and "updates" in ln for ln in lines)
 
 
-def test_build_trackers_rejects_unknown_names():
+def test_unknown_analysis_is_a_config_error():
+    # the engine builds trackers from the registry; a name it does not hold never gets that far
+    with pytest.raises(ConfigError, match="analysis.sizes") as e:
+        load_config(None, ["analysis.sizes=true"])
+    assert e.value.key == "analysis.sizes" and "magnitudes, ratios, updates" in str(e.value)
     with pytest.raises(ConfigError, match="analysis.sizes"):
-        build_trackers({"sizes": True}, None)
+        check_analysis({"sizes": True})
+
+
+def test_engine_builds_registered_trackers_with_their_options(tiny_cfg):
+    # Prepare: a tracker defined outside the package, with an option declared in its options_spec
+    seen = []
+
+    class Counter(Tracker):
+        key = "counter_test"
+        options_spec = {"every": Option(1, "count every N rounds", low=1)}
+
+        def on_round(self, rnd, picked, submodels, old_params, new_params):
+            assert all(lvl in submodels for _, lvl in picked)
+            seen.append((rnd, self.options.get("every"), [c for c, _ in picked]))
+
+    register_tracker(Counter)
+    try:
+        with pytest.raises(ConfigError) as e:
+            tiny_cfg("analysis.counter_test.every=0")
+        assert e.value.key == "analysis.counter_test.every"
+        with pytest.raises(ConfigError) as e:
+            tiny_cfg("analysis.counter_test.often=1")
+        assert e.value.key == "analysis.counter_test.often"
+        cfg = tiny_cfg("analysis.counter_test.every=2", "analysis.ratios=true")
+        assert check_analysis(cfg.analysis) == {"ratios": {}, "counter_test": {"every": 2}}
+        # Execute
+        exp = Experiment(cfg)
+        # Assert: registry order, options checked; the tracker is called once per round with the aggregated clients
+        assert [type(t) for t in exp.trackers] == [Ratios, Counter] and exp.trackers[1].options == {"every": 2}
+        for rnd in (1, 2):
+            exp.run_round(rnd)
+            exp.state.round = rnd
+        assert [(r, every) for r, every, _ in seen] == [(1, 2), (2, 2)]
+        assert [clients for *_, clients in seen] == [[c for c, _ in exp.sample(r)] for r in (1, 2)]
+    finally:
+        TRACKERS._entries.pop("counter_test", None)
+    assert "counter_test" not in TRACKERS

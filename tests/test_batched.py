@@ -35,7 +35,10 @@ def _max_diff(a, b):
     (["method=fiarse", "momentum=0.9", "weight_decay=0.01"], 1e-4),   # stacked SGD state
     (["method=fiarse", "optimizer=adamw", "lr=0.01"], 1e-3),   # stacked AdamW state; its g/sqrt(v)
     # turns rounding noise on near-zero gradients into steps of up to ~lr, hence the looser bound
-    (["method=heterofl", "bn=static"], 1e-4),                  # slices, a per-level scaler buffer, running stats
+    (["method=heterofl", "bn=static"], 1e-4),                  # sliced groups per level, folded scaler, running stats
+    (["method=heterofl", "bn=static", "sliced=false"], 1e-4),  # masks, per-client scales in one group
+    (["method=fedrolex"], 1e-4),
+    (["method=fedavg_small"], 1e-4),
     (["method=fedavg"], 1e-4),
 ])
 def test_batched_round_equals_sequential(tiny_cfg, overrides, tol):
@@ -49,19 +52,21 @@ def test_batched_round_equals_sequential(tiny_cfg, overrides, tol):
 
 def test_ragged_last_batch_trains_in_one_group(tiny_cfg, monkeypatch):
     # balanced partition, one epoch: every client has the same batch sizes, the last one partial
-    cfg = tiny_cfg(*ALL, "local_steps=null", "local_epochs=1", "batch_size=50")
-    exp = Experiment(cfg)
+    args = [*ALL, "local_epochs=1", "batch_size=50"]
+    exp = Experiment(tiny_cfg(*args))
     assert len(exp.client_train[0]) % 50 != 0
+    exp.run_round(1)
     def no_sequential(*a, **k):
         raise AssertionError("a client fell back to sequential training")
-    monkeypatch.setattr(batched, "local_train", no_sequential)
-    (seq, _), (bat, _) = _round_both_ways(tiny_cfg, "local_steps=null", "local_epochs=1", "batch_size=50")
-    assert _max_diff(seq, bat) < 1e-4
+    bat = Experiment(tiny_cfg(*args, "batched_clients=true"))
+    monkeypatch.setattr(bat.trainer, "update", no_sequential)
+    bat.run_round(1)
+    assert _max_diff(exp.params, bat.params) < 1e-4
 
 
 def test_clients_with_different_steps_fall_into_groups(tiny_cfg):
     # dirichlet: clients of different sizes train different numbers of steps by epochs
-    (seq, _), (bat, _) = _round_both_ways(tiny_cfg, "partition=dirichlet", "local_steps=null", "local_epochs=0.5")
+    (seq, _), (bat, _) = _round_both_ways(tiny_cfg, "partition=dirichlet", "local_epochs=0.5")
     assert _max_diff(seq, bat) < 1e-4
 
 
@@ -69,7 +74,7 @@ def test_hook_returns_clients_in_picked_order(tiny_cfg):
     exp = Experiment(tiny_cfg(*ALL))
     picked = exp.sample(1)
     subs = exp.submodels([lvl for _, lvl in picked], 1)
-    batched = train_clients_batched(exp, picked, subs, 1)
+    batched = train_clients_batched(exp.trainer, exp.params, exp.buffers, picked, subs, 1)
     for (client, lvl), (delta, loss) in zip(picked, batched):
         ref_delta, ref_loss = exp.client_update(client, subs[lvl], 1)
         assert _max_diff(ref_delta, delta) < 1e-5

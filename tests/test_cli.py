@@ -12,12 +12,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
-from conftest import TINY  # noqa: E402
+from conftest import TINY, idx_bytes, write_fmnist
 
-from fedlase.cli import main  # noqa: E402
-from fedlase.config import Config  # noqa: E402
-from fedlase.methods import METHODS  # noqa: E402
+from fedlase.cli import main
+from fedlase.config import Config
+from fedlase.registry import METHODS
 
 KEYS = [f.name for f in dataclasses.fields(Config) if not f.metadata.get("derived")]
 
@@ -59,6 +58,9 @@ BAD = [
     ("optimizer=rmsprop", "optimizer"),
     ("rounds=ten", "rounds"),
     ("lr=-1", "lr"),
+    ("lr=inf", "lr"),
+    ("lr=nan", "lr"),
+    ("min_replies=0", "min_replies"),
     ("momentum=1.5", "momentum"),
     ("betas=[0.9]", "betas"),
     ("method=bogus", "method"),
@@ -99,33 +101,22 @@ def test_missing_and_bad_config_files(capsys, tmp_path):
 
 # --------------------------------------------------------------------------- corrupt data files
 
-def idx(arr, magic: int) -> bytes:
-    arr = np.asarray(arr, dtype=np.uint8)
-    return magic.to_bytes(4, "big") + b"".join(int(d).to_bytes(4, "big") for d in arr.shape) + arr.tobytes()
-
-
 def write_idx_folder(folder: Path, spoil: str) -> None:
     """The four Fashion-MNIST files (tiny), one of them spoiled."""
     folder.mkdir()
-    rng = np.random.default_rng(0)
-    files = {"train-images-idx3-ubyte": idx(rng.integers(0, 256, (20, 8, 8)), 2051),
-             "train-labels-idx1-ubyte": idx(np.arange(20) % 10, 2049),
-             "t10k-images-idx3-ubyte": idx(rng.integers(0, 256, (10, 8, 8)), 2051),
-             "t10k-labels-idx1-ubyte": idx(np.arange(10) % 10, 2049)}
+    write_fmnist(folder, n_train=20, n_test=10, size=8)
     name = "train-images-idx3-ubyte"
+    path = folder / (name + ".gz")
     if spoil == "truncated":
-        files[name] = files[name][:-7]
+        path.write_bytes(gzip.compress(gzip.decompress(path.read_bytes())[:-7]))
     elif spoil == "magic":
-        files[name] = idx(np.zeros((20, 8, 8)), 2049)
+        path.write_bytes(gzip.compress(idx_bytes(np.zeros((20, 8, 8)), 2049)))
     elif spoil == "labels":
-        files["train-labels-idx1-ubyte"] = idx(np.full(20, 42), 2049)
+        (folder / "train-labels-idx1-ubyte.gz").write_bytes(gzip.compress(idx_bytes(np.full(20, 42), 2049)))
     elif spoil == "missing":
-        del files[name]
-    for stem, raw in files.items():
-        if spoil == "badgzip" and stem == name:
-            (folder / (stem + ".gz")).write_bytes(b"\x1f\x8b\x08\x00this is not gzip data at all")
-        else:
-            (folder / (stem + ".gz")).write_bytes(gzip.compress(raw))
+        path.unlink()
+    elif spoil == "badgzip":
+        path.write_bytes(b"\x1f\x8b\x08\x00this is not gzip data at all")
 
 
 @pytest.mark.parametrize("spoil", ["truncated", "magic", "labels", "missing", "badgzip"])

@@ -1,31 +1,76 @@
 """Tests for fedlase.config: the system-string parser, validation of every key, overrides and YAML files."""
 import dataclasses
+from fractions import Fraction
 
 import pytest
 
-from fedlase.config import (CHOICES, Config, config_from_dict, describe_keys, load_config, parse_override,
-                            parse_participation, parse_system)
+from fedlase import registry
+from fedlase.config import (Config, config_from_dict, describe_keys, load_config, options, parse_override,
+                            parse_participation, parse_system, result_keys)
 from fedlase.errors import ConfigError, UserError
+from fedlase.levels import Level, System
+from fedlase.registry import DATASETS, METHODS, MODELS, PARTITIONS
 
 KEYS = [f.name for f in dataclasses.fields(Config) if not f.metadata.get("derived")]
 
 
 # --------------------------------------------------------------------------- system strings
 
+F = Fraction
+
+
+def pairs(system: System) -> list[tuple[Fraction, int]]:
+    return [(lv.fraction, lv.count) for lv in system.levels]
+
+
 @pytest.mark.parametrize("text, expected", [
-    ("{1,1/4,1/16,1/64}_{10,20,30,40}", [(1.0, 10), (0.25, 20), (0.0625, 30), (0.015625, 40)]),
-    ("{1}_{100}", [(1.0, 100)]),
-    ("{0.5,0.25}_{3,7}", [(0.5, 3), (0.25, 7)]),
-    ("{ 1 , 1/4 } _ { 10 , 20 }", [(1.0, 10), (0.25, 20)]),
-    ("{1/4,1}_{5,1}", [(0.25, 5), (1.0, 1)]),          # order is kept as written
-    ("{1e-1}_{2}", [(0.1, 2)]),
+    ("{1,1/4,1/16,1/64}_{10,20,30,40}", [(F(1), 10), (F(1, 4), 20), (F(1, 16), 30), (F(1, 64), 40)]),
+    ("{1}_{100}", [(F(1), 100)]),
+    ("{0.5,0.25}_{3,7}", [(F(1, 2), 3), (F(1, 4), 7)]),
+    ("{ 1 , 1/4 } _ { 10 , 20 }", [(F(1), 10), (F(1, 4), 20)]),
+    ("{1/4,1}_{5,1}", [(F(1), 1), (F(1, 4), 5)]),      # levels are ordered largest first, counts follow them
+    ("{1e-1}_{2}", [(F(1, 10), 2)]),                  # a decimal is read exactly
+    ("{0.3,1/3}_{1,1}", [(F(1, 3), 1), (F(3, 10), 1)]),
 ])
 def test_parse_system_good(text, expected):
     # Execute
     got = parse_system(text)
     # Assert
-    assert got == expected
-    assert all(isinstance(n, int) for _, n in got)
+    assert isinstance(got, System) and got.text == text
+    assert pairs(got) == expected
+    assert all(isinstance(lv.fraction, Fraction) and isinstance(lv.count, int) for lv in got.levels)
+    assert [lv.index for lv in got.levels] == list(range(len(expected)))     # looked up by index
+    assert got.smallest is got.levels[-1] and got.num_clients == sum(n for _, n in expected)
+    # clients are numbered level by level in the order the system is written
+    written = [next(lv for lv in got.levels if lv.fraction == f) for f, _ in written_pairs(text)]
+    assert got.client_level == tuple(lv.index for lv in written for _ in range(lv.count))
+
+
+def written_pairs(text):
+    lv, ct = text.replace(" ", "").split("_")
+    return [(Fraction(a), int(b)) for a, b in zip(lv.strip("{}").split(","), ct.strip("{}").split(","))]
+
+
+def test_clients_follow_the_written_order():
+    system = parse_system("{1/4,1}_{5,1}")
+    assert [system.levels[i].name for i in system.client_level] == ["1/4"] * 5 + ["1"]
+
+
+def test_level_names_floats_and_lookup():
+    # Prepare
+    system = parse_system("{1,1/4,1/16,1/64}_{1,2,3,4}")
+    # Assert
+    assert [lv.name for lv in system] == ["1", "1/4", "1/16", "1/64"]
+    assert [float(lv) for lv in system] == [1.0, 0.25, 0.0625, 0.015625]
+    assert system.find(F(1, 4)) is system.levels[1]
+    assert system.find("1/16") is system.levels[2] and system.find(0.015625) is system.levels[3]
+    assert system.find(0.5) is None and system.find("x") is None
+    assert system.by_name("1/64") is system.smallest
+    assert len(system) == 4 and list(system) == list(system.levels)
+    # the same system written in another order or from pairs gives the same levels
+    assert pairs(System.of([(F(1, 4), 2), (1.0, 1), (0.0625, 3), ("1/64", 4)])) == pairs(system)
+    assert pairs(System.of([0.25, 1.0])) == [(F(1), 1), (F(1, 4), 1)]
+    assert Level(1, F(1, 4), 2) == system.levels[1]
 
 
 @pytest.mark.parametrize("text", [
@@ -55,6 +100,7 @@ def test_parse_system_bad(text):
         parse_system(text)
     assert e.value.key == "system"
     assert str(e.value).startswith("system:")
+    assert "\n" not in str(e.value)
 
 
 # --------------------------------------------------------------------------- participation
@@ -82,9 +128,13 @@ def test_defaults_validate():
     # Execute
     cfg = config_from_dict({})
     # Assert: the paper's system, and derived fields filled
-    assert cfg.levels == [(1.0, 10), (0.25, 20), (0.0625, 30), (0.015625, 40)]
+    assert isinstance(cfg.levels, System)
+    assert pairs(cfg.levels) == [(F(1), 10), (F(1, 4), 20), (F(1, 16), 30), (F(1, 64), 40)]
     assert cfg.num_clients == 100
-    assert cfg.client_levels[:10] == [1.0] * 10 and cfg.client_levels[10] == 0.25 and cfg.client_levels[-1] == 1 / 64
+    client_level = cfg.levels.client_level
+    assert len(client_level) == 100
+    assert client_level[:10] == (0,) * 10 and cfg.levels.levels[client_level[10]].fraction == F(1, 4)
+    assert cfg.levels.levels[client_level[-1]].fraction == F(1, 64) and cfg.levels.smallest.name == "1/64"
     assert cfg.participation == [0.1]
     assert "levels" not in cfg.to_dict() and set(cfg.to_dict()) == set(KEYS)
 
@@ -121,6 +171,17 @@ BAD = [
     ("lr=fast", "lr"),
     ("lr=0", "lr"),
     ("lr=-1e-2", "lr"),
+    ("lr=inf", "lr"),                                 # every number must be finite
+    ("lr=.inf", "lr"),
+    ("lr=nan", "lr"),
+    ("lr=.nan", "lr"),
+    ("width=inf", "width"),
+    ("alpha=nan", "alpha"),
+    ("reply_timeout=inf", "reply_timeout"),
+    ("local_epochs=inf", "local_epochs"),
+    ("betas=[0.9,.nan]", "betas"),
+    ("min_replies=0", "min_replies"),
+    ("min_replies=-1", "min_replies"),
     ("width=0", "width"),
     ("batch_size=0", "batch_size"),
     ("eval_every=0", "eval_every"),
@@ -154,7 +215,19 @@ def test_bad_values_name_the_key(override, key):
         load_config(None, override.split())
     assert e.value.key == key
     assert str(e.value).startswith(f"{key}:")
+    assert "\n" not in str(e.value)                   # the CLI prints it as one line
     assert isinstance(e.value, UserError)
+
+
+@pytest.mark.parametrize("override", ["lr=inf", "lr=nan", "min_replies=0"])
+def test_non_finite_lr_and_zero_min_replies_are_one_line_errors(override):
+    key = override.split("=")[0]
+    with pytest.raises(ConfigError) as e:
+        load_config(None, [override])
+    assert e.value.key == key and str(e.value).startswith(f"{key}: ")
+    assert len(str(e.value).splitlines()) == 1
+    assert ("finite" if key == "lr" else ">= 1") in str(e.value)
+    assert load_config(None, ["min_replies=1", "lr=1e-3"]).min_replies == 1   # the limits themselves are valid
 
 
 def test_unknown_key_suggests_close_names():
@@ -199,7 +272,7 @@ def test_overrides_are_typed_and_nested():
     assert cfg.width == 1.0 and isinstance(cfg.width, float)
     assert cfg.method_args == {"ste": "paper", "overlap": False}
     assert cfg.participation == pytest.approx([0.1, 0.15, 0.2])
-    assert cfg.levels == [(1.0, 3), (0.25, 5)] and cfg.num_clients == 8
+    assert pairs(cfg.levels) == [(F(1), 3), (F(1, 4), 5)] and cfg.num_clients == 8
     assert cfg.analysis == {"magnitudes": True}
     assert cfg.local_epochs == 2.0 and cfg.betas == [0.9, 0.95]
 
@@ -208,11 +281,89 @@ def test_later_override_wins():
     assert load_config(None, ["rounds=3", "rounds=4"]).rounds == 4
 
 
+def _partner(key: str, value: str) -> list[str]:
+    """Other keys a choice needs to validate: a model of the dataset's kind, a data_dir where it needs one."""
+    if key == "dataset":
+        entry = DATASETS.get(value)
+        model = next(n for n, m in MODELS.items() if m.kind == entry.kind)
+        return [f"model={model}"] + (["data_dir=/tmp"] if entry.needs_data_dir else [])
+    if key == "model":
+        kind = MODELS.get(value).kind
+        data = next(n for n, d in DATASETS.items() if d.kind == kind and not d.needs_data_dir)
+        return [f"dataset={data}"]
+    return []
+
+
 def test_every_choice_is_accepted():
-    for key, allowed in CHOICES.items():
+    with_choices = {k: o.allowed() for k, o in options().items() if o.allowed() is not None}
+    assert {"dataset", "model", "partition", "method", "bn", "assignment", "optimizer", "device",
+            "engine"} <= set(with_choices)
+    assert "dynamic" in with_choices["assignment"]
+    for key, allowed in with_choices.items():
+        assert allowed
         for value in allowed:
-            extra = ["data_dir=/tmp"] if key == "dataset" and value.startswith("cifar") else []
-            assert getattr(load_config(None, [f"{key}={value}", *extra]), key) == value
+            assert getattr(load_config(None, [f"{key}={value}", *_partner(key, value)]), key) == value
+
+
+def test_registry_choices_are_the_registries():
+    assert {"fashion_mnist", "cifar10", "cifar100", "digits"} <= set(DATASETS)
+    assert {"cnn", "resnet18"} <= set(MODELS)
+    assert set(PARTITIONS) == {"iid", "dirichlet", "balanced_dirichlet", "pathological"}
+    assert {"fedlase", "fiarse", "heterofl", "fedrolex", "fedavg"} <= set(METHODS)
+    assert {DATASETS.get(n).num_classes for n in ("fashion_mnist", "cifar10", "digits")} == {10}
+    assert DATASETS.get("cifar100").num_classes == 100
+    for key, reg in (("dataset", DATASETS), ("model", MODELS), ("partition", PARTITIONS), ("method", METHODS)):
+        assert options()[key].allowed() == reg.names()
+        with pytest.raises(ConfigError) as e:
+            reg.get("no_such_choice")
+        assert e.value.key == key and "no_such_choice" in str(e.value)
+
+
+def test_a_registered_choice_is_valid_in_the_config():
+    # Prepare: register a dataset, model, partition and method from outside the package
+    from fedlase.methods import FedAvg
+    name = "dummy_registered"
+    dummy_method = type("DummyMethod", (FedAvg,), {"name": name, "__doc__": "a test method"})
+    for key in ("dataset", "model", "partition", "method"):
+        with pytest.raises(ConfigError) as e:
+            load_config(None, [f"{key}={name}"])
+        assert e.value.key == key
+    registry.register_dataset(name, lambda cfg: None, num_classes=3, help="a test dataset")
+    try:
+        registry.register_model(name, lambda cfg, data: None, help="a test model")
+        registry.register_partition(name, lambda labels, n, cfg: None, help="a test partition")
+        registry.register_method(dummy_method)
+        # Execute
+        cfg = load_config(None, [f"dataset={name}", f"model={name}", f"partition={name}", f"method={name}"])
+        # Assert: accepted, listed in the help, and its class count checked
+        assert (cfg.dataset, cfg.model, cfg.partition, cfg.method) == (name,) * 4
+        for key in ("dataset", "model", "partition", "method"):
+            assert name in options()[key].allowed()
+        assert describe_keys().count(name) == 4
+        with pytest.raises(ConfigError) as e:
+            load_config(None, [f"dataset={name}", "partition=pathological", "classes_per_client=4"])
+        assert e.value.key == "classes_per_client" and "3 classes" in str(e.value)
+        assert load_config(None, [f"dataset={name}", "partition=pathological", "classes_per_client=3"])
+        with pytest.raises(ValueError, match="registered already"):
+            registry.register_dataset(name, lambda cfg: None, num_classes=3)
+    finally:
+        for reg in (DATASETS, MODELS, PARTITIONS, METHODS):
+            reg._entries.pop(name, None)
+    # Assert: gone again
+    for key in ("dataset", "model", "partition", "method"):
+        assert name not in options()[key].allowed()
+        with pytest.raises(ConfigError) as e:
+            load_config(None, [f"{key}={name}"])
+        assert e.value.key == key
+
+
+def test_result_keys():
+    # keys that may change between a checkpoint and its resume (the old engine.RESUMABLE_CHANGES, plus the
+    # Flower deployment keys added since)
+    resumable = {"rounds", "eval_every", "checkpoint_every", "out", "device", "threads", "engine", "min_replies",
+                 "reply_timeout", "superlink", "tls_ca", "tls_cert", "tls_key", "node_keys", "insecure"}
+    assert result_keys() == set(KEYS) - resumable
+    assert {"lr", "seed", "system", "method", "method_args", "dataset", "batched_clients"} <= result_keys()
 
 
 # --------------------------------------------------------------------------- YAML files
@@ -228,7 +379,7 @@ def test_yaml_file_and_overrides_precedence(tmp_path):
     # Assert: the file sets values, overrides win key by key, nested mappings merge
     assert from_file.rounds == 5 and from_file.lr == 0.01 and from_file.num_clients == 10
     assert from_file.participation == pytest.approx([0.1, 0.2])
-    assert both.rounds == 7 and both.lr == 0.01 and both.levels == [(1.0, 4), (0.5, 6)]
+    assert both.rounds == 7 and both.lr == 0.01 and pairs(both.levels) == [(F(1), 4), (F(1, 2), 6)]
     assert both.method_args == {"ste": "paper", "overlap": False}
 
 

@@ -3,43 +3,21 @@
 import gzip
 import pickle
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 
-from fedlase.data import (DATASETS, DEFAULT_DATA_DIRS, PARTITIONS, Dataset, augment_batch, load_dataset,
-                          local_test_split, partition)
+from conftest import idx_bytes, write_fmnist
+
+from fedlase.data import DEFAULT_DATA_DIRS, Dataset, augment_batch, load_dataset, local_test_split, partition
 from fedlase.errors import ConfigError, DataError
+from fedlase.registry import DATASETS, PARTITIONS
 
 FMNIST_DIR = Path(DEFAULT_DATA_DIRS["fashion_mnist"])
-
-
-# --------------------------------------------------------------------------- IDX helpers
-
-
-def idx_bytes(arr: np.ndarray, magic: int) -> bytes:
-    arr = np.asarray(arr, dtype=np.uint8)
-    head = magic.to_bytes(4, "big") + b"".join(int(d).to_bytes(4, "big") for d in arr.shape)
-    return head + arr.tobytes()
-
-
-def write_fmnist(folder: Path, n_train=12, n_test=5, size=6, gz=True, seed=0):
-    rng = np.random.default_rng(seed)
-    folder.mkdir(parents=True, exist_ok=True)
-    data = {
-        "train-images-idx3-ubyte": (rng.integers(0, 256, (n_train, size, size)), 2051),
-        "train-labels-idx1-ubyte": (np.arange(n_train) % 10, 2049),
-        "t10k-images-idx3-ubyte": (rng.integers(0, 256, (n_test, size, size)), 2051),
-        "t10k-labels-idx1-ubyte": (np.arange(n_test) % 10, 2049),
-    }
-    for stem, (arr, magic) in data.items():
-        raw = idx_bytes(arr, magic)
-        if gz:
-            (folder / (stem + ".gz")).write_bytes(gzip.compress(raw))
-        else:
-            (folder / stem).write_bytes(raw)
-    return {k: v[0] for k, v in data.items()}
+IMAGE_DATASETS = {"fashion_mnist": 10, "cifar10": 10, "cifar100": 100, "digits": 10}
+SCHEMES = PARTITIONS.names()
 
 
 @pytest.mark.parametrize("gz", [True, False])
@@ -104,7 +82,22 @@ def test_unknown_dataset():
     with pytest.raises(ConfigError) as e:
         load_dataset("mnist")
     assert e.value.key == "dataset"
-    assert set(DATASETS) == {"fashion_mnist", "cifar10", "cifar100", "digits"}
+    with pytest.raises(ConfigError) as e:
+        DATASETS.get("mnist")
+    assert e.value.key == "dataset" and "digits" in str(e.value)
+    # the registry holds the image datasets with their class counts (the text ones need the `text` extra)
+    assert {n: d.num_classes for n, d in DATASETS.items() if d.kind == "image"} == IMAGE_DATASETS
+    assert [n for n, d in DATASETS.items() if d.needs_data_dir and d.kind == "image"] == ["cifar10", "cifar100"]
+
+
+def test_registered_loader_is_load_dataset(tmp_path):
+    # the registry's loader reads the config's data_dir, and knows the class count before loading
+    write_fmnist(tmp_path)
+    cfg = SimpleNamespace(data_dir=str(tmp_path))
+    for name, where in (("fashion_mnist", cfg), ("digits", SimpleNamespace(data_dir=None))):
+        a, b = DATASETS.get(name).load(where), load_dataset(name, where.data_dir)
+        assert a.name == name and a.num_classes == DATASETS.get(name).num_classes
+        assert torch.equal(a.x_train, b.x_train) and torch.equal(a.y_test, b.y_test)
 
 
 @pytest.mark.skipif(not FMNIST_DIR.is_dir(), reason="Fashion-MNIST not installed")
@@ -117,7 +110,7 @@ def test_real_fashion_mnist():
     assert abs(ds.x_train.mean().item()) < 1e-3 and abs(ds.x_train.std().item() - 1) < 1e-3
     # Every scheme partitions the real labels for 100 clients.
     y = ds.y_train.numpy()
-    for scheme in PARTITIONS:
+    for scheme in SCHEMES:
         parts = partition(y, 100, scheme, alpha=0.3, seed=1)
         assert sum(len(p) for p in parts) <= 60000 and len(parts) == 100
 
@@ -256,7 +249,7 @@ def _max_share(parts, y):
     return float(np.mean([np.bincount(y[p]).max() / len(p) for p in parts]))
 
 
-@pytest.mark.parametrize("scheme", PARTITIONS)
+@pytest.mark.parametrize("scheme", SCHEMES)
 def test_partition_basic(labels, scheme):
     parts = partition(labels, 100, scheme, alpha=0.3, classes_per_client=2, seed=0)
     assert len(parts) == 100 and all(len(p) >= 1 for p in parts)
@@ -266,6 +259,22 @@ def test_partition_basic(labels, scheme):
         assert sizes == [600] * 100
     if scheme in ("iid", "dirichlet", "pathological"):
         assert len(all_idx) == len(labels)  # everything is used
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_registered_partition_reads_the_config(labels, scheme):
+    # the registry's split is partition() with the config's alpha, classes_per_client and seed
+    cfg = SimpleNamespace(alpha=0.5, classes_per_client=3, seed=5)
+    got = PARTITIONS.get(scheme).split(labels, 20, cfg)
+    want = partition(labels, 20, scheme, alpha=0.5, classes_per_client=3, seed=5)
+    assert len(got) == 20 and all(np.array_equal(x, y) for x, y in zip(got, want))
+
+
+def test_partition_schemes_are_registered():
+    assert set(SCHEMES) == {"iid", "dirichlet", "balanced_dirichlet", "pathological"}
+    with pytest.raises(ConfigError) as e:
+        PARTITIONS.get("shards")
+    assert e.value.key == "partition"
 
 
 def test_partition_sizes_uneven():
@@ -318,7 +327,7 @@ def test_pathological_varied_class_sets(labels):
     assert len(sets) > 5  # class pairs are not stuck to a few fixed groups
 
 
-@pytest.mark.parametrize("scheme", PARTITIONS)
+@pytest.mark.parametrize("scheme", SCHEMES)
 def test_partition_determinism(labels, scheme):
     a = partition(labels, 20, scheme, seed=7)
     b = partition(labels, 20, scheme, seed=7)

@@ -2,23 +2,27 @@
 vs fixed masks, sampling, per-level evaluation, fairness, checkpoint/resume, and one end-to-end run per method."""
 import json
 import math
-import sys
+from fractions import Fraction
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).parent))
-from conftest import TINY  # noqa: E402
+from conftest import TINY
 
-from fedlase.config import load_config  # noqa: E402
-from fedlase.engine import Experiment, derive_seed, fairness, level_name, run_experiment  # noqa: E402
-from fedlase.errors import UserError  # noqa: E402
-from fedlase.masks import Submodel, maskable_names  # noqa: E402
-from fedlase.methods import METHODS, build_method  # noqa: E402
-from fedlase.models import build_model  # noqa: E402
-from fedlase.train import LocalWork, client_batches, local_train  # noqa: E402
+from fedlase.config import load_config
+from fedlase.engine import (Experiment, RoundResult, SequentialRounds, derive_seed, fairness, level_name,
+                            run_experiment)
+from fedlase.errors import UserError
+from fedlase.levels import Level
+from fedlase.masks import Submodel, maskable_names
+from fedlase.methods import build_method
+from fedlase.models import build_model
+from fedlase.registry import METHODS
+from fedlase.sampling import client_job, sample_clients
+from fedlase.train import LocalWork, client_batches, local_train
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -68,7 +72,11 @@ def test_delta_is_zero_outside_the_mask(kind, optimizer):
         g = torch.Generator().manual_seed(1)
         sub = Submodel({n: torch.rand(params[n].shape, generator=g) < 0.3 for n in maskable})
     else:
-        sub = build_method("fiarse", model, {}, [1.0, 0.25]).submodel(params, 0.25, 1)
+        method = build_method("fiarse", model, {}, [1.0, 0.25])
+        quarter = method.system.find("1/4")
+        sub = method.submodel(params, quarter, 1)
+        same = method.submodel(params, 0.25, 1)   # a float still names the level
+        assert all(torch.equal(sub.masks[n], same.masks[n]) for n in sub.masks)
     work = LocalWork(steps=4, batch_size=8, optimizer=optimizer, lr=0.1, momentum=0.9, weight_decay=0.1)
     batches = client_batches(len(y), work, torch.Generator().manual_seed(2))
     before = {k: v.clone() for k, v in params.items()}
@@ -142,6 +150,7 @@ def test_fixed_mask_excludes_weights_from_the_forward():
 
 def test_level_name_and_derive_seed():
     assert [level_name(x) for x in (1.0, 0.25, 1 / 16, 1 / 64, 0.5)] == ["1", "1/4", "1/16", "1/64", "1/2"]
+    assert level_name(Fraction(1, 16)) == "1/16" and level_name(Level(0, Fraction(1, 64), 3)) == "1/64"
     assert derive_seed(0, 3, 1, 7) == derive_seed(0, 3, 1, 7)
     assert len({derive_seed(0, r, 0) for r in range(50)} | {derive_seed(1, 0, 0)}) == 51
 
@@ -155,39 +164,55 @@ def exp20():
 
 def test_sampling_is_deterministic_and_per_round(exp20):
     # Execute
+    cfg = exp20.cfg
     first = {r: exp20.sample(r) for r in range(1, 61)}
     again = {r: exp20.sample(r) for r in reversed(range(1, 61))}     # other order: same draws
-    other = Experiment.__new__(Experiment)
-    other.cfg = exp20.cfg
-    # Assert
+    # Assert: a plain function of (config, round), as the experiment draws it
     assert first == again
-    assert all(other.sample(r) == first[r] for r in (1, 17, 60))
+    assert all(sample_clients(cfg, r) == first[r] for r in (1, 17, 60))
     sizes = {len(p) for p in first.values()}
     assert sizes == {2, 5, 10}                       # 0.1, 0.25 and 0.5 of 20 clients, each drawn
     assert len({tuple(c for c, _ in p) for p in first.values()}) > 30   # rounds differ
+    client_level = cfg.levels.client_level
     for p in first.values():
         clients = [c for c, _ in p]
         assert clients == sorted(set(clients)) and all(0 <= c < 20 for c in clients)
-        assert all(lvl == exp20.cfg.client_levels[c] for c, lvl in p)   # fixed assignment by client index
-    assert exp20.cfg.client_levels == [1.0] * 4 + [0.25] * 6 + [1 / 16] * 10
+        assert all(isinstance(lvl, Level) and lvl is cfg.levels.levels[lvl.index] for _, lvl in p)
+        assert all(lvl.index == client_level[c] for c, lvl in p)   # fixed assignment by client index
+    assert [float(cfg.levels.levels[i]) for i in client_level] == [1.0] * 4 + [0.25] * 6 + [1 / 16] * 10
+    assert exp20.levels == cfg.levels.levels and [lv.name for lv in exp20.levels] == ["1", "1/4", "1/16"]
 
 
 def test_sampling_depends_on_the_seed(tiny_cfg):
-    a = Experiment.__new__(Experiment)
-    b = Experiment.__new__(Experiment)
-    a.cfg = tiny_cfg("system={1}_{20}", "participation=0.25")
-    b.cfg = tiny_cfg("system={1}_{20}", "participation=0.25", "seed=1")
-    assert [a.sample(r) for r in range(1, 11)] != [b.sample(r) for r in range(1, 11)]
-    assert all(len(a.sample(r)) == 5 for r in range(1, 11))
+    a = tiny_cfg("system={1}_{20}", "participation=0.25")
+    b = tiny_cfg("system={1}_{20}", "participation=0.25", "seed=1")
+    assert [sample_clients(a, r) for r in range(1, 11)] != [sample_clients(b, r) for r in range(1, 11)]
+    assert all(len(sample_clients(a, r)) == 5 for r in range(1, 11))
 
 
 def test_random_assignment_redraws_levels(tiny_cfg):
-    exp = Experiment.__new__(Experiment)
-    exp.cfg = tiny_cfg("system={1,1/4}_{10,10}", "participation=1", "assignment=random")
-    draws = [exp.sample(r) for r in range(1, 6)]
+    cfg = tiny_cfg("system={1,1/4}_{10,10}", "participation=1", "assignment=random")
+    draws = [sample_clients(cfg, r) for r in range(1, 6)]
     for p in draws:
-        assert [c for c, _ in p] == list(range(20)) and sorted(lvl for _, lvl in p) == [0.25] * 10 + [1.0] * 10
+        assert [c for c, _ in p] == list(range(20)) and sorted(float(lvl) for _, lvl in p) == [0.25] * 10 + [1.0] * 10
     assert len({tuple(lvl for _, lvl in p) for p in draws}) > 1
+
+
+def test_dynamic_assignment_draws_each_level_in_proportion(tiny_cfg):
+    # Prepare: counts 1:3, so a sampled client is at level 1/4 with probability 3/4, independently each round
+    cfg = tiny_cfg("system={1,1/4}_{5,15}", "participation=1", "assignment=dynamic")
+    # Execute
+    draws = [sample_clients(cfg, r) for r in range(1, 201)]
+    # Assert: every client each round, levels of the system, deterministic, and not the fixed counts
+    assert draws == [sample_clients(cfg, r) for r in range(1, 201)]
+    assert all([c for c, _ in p] == list(range(20)) for p in draws)
+    assert all(lvl is cfg.levels.levels[lvl.index] for p in draws for _, lvl in p)
+    small = np.array([[lvl.index for _, lvl in p] for p in draws])   # 1 where a client is at 1/4
+    assert abs(small.mean() - 0.75) < 0.03                             # 4000 draws: std 0.007
+    assert len({int(row.sum()) for row in small}) > 3                  # the per-round count varies
+    assert all(0 < small[:, c].mean() < 1 for c in range(20))          # a client's level changes over rounds
+    fixed = tiny_cfg("system={1,1/4}_{5,15}", "participation=1")
+    assert {c: lvl.index for c, lvl in sample_clients(fixed, 1)} == dict(enumerate(fixed.levels.client_level))
 
 
 def test_evaluate_reports_every_level(exp20):
@@ -205,10 +230,92 @@ def test_evaluate_reports_every_level(exp20):
     assert res["global_acc"] == pytest.approx(sum(v["global_acc"] for v in res["levels"].values()) / 3)
 
 
-def test_evaluate_random_assignment_uses_every_client(tiny_cfg):
-    exp = Experiment(tiny_cfg("system={1,1/4}_{1,3}", "assignment=random"))
+@pytest.mark.parametrize("assignment", ["random", "dynamic"])
+def test_evaluate_random_assignment_uses_every_client(tiny_cfg, assignment):
+    exp = Experiment(tiny_cfg("system={1,1/4}_{1,3}", f"assignment={assignment}"))
     res = exp.evaluate(0)
     assert [v["clients"] for v in res["levels"].values()] == [4, 4]
+
+
+# =========================================================================== engine: state, submodels, clients
+
+def test_state_submodels_and_client_update(exp20):
+    exp = exp20
+    cfg = exp.cfg
+    # the run state is an explicit value; the experiment's params, buffers and round are views of it
+    assert exp.params is exp.state.params and exp.buffers is exp.state.buffers and exp.round == exp.state.round == 0
+    for name in ("params", "buffers", "round"):
+        with pytest.raises(AttributeError):
+            setattr(exp, name, None)
+    # each sampled level's submodel, once per level, keyed by the Level
+    picked = exp.sample(3)
+    levels = [lvl for _, lvl in picked]
+    subs = exp.submodels(levels, 3)
+    assert list(subs) == sorted(set(levels), key=lambda lv: lv.index)
+    for lvl, sub in subs.items():
+        want = exp.method.submodel(exp.params, lvl, 3)
+        assert set(sub.masks) == set(want.masks) and all(torch.equal(sub.masks[n], want.masks[n]) for n in sub.masks)
+    # a client's update: its own batches (client_job), trained by the ClientTrainer on the current state
+    client, lvl = picked[0]
+    batches, augment = exp.trainer.job(client, 3)
+    again, _ = client_job(cfg.seed, exp.trainer.work, exp.trainer.train_idx[client], 3, client, exp.data.augment)
+    assert len(batches) == cfg.local_steps and all(torch.equal(a, b) for a, b in zip(batches, again))
+    assert all(set(b.tolist()) <= set(exp.client_train[client].tolist()) for b in batches)
+    delta, loss = exp.client_update(client, subs[lvl], 3)
+    d2, loss2 = exp.trainer.update(client, exp.state.params, exp.state.buffers, subs[lvl], 3)
+    assert loss == loss2 and math.isfinite(loss) and all(torch.equal(delta[k], d2[k]) for k in delta)
+    for n, m in subs[lvl].masks.items():
+        assert (delta[n][~m] == 0).all()
+    # a new global model is set through the state
+    old = exp.state.params
+    try:
+        exp.state.params = {k: v + 1 for k, v in old.items()}
+        assert torch.equal(exp.params[n], old[n] + 1)
+        d3, _ = exp.client_update(client, subs[lvl], 3)
+        assert any(not torch.equal(d3[k], delta[k]) for k in delta)
+    finally:
+        exp.state.params = old
+
+
+class RecordingRunner(SequentialRounds):
+    """A round runner that trains like the sequential one and records what the loop gave it."""
+
+    def __init__(self, keep=None):
+        self.calls, self.keep = [], keep
+
+    def train(self, exp, rnd, picked, subs):
+        self.calls.append((rnd, list(picked), sorted(subs, key=lambda lv: lv.index)))
+        result = super().train(exp, rnd, picked, subs)
+        if self.keep is not None:
+            result = RoundResult(result.updates[:self.keep], {"kept": self.keep})
+        return result
+
+
+def test_a_runner_plugs_into_the_round_loop(tmp_path):
+    # Execute: the same run with the default runner and with a runner passed in
+    ref = run_experiment(_cfg(tmp_path / "a", "rounds=2"), progress=False)
+    runner = RecordingRunner()
+    got = run_experiment(_cfg(tmp_path / "b", "rounds=2"), progress=False, runner=runner)
+    # Assert: the loop sampled, built each level's submodel once, and aggregated what the runner returned
+    assert [r for r, _, _ in runner.calls] == [1, 2]
+    cfg = _cfg(tmp_path / "c")
+    for rnd, picked, levels in runner.calls:
+        assert picked == sample_clients(cfg, rnd)
+        assert levels == sorted({lvl for _, lvl in picked}, key=lambda lv: lv.index)
+    assert got["final"]["levels"] == ref["final"]["levels"]
+    a, b = _final_params(tmp_path / "a"), _final_params(tmp_path / "b")
+    assert all(torch.equal(a["params"][k], b["params"][k]) for k in a["params"])
+
+
+def test_fewer_replies_than_min_replies_leave_the_model_unchanged(tiny_cfg):
+    exp = Experiment(tiny_cfg("min_replies=2"), runner=RecordingRunner(keep=1))
+    before = {k: v.clone() for k, v in exp.params.items()}
+    stats = exp.run_round(1)
+    assert stats["skipped"] and stats["clients"] == 1 and stats["kept"] == 1
+    assert all(torch.equal(exp.params[k], before[k]) for k in before)
+    exp2 = Experiment(tiny_cfg("min_replies=1"), runner=RecordingRunner(keep=1))
+    stats = exp2.run_round(1)
+    assert "skipped" not in stats and any(not torch.equal(exp2.params[k], before[k]) for k in before)
 
 
 def test_fairness_by_hand():

@@ -16,6 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
+# Nodes cache their samples (fedlase/flower/node_data.py); keep the tests' cache out of the home folder.
+os.environ.setdefault("FEDLASE_CACHE", str(Path(__import__("tempfile").mkdtemp(prefix="fedlase-cache-"))))
 pytest.importorskip("flwr")
 pytest.importorskip("ray")
 
@@ -28,7 +30,7 @@ from fedlase.engine import Experiment, run_experiment  # noqa: E402
 from fedlase.flower import QUIET_ENV  # noqa: E402
 from fedlase.flower import client_app  # noqa: E402
 from fedlase.flower.codec import ReplyError, decode_submodel, encode_delta, encode_submodel, validate_reply  # noqa: E402
-from fedlase.flower.strategy import SubmodelStrategy  # noqa: E402
+from fedlase.flower.rounds import NodeRounds  # noqa: E402
 from fedlase.masks import Submodel  # noqa: E402
 
 pytestmark = pytest.mark.flower
@@ -194,18 +196,22 @@ def _round(cfg, rnd=1, spoil=None, drop=(), dead=()):
     """One Flower round in-process; spoil: (partition, kind) makes that client's reply bad; drop: partitions
     whose replies never arrive; dead: partitions whose node died (the SuperLink answers with an error).
     Returns the new global params and the round's statistics."""
-    exp = Experiment(cfg)
     grid = LocalGrid(cfg)
-    strategy = SubmodelStrategy(exp, min_replies=1)
-    msgs = strategy.configure_train(rnd, ArrayRecord(), {}, grid)
-    replies = grid.send_and_receive(msgs, dead=dead)
-    replies = [r for r in replies if r.has_error() or grid.nodes[r.metadata.src_node_id] not in drop]
-    if spoil is not None:
-        sent, _, sub, _ = strategy.pending[spoil[0]]
-        reply = next(r for r in replies if r.metadata.reply_to_message_id == sent.metadata.message_id)
-        _spoil(spoil[1], reply.content.array_records["delta"], exp.params, sub)
-    strategy.aggregate_train(rnd, replies)
-    return exp.params, strategy.last
+    runner = NodeRounds(grid)
+
+    def deliver(msgs, timeout=None):
+        replies = grid.send_and_receive(msgs, dead=dead)
+        replies = [r for r in replies if r.has_error() or grid.nodes[r.metadata.src_node_id] not in drop]
+        if spoil is not None and msgs and msgs[0].metadata.message_type == "train":
+            sent, _, sub, _ = runner.pending[spoil[0]]
+            reply = next(r for r in replies if r.metadata.reply_to_message_id == sent.metadata.message_id)
+            _spoil(spoil[1], reply.content.array_records["delta"], exp.params, sub)
+        return replies
+
+    runner.grid = type("Wire", (), {"send_and_receive": staticmethod(deliver), "get_node_ids": grid.get_node_ids})()
+    exp = Experiment(cfg, runner)
+    exp.run_round(rnd)
+    return exp.params, runner.last
 
 
 def _embedded(cfg, rnd=1, without=()):
@@ -270,10 +276,14 @@ def _params(out: Path) -> dict:
 
 
 def test_simulation_engine_matches_embedded(tmp_path, no_leftovers):
+    """Flower's public run_simulation, stopped after round 1 and resumed to round 2, gives the embedded engine's
+    weights bit for bit."""
     args = [*SMALL, "system={1,1/4}_{2,2}", "rounds=2"]
-    res = _run([sys.executable, "-m", "fedlase", "run", *args, f"out={tmp_path / 'sim'}", "engine=flower-sim",
-                "--quiet"], timeout=300)
-    assert res.returncode == 0, res.stdout[-3000:]
+    for rounds, resume in (("rounds=1", []), ("rounds=2", ["--resume"])):
+        res = _run([sys.executable, "-m", "fedlase", "run", *args, rounds, f"out={tmp_path / 'sim'}",
+                    "engine=flower-sim", "--quiet", *resume], timeout=300)
+        assert res.returncode == 0, res.stdout[-3000:]
+        assert "deprecated" not in res.stdout, res.stdout[-3000:]
     run_experiment(load_config(None, [*args, f"out={tmp_path / 'emb'}"]), progress=False)
     assert same_params(_params(tmp_path / "sim"), _params(tmp_path / "emb"))
     lines = [json.loads(x) for x in (tmp_path / "sim" / "metrics.jsonl").read_text().splitlines()]
@@ -319,13 +329,187 @@ def test_a_killed_client_does_not_stop_the_run(tmp_path, no_leftovers):
     assert same_params(_params(tmp_path / "sim"), _embedded(cfg, without=set(line["failed"])))
 
 
-def test_deployment_engine_matches_embedded(tmp_path, no_leftovers):
+# ---- the Deployment Engine on loopback: TLS, node authentication, faults ------------------------------------
+@pytest.fixture
+def federation():
+    """federation(out, nodes) -> a LocalFederation (TLS, node authentication) whose processes, and those of
+    every `fedlase run` started with `submit`, are stopped when the test ends, pass or fail."""
+    from fedlase.flower.launch import LocalFederation
+    started, runs = [], []
+
+    def make(out: Path, nodes: int) -> LocalFederation:
+        fed = LocalFederation(out / "flower-logs", nodes=nodes)
+        fed.env["PYTHONPATH"] = _env()["PYTHONPATH"]
+        started.append(fed)
+        fed.runs = runs
+        return fed
+    yield make
+    for p in runs:
+        if p.poll() is None:
+            p.terminate()
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+    for fed in started:
+        fed.stop()
+
+
+def _start_federation(fed, levels: list[str], register: int | None = None):
+    """The SuperLink, the first `register` (default: all) node keys registered, one SuperNode per level."""
+    fed.start_superlink()
+    for path in fed.creds.nodes[:len(levels) if register is None else register]:
+        fed.register(Path(f"{path}.pub"))
+    return {pid: fed.start_node(pid, lvl) for pid, lvl in enumerate(levels)}
+
+
+def _submit(fed, args: list[str], out: Path) -> subprocess.Popen:
+    """`fedlase run engine=flower-deploy` against the federation, verifying it with its CA."""
+    log = open(out.parent / f"{out.name}-run.log", "w")
+    p = subprocess.Popen([sys.executable, "-m", "fedlase", "run", *args, f"out={out}", "engine=flower-deploy",
+                          f"superlink={fed.address}", f"tls_ca={fed.creds.ca}", "--quiet"],
+                         env=fed.env, stdout=log, stderr=subprocess.STDOUT)
+    fed.runs.append(p)
+    return p
+
+
+def _wait(p: subprocess.Popen, timeout: float, out: Path) -> None:
+    try:
+        p.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"the run did not end within {timeout:.0f} s\n{_logs(out)}")
+    assert p.returncode == 0, _logs(out)
+
+
+def _logs(out: Path) -> str:
+    files = [out.parent / f"{out.name}-run.log", *sorted((out / "flower-logs").glob("*.log"))]
+    return "\n".join(f"== {f.name}\n{f.read_text()[-1500:]}" for f in files if f.exists())
+
+
+def _metrics(out: Path) -> list[dict]:
+    f = out / "metrics.jsonl"
+    return [json.loads(x) for x in f.read_text().splitlines()] if f.exists() else []
+
+
+def test_tls_authenticated_deployment_matches_embedded_and_refuses_an_unregistered_node(
+        tmp_path, no_leftovers, federation):
     args = [*SMALL, "system={1,1/4}_{1,1}", "rounds=1", "reply_timeout=150"]
-    res = _run([sys.executable, str(ROOT / "scripts" / "flower-deploy-local.py"), *args, f"out={tmp_path / 'dep'}"],
-               timeout=400)
-    logs = "".join(p.read_text()[-1500:] for p in sorted((tmp_path / "dep" / "flower-logs").glob("*.log")))
-    assert res.returncode == 0, res.stdout[-3000:] + logs
+    out = tmp_path / "dep"
+    fed = federation(out, nodes=3)   # key pairs for partitions 0, 1 and an intruder's
+    _start_federation(fed, ["1", "1/4"])
+    # The intruder holds a key the SuperLink never registered, and claims partition 0.
+    intruder = fed.start_node(0, "1", key=fed.creds.nodes[2], name="intruder")
+    run = _submit(fed, args, out)
+    _wait(run, 300, out)
     run_experiment(load_config(None, [*args, f"out={tmp_path / 'emb'}"]), progress=False)
-    assert same_params(_params(tmp_path / "dep"), _params(tmp_path / "emb"))
-    line = json.loads((tmp_path / "dep" / "metrics.jsonl").read_text().splitlines()[-1])
-    assert line["clients"] == 2 and set(line["bytes"]["levels"]) == {"1", "1/4"}
+    assert same_params(_params(out), _params(tmp_path / "emb"))
+    line = _metrics(out)[-1]
+    assert line["clients"] == 2 and not line["failed"] and set(line["bytes"]["levels"]) == {"1", "1/4"}
+    # The intruder was turned away at activation and exited; it never pulled a message.
+    assert intruder.wait(timeout=30) != 0
+    log = (out / "flower-logs" / "intruder.log").read_text()
+    assert "Failed to activate SuperNode" in log and "Receiving:" not in log, log
+    listed = fed.flwr("supernode", "list", "fedlase", "--format", "json")
+    assert listed.returncode == 0 and len(json.loads(listed.stdout[listed.stdout.index("{"):])["nodes"]) == 2
+
+
+def _node_is_training(node: subprocess.Popen) -> bool:
+    """The SuperNode runs a ClientApp process right now."""
+    from fedlase.flower.launch import descendants
+    for p in descendants(node.pid):
+        try:
+            if "flwr-clientapp" in " ".join(p.cmdline()):
+                return True
+        except Exception:   # gone meanwhile
+            pass
+    return False
+
+
+def test_a_killed_supernode_fails_its_round_and_rejoins(tmp_path, no_leftovers, federation):
+    """SIGKILL partition 1's SuperNode while it trains in round 2: round 2 goes on with the others and lists
+    client 1 as failed; the node, started again with its key (Flower 1.42 refuses it until the SuperLink has
+    seen the old one miss its heartbeats, up to 60 s), keeps its node id and trains again in a later round."""
+    timeout = float(os.environ.get("FEDLASE_TEST_REPLY_TIMEOUT", "90"))
+    args = [*SMALL, "system={1,1/4}_{2,1}", "rounds=4", f"reply_timeout={timeout}"]
+    out = tmp_path / "dep"
+    fed = federation(out, nodes=3)
+    nodes = _start_federation(fed, ["1", "1", "1/4"])
+    run = _submit(fed, args, out)
+    deadline = time.monotonic() + 300
+    while not _metrics(out) and time.monotonic() < deadline and run.poll() is None:
+        time.sleep(0.2)
+    assert _metrics(out), "round 1 did not finish\n" + _logs(out)
+    while not _node_is_training(nodes[1]) and time.monotonic() < deadline and len(_metrics(out)) < 2:
+        time.sleep(0.05)
+    assert len(_metrics(out)) == 1, "round 2 ended before node 1 could be killed in it"
+    fed.kill(nodes[1])
+    while time.monotonic() < deadline and run.poll() is None:   # start it again until the SuperLink takes it
+        again = fed.start_node(1, "1", name="supernode-1-again")
+        try:
+            again.wait(timeout=8)
+            time.sleep(2)
+        except subprocess.TimeoutExpired:
+            break
+    _wait(run, 300 + 2 * timeout, out)
+    lines = _metrics(out)
+    assert [x["round"] for x in lines] == [1, 2, 3, 4], _logs(out)
+    assert lines[0]["failed"] == [] and lines[0]["clients"] == 3
+    assert lines[1]["failed"] == [1] and lines[1]["clients"] == 2, lines[1]
+    assert lines[3]["failed"] == [] and lines[3]["clients"] == 3, (lines[2], lines[3], _logs(out))
+    assert (out / "summary.json").exists()
+
+
+# ---- public Flower API only; security settings -----------------------------------------------------------------
+def test_fedlase_imports_no_private_flower_module():
+    import re
+    private = re.compile(r"^\s*(?:from\s+(flwr(?:\.\w+)*)\s+import\s+([^\n]+)|import\s+(flwr(?:\.\w+)*))", re.M)
+    bad = []
+    for f in sorted((ROOT / "fedlase").rglob("*.py")):
+        for m in private.finditer(f.read_text()):
+            module = m.group(1) or m.group(3)
+            names = [n.strip().split(" as ")[0] for n in (m.group(2) or "").strip("()").split(",")]
+            if any(part.startswith("_") for part in module.split(".")) or any(n.startswith("_") for n in names):
+                bad.append(f"{f.relative_to(ROOT)}: {m.group(0).strip()}")
+    assert not bad, bad
+
+
+def test_security_keys_are_checked(tmp_path):
+    from fedlase.errors import ConfigError
+    from fedlase.flower.security import check_security, make_credentials
+    creds = make_credentials(tmp_path / "tls", nodes=1)
+    ok = small_cfg(tmp_path, "engine=flower-deploy", f"tls_ca={creds.ca}", f"tls_cert={creds.cert}",
+                   f"tls_key={creds.key}", f"node_keys={creds.folder}")
+    check_security(ok)
+    cases = [(["engine=flower-deploy"], "tls_ca"),                                  # secure by default
+             (["engine=flower-deploy", f"tls_ca={tmp_path / 'nope.crt'}"], "tls_ca"),
+             ([f"tls_ca={creds.ca}", f"tls_cert={creds.cert}"], "tls_key"),
+             ([f"tls_ca={creds.ca}", f"tls_cert={creds.nodes[0]}.pub",
+               f"tls_key={creds.key}"], "tls_cert"),                                    # not PEM
+             ([f"node_keys={tmp_path / 'none'}"], "node_keys"),
+             (["insecure=true", f"tls_ca={creds.ca}"], "insecure")]
+    for overrides, key in cases:
+        cfg = small_cfg(tmp_path, *overrides)
+        with pytest.raises(ConfigError) as e:
+            check_security(cfg)
+        assert e.value.key == key and "\n" not in str(e.value), (overrides, str(e.value))
+    check_security(small_cfg(tmp_path, "engine=flower-deploy", "insecure=true"))   # asked for: allowed
+
+
+def test_made_credentials_verify(tmp_path):
+    from cryptography import x509
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from fedlase.flower.security import make_credentials
+    creds = make_credentials(tmp_path, ["10.0.0.5", "link.example"], nodes=2)
+    ca = x509.load_pem_x509_certificate(creds.ca.read_bytes())
+    srv = x509.load_pem_x509_certificate(creds.cert.read_bytes())
+    srv.verify_directly_issued_by(ca)
+    san = srv.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert [str(x) for x in san.get_values_for_type(x509.IPAddress)] == ["10.0.0.5"]
+    assert san.get_values_for_type(x509.DNSName) == ["link.example"]
+    for key in creds.nodes:
+        assert isinstance(serialization.load_ssh_private_key(key.read_bytes(), None), ec.EllipticCurvePrivateKey)
+        assert isinstance(serialization.load_ssh_public_key(Path(f"{key}.pub").read_bytes()),
+                          ec.EllipticCurvePublicKey)
+        assert key.stat().st_mode & 0o077 == 0   # private keys readable by their owner only

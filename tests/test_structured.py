@@ -170,51 +170,50 @@ def test_fedrolex_evaluates_the_window_of_the_round_just_trained():
 
 @pytest.mark.parametrize("arch", MODELS)
 def test_scaler_scales_conv_outputs_in_training_only(arch):
+    # the scaler is folded into the conv weights (Submodel.scales): every BN's input is its conv's unscaled
+    # output times 1/rate in training (the official placement), and evaluation never scales
     torch.manual_seed(0)
     model = MODELS[arch]()
     params = params_of(model)
     on = HeteroFL(model, LEVELS).submodel(params, 1 / 16, 1)
     off = HeteroFL(model, LEVELS, scaler=False).submodel(params, 1 / 16, 1)
-    assert float(on.buffers["width_scale"]) == 4.0 and off.buffers == {}
+    assert set(on.scales) == set(model.scaler_names()) and set(on.scales.values()) == {4.0} and off.scales == {}
+    assert on.buffers == {} and off.buffers == {}
     assert on.masks.keys() == off.masks.keys() and all(torch.equal(on.masks[n], off.masks[n]) for n in on.masks)
     x = torch.randn(6, 1 if arch == "cnn" else 3, 16, 16)
     bufs = dict(model.named_buffers())
-    # every BN's input is its conv's output times the scaler (the official placement) in training
     seen = {}
-    hooks = [m.register_forward_hook(lambda mod, i, o, name=name: seen.__setitem__(("conv", name), o))
-             for name, m in model.named_modules() if isinstance(m, nn.Conv2d)]
-    hooks += [m.register_forward_pre_hook(lambda mod, i, name=name: seen.__setitem__(("bn", name), i[0]))
-              for name, m in model.named_modules() if isinstance(m, nn.BatchNorm2d)]
+    hooks = [m.register_forward_pre_hook(lambda mod, i, name=name: seen.__setitem__(name, i[0]))
+             for name, m in model.named_modules() if isinstance(m, nn.BatchNorm2d)]
 
     def run(sub, train):
         model.train(train)
         seen.clear()
-        return functional_call(model, (sub.apply(params), {**bufs, **sub.buffers}), (x,))
+        out = functional_call(model, (sub.apply(params, train=train), bufs), (x,))
+        return out, dict(seen)
 
-    train_on, train_off = run(on, True), run(off, True)
-    bn_to_conv = {c.rsplit(".", 1)[0]: p.rsplit(".", 1)[0] for c, p in feeding_edges(model)
-                  if isinstance(model.get_submodule(c.rsplit(".", 1)[0]), nn.BatchNorm2d)}
-    assert len(bn_to_conv) == sum(isinstance(m, nn.BatchNorm2d) for m in model.modules())
-    run(on, True)
-    for bn, conv in bn_to_conv.items():
-        assert torch.allclose(seen[("bn", bn)], seen[("conv", conv)] * 4.0), bn
-    run(off, True)
-    for bn, conv in bn_to_conv.items():
-        assert torch.equal(seen[("bn", bn)], seen[("conv", conv)]), bn
+    (train_on, bn_on), (train_off, bn_off) = run(on, True), run(off, True)
+    assert len(bn_on) == sum(isinstance(m, nn.BatchNorm2d) for m in model.modules())
+    for bn in bn_on:   # BN normalises, so each BN's input is the conv output: x4 exactly (a power of two)
+        if bn in ("bn1", "features.1"):
+            assert torch.equal(bn_on[bn], bn_off[bn] * 4.0), bn
     for h in hooks:
         h.remove()
     assert not torch.equal(train_on, train_off)   # BN normalises the scale away, but for its eps
-    assert torch.equal(run(on, False), run(off, False))   # evaluation never scales
+    assert torch.equal(run(on, False)[0], run(off, False)[0])   # evaluation never scales
 
 
-def test_default_scale_buffer_is_a_no_op():
+def test_models_apply_no_scaler_themselves():
     torch.manual_seed(0)
     model = SmallCNN(width=0.25).train()
     x = torch.randn(5, 1, 28, 28)
-    y = functional_call(model, ({}, {}), (x,))   # the model's own width_scale buffer: 1.0
+    y = functional_call(model, ({}, {}), (x,))
     ref = model.classifier(torch.flatten(nn.functional.adaptive_avg_pool2d(model.features(x), 1), 1))
     assert torch.equal(y, ref)
-    assert "width_scale" not in model.state_dict()   # not persistent: checkpoints and state dicts unchanged
+    for m in (SmallCNN(), ResNet18()):
+        assert not any("width_scale" in n for n, _ in m.named_buffers())
+        convs = {f"{n}.weight" for n, mod in m.named_modules() if isinstance(mod, nn.Conv2d)}
+        assert set(m.scaler_names()) == convs   # every conv (all bias-free) carries the scaler
 
 
 # --------------------------------------------------------------------------- masked == physically sliced
@@ -280,9 +279,11 @@ def test_options_are_validated():
         build_method("fedrolex", model, {"roll": 2}, LEVELS)
     with pytest.raises(ConfigError, match="channel_groups"):
         HeteroFL(nn.Sequential(nn.Linear(3, 2)), LEVELS, scaler=False)
-    no_scale = SmallCNN(width=0.25)
-    del no_scale._buffers["width_scale"]   # a model without the scaler buffer, e.g. a future text model
-    with pytest.raises(ConfigError, match="width_scale"):
+    class NoScaler(nn.Module):   # a sliceable model that names no layers for the scaler
+        def channel_groups(self):
+            return {}
+    no_scale = NoScaler()
+    with pytest.raises(ConfigError, match="scaler_names"):
         HeteroFL(no_scale, LEVELS)
     HeteroFL(no_scale, LEVELS, scaler=False)
 

@@ -132,3 +132,131 @@ def test_report_user_errors(tmp_path, capsys):
     assert main(["report", str(tmp_path / "nowhere")]) == 2
     assert main(["report", str(tmp_path)]) == 2
     assert "no finished run" in capsys.readouterr().err
+
+
+# =========================================================================== --jobs: runs at once
+
+def _finals(out, name):
+    """A run's final metrics and every evaluated round, without the wall-clock times."""
+    strip = lambda d: {k: v for k, v in d.items() if not k.endswith("_time")}   # noqa: E731
+    summary = json.loads((out / name / "summary.json").read_text())
+    rounds = [strip(json.loads(ln)) for ln in (out / name / "metrics.jsonl").read_text().splitlines()]
+    return strip(summary["final"]), rounds
+
+
+def test_jobs_2_runs_at_once_and_equals_jobs_1_bit_for_bit(tmp_path):
+    spec = {"base": {**BASE, "analysis": {}}, "grid": {"seed": [0, 1]}}
+    for jobs in (1, 2):
+        path = tmp_path / f"jobs{jobs}.yaml"
+        path.write_text(yaml.safe_dump({**spec, "out": str(tmp_path / f"out{jobs}")}))
+        assert main(["sweep", str(path), "--quiet", "--jobs", str(jobs)]) == 0
+    one, two = tmp_path / "out1", tmp_path / "out2"
+    for name in ("seed=0", "seed=1"):
+        assert _finals(one, name) == _finals(two, name)   # == on floats: bit for bit
+        assert (two / name / "sweep.log").is_file() and not (one / name / "sweep.log").exists()
+    # the two runs overlapped: each started before the other finished
+    for a, b in (("seed=0", "seed=1"), ("seed=1", "seed=0")):
+        assert (two / a / "config.json").stat().st_mtime < (two / b / "summary.json").stat().st_mtime
+    log = [json.loads(ln) for ln in (two / "sweep.jsonl").read_text().splitlines()]
+    assert sorted((e["run"], e["status"]) for e in log) == [("seed=0", "done"), ("seed=1", "done")]
+    # finished runs are skipped by a parallel sweep too
+    res = run_sweep(tmp_path / "jobs2.yaml", progress=False, jobs=2)
+    assert res == {"done": [], "skipped": ["seed=0", "seed=1"], "failed": []}
+
+
+def test_jobs_split_the_threads_unless_the_sweep_sets_them(tmp_path):
+    from fedlase.sweep import cpu_cores
+    base = {k: v for k, v in BASE.items() if k not in ("threads", "analysis")}
+    path = tmp_path / "sweep.yaml"
+    path.write_text(yaml.safe_dump({"base": {**base, "rounds": 1}, "out": str(tmp_path / "out"),
+                                    "runs": [{"name": "split"}, {"name": "own", "threads": 3}]}))
+    assert run_sweep(path, progress=False, jobs=2)["failed"] == []
+    threads = {n: json.loads((tmp_path / "out" / n / "summary.json").read_text())["config"]["threads"]
+               for n in ("split", "own")}
+    assert threads == {"split": max(1, cpu_cores() // 2), "own": 3}
+
+
+def test_jobs_record_failures_and_resume_as_before(tmp_path, monkeypatch):
+    path = write_sweep(tmp_path, grid={"seed": [0, 1]},
+                       runs=[{"name": "ok"}, {"name": "bad", "system": "{1}_{5000}"}])
+    out = tmp_path / "out"
+    run_experiment(config_from_dict({**BASE, "seed": 1, "rounds": 1, "out": str(out / "ok,seed=1")}), progress=False)
+    (out / "ok,seed=1" / "summary.json").unlink()
+    assert main(["sweep", str(path), "--quiet", "--jobs", "2"]) == 1
+    for seed in (0, 1):
+        assert (out / f"ok,seed={seed}" / "summary.json").is_file()
+        assert "5000 clients" in (out / f"bad,seed={seed}" / "error.txt").read_text()
+    assert "resuming" in (out / "ok,seed=1" / "sweep.log").read_text()
+    log = [json.loads(ln) for ln in (out / "sweep.jsonl").read_text().splitlines()]
+    assert sorted((e["run"], e["status"]) for e in log) == [("bad,seed=0", "failed"), ("bad,seed=1", "failed"),
+                                                            ("ok,seed=0", "done"), ("ok,seed=1", "done")]
+    assert all("5000 clients" in e["error"] for e in log if e["status"] == "failed")
+    fresh = run_experiment(config_from_dict({**BASE, "seed": 1, "out": str(tmp_path / "fresh")}), progress=False)
+    assert json.loads((out / "ok,seed=1" / "summary.json").read_text())["final"]["levels"] == fresh["final"]["levels"]
+
+    # a run whose process dies without a word (killed, out of memory) is recorded as failed too
+    import fedlase.sweep as sweep_mod
+    monkeypatch.setattr(sweep_mod, "_CHILD", "import os, signal; os.kill(os.getpid(), signal.SIGKILL)")
+    res = run_sweep(path, progress=False, jobs=2)
+    assert res["skipped"] == ["ok,seed=0", "ok,seed=1"] and sorted(res["failed"]) == ["bad,seed=0", "bad,seed=1"]
+    assert "killed by signal 9" in (out / "bad,seed=0" / "error.txt").read_text()
+    last = [json.loads(ln) for ln in (out / "sweep.jsonl").read_text().splitlines()][-2:]
+    assert all(e["status"] == "failed" and "killed by signal 9" in e["error"] for e in last)
+
+
+def _children_of(pid: int) -> list[int]:
+    """Live processes started by the sweep with this pid (they carry it in their environment)."""
+    import psutil
+    found = []
+    for proc in psutil.process_iter():
+        try:
+            if proc.environ().get("FEDLASE_SWEEP_PARENT") == str(pid) and proc.status() != psutil.STATUS_ZOMBIE:
+                found.append(proc.pid)
+        except (psutil.Error, OSError):
+            continue
+    return found
+
+
+def test_ctrl_c_stops_the_children_and_records_nothing(tmp_path):
+    import contextlib
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import psutil
+    import torch
+    path = write_sweep(tmp_path, base={**BASE, "analysis": {}, "rounds": 500, "checkpoint_every": 1},
+                       grid={"seed": [0, 1]})
+    out = tmp_path / "out"
+    proc = subprocess.Popen([sys.executable, "-m", "fedlase.cli", "sweep", str(path), "--quiet", "--jobs", "2"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not all((out / f"seed={s}" / "checkpoint.pt").is_file() for s in (0, 1)):   # both runs under way
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.2)
+    children = _children_of(proc.pid)
+    assert len(children) == 2
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and "interrupted" in err and "Traceback" not in err
+    time.sleep(0.5)
+    assert _children_of(proc.pid) == []
+    for pid in children:   # gone (or a zombie of a dead parent, waiting for init)
+        with contextlib.suppress(psutil.NoSuchProcess):
+            assert psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    assert not (out / "sweep.jsonl").exists()
+    for s in (0, 1):
+        run = out / f"seed={s}"
+        assert not (run / "summary.json").exists() and not (run / "error.txt").exists()
+        torch.load(run / "checkpoint.pt", weights_only=False)   # whole: written atomically
+    assert [r.status for r in plan_sweep(path)[1]] == ["resume", "resume"]
+
+
+@pytest.mark.parametrize("jobs", ["0", "-2"])
+def test_bad_jobs_is_a_one_line_error(tmp_path, capsys, jobs):
+    path = write_sweep(tmp_path, grid={"seed": [0]})
+    assert main(["sweep", str(path), "--quiet", "--jobs", jobs]) == 2
+    err = capsys.readouterr().err
+    assert "--jobs must be a whole number >= 1" in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "out").exists()

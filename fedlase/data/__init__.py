@@ -10,12 +10,12 @@ def _loader(name: str):
     return lambda cfg: load_dataset(name, cfg.data_dir)
 
 
-for _name, _classes, _help, _needs in (
-        ("fashion_mnist", 10, "Fashion-MNIST IDX files (default: the Debian package's folder)", False),
-        ("cifar10", 10, "CIFAR-10 python-pickle folder (data_dir)", True),
-        ("cifar100", 100, "CIFAR-100 python-pickle folder (data_dir)", True),
-        ("digits", 10, "scikit-learn's 8x8 digits (tiny, bundled; for tests)", False)):
-    register_dataset(_name, _loader(_name), _classes, "image", _help, _needs)
+for _name, _classes, _shape, _help, _needs in (
+        ("fashion_mnist", 10, (1, 28, 28), "Fashion-MNIST IDX files (default: the Debian package's folder)", False),
+        ("cifar10", 10, (3, 32, 32), "CIFAR-10 python-pickle folder (data_dir)", True),
+        ("cifar100", 100, (3, 32, 32), "CIFAR-100 python-pickle folder (data_dir)", True),
+        ("digits", 10, (1, 8, 8), "scikit-learn's 8x8 digits (tiny, bundled; for tests)", False)):
+    register_dataset(_name, _loader(_name), _classes, "image", _help, _needs, shape=_shape)
 
 
 def _splitter(scheme: str):

@@ -27,15 +27,38 @@ def partition(labels: np.ndarray, num_clients: int, scheme: str, *, alpha: float
         are cut by those proportions. A client left empty is repaired afterwards by moving
         one random sample to it from the currently largest client, so every client has >= 1.
       balanced_dirichlet (as in FIARSE): each client draws p ~ Dir(alpha) over the classes
-        and receives exactly floor(N / num_clients) samples, with class counts
-        ~ Multinomial(n, p), taken without replacement from shared class pools. Demand that
-        an exhausted pool cannot meet is re-drawn over the classes still available in
-        proportion to p (or to the pools' sizes if p puts no mass on any of them).
-        The N mod num_clients leftover samples are unused.
+        and receives exactly floor(N / num_clients) samples, taken without replacement from
+        shared class pools. The clients are filled interleaved, one sample at a time: the
+        fill order is a random shuffle of every client's slots, and each sample's class is
+        drawn from the client's p restricted to the classes whose pool is not yet empty (from
+        the pools' sizes if p puts no mass on any of them). A pool that runs dry thus costs
+        every client alike, late in the fill, instead of the last clients by index: an
+        earlier version filled client 0 completely, then client 1, ..., so clients 75-99 of
+        100 (Fashion-MNIST, alpha 0.3) got the leftover classes, 0.28-0.47 away in total
+        variation from their own p against 0.03-0.09 for the others. FIARSE's official
+        partitioner also fills one sample at a time, picking a random client that is not
+        yet full at each step. The N mod num_clients leftover samples are unused.
+        `balanced_dirichlet` returns the draws p alongside the parts.
       pathological: each client holds exactly `classes_per_client` distinct classes. The
         client-class slots are spread evenly over classes; each class is shuffled and cut
         into as many near-equal shards as it has slots, one shard per client.
+
+    Only balanced_dirichlet filled clients in sequence; iid, dirichlet (each class is cut over
+    all clients at once) and pathological (each class is cut into equal shards) leave no
+    client with leftovers.
     """
+    return _partition(labels, num_clients, scheme, alpha, classes_per_client, seed)[0]
+
+
+def balanced_dirichlet(labels: np.ndarray, num_clients: int, alpha: float = 0.3,
+                       seed: int = 0) -> tuple[list[np.ndarray], np.ndarray]:
+    """`partition(labels, num_clients, "balanced_dirichlet", alpha=alpha, seed=seed)` and the
+    clients' Dirichlet draws p, shape (num_clients, C), columns in sorted class order."""
+    return _partition(labels, num_clients, "balanced_dirichlet", alpha, 2, seed)
+
+
+def _partition(labels, num_clients, scheme, alpha, classes_per_client, seed):
+    """(parts, the balanced_dirichlet draws or None)."""
     y = _check_labels(labels)
     n = len(y)
     if isinstance(num_clients, bool) or not isinstance(num_clients, (int, np.integer)) \
@@ -55,15 +78,16 @@ def partition(labels: np.ndarray, num_clients: int, scheme: str, *, alpha: float
                               f"got {classes_per_client!r}")
     rng = np.random.default_rng(seed)
     k = int(num_clients)
+    draws = None
     if scheme == "iid":
-        return [np.sort(p).astype(np.int64) for p in np.array_split(rng.permutation(n), k)]
+        return [np.sort(p).astype(np.int64) for p in np.array_split(rng.permutation(n), k)], None
     if scheme == "dirichlet":
         owner = _dirichlet_owner(y, classes, k, float(alpha), rng)
     elif scheme == "balanced_dirichlet":
-        owner = _balanced_dirichlet_owner(y, classes, k, float(alpha), rng)
+        owner, draws = _balanced_dirichlet_owner(y, classes, k, float(alpha), rng)
     else:
         owner = _pathological_owner(y, classes, k, int(classes_per_client), rng)
-    return _group(owner, k)
+    return _group(owner, k), draws
 
 
 def _check_labels(labels) -> np.ndarray:
@@ -111,30 +135,36 @@ def _dirichlet_owner(y, classes, k, alpha, rng) -> np.ndarray:
     return owner
 
 
-def _balanced_dirichlet_owner(y, classes, k, alpha, rng) -> np.ndarray:
+def _balanced_dirichlet_owner(y, classes, k, alpha, rng) -> tuple[np.ndarray, np.ndarray]:
     pools = _class_pools(y, classes, rng)
-    avail = np.array([len(p) for p in pools], dtype=np.int64)
-    used = np.zeros(len(pools), dtype=np.int64)
+    c = len(pools)
+    left = np.array([len(p) for p in pools], dtype=np.int64)
+    used = np.zeros(c, dtype=np.int64)
     owner = np.full(len(y), -1, dtype=np.int64)
-    per_client = len(y) // k
-    for client in range(k):
-        p = rng.dirichlet(np.full(len(pools), alpha))
-        take = np.zeros(len(pools), dtype=np.int64)
-        need = per_client
-        # Each pass meets what it can; every short pass empties at least one pool, so this
-        # ends within C passes. Total supply N >= k * per_client, so demand is always met.
-        while need > 0:
-            left = avail - used - take
-            q = np.where(left > 0, p, 0.0)
-            if q.sum() <= 0:  # p has no mass on any class still available
-                q = left.astype(np.float64)
-            draw = np.minimum(rng.multinomial(need, q / q.sum()), left)
-            take += draw
-            need -= int(draw.sum())
-        for c in np.flatnonzero(take):
-            owner[pools[c][used[c]:used[c] + take[c]]] = client
-        used += take
-    return owner
+    draws = rng.dirichlet(np.full(c, alpha), size=k)
+    # Interleaved fill: a shuffled sequence of every client's floor(N / k) slots.
+    schedule = rng.permutation(np.repeat(np.arange(k), len(y) // k)).tolist()
+    u = rng.random(len(schedule)).tolist()
+    # Each client's cumulative mass over the classes still available; rebuilt when a pool empties
+    # (at most C times), so a draw is p restricted to the non-empty pools, renormalised.
+    cdf = np.cumsum(draws, axis=1)
+    for t, client in enumerate(schedule):
+        row = cdf[client]
+        total = row[-1]
+        if total > 0:
+            cls = int(np.searchsorted(row, u[t] * total, side="right"))
+        else:   # p has no mass on any class still available: draw by the pools' sizes
+            sizes = np.cumsum(left)
+            cls = int(np.searchsorted(sizes, u[t] * sizes[-1], side="right"))
+        if cls >= c or left[cls] == 0:   # u * total rounded up to total: the last available class
+            cls = int(np.flatnonzero((draws[client] > 0) & (left > 0))[-1]) if total > 0 \
+                else int(np.flatnonzero(left > 0)[-1])
+        owner[pools[cls][used[cls]]] = client
+        used[cls] += 1
+        left[cls] -= 1
+        if left[cls] == 0:
+            cdf = np.cumsum(draws * (left > 0), axis=1)
+    return owner, draws
 
 
 def _pathological_owner(y, classes, k, per_client, rng) -> np.ndarray:

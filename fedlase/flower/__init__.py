@@ -1,7 +1,8 @@
 """fedlase on Flower (flwr 1.42, Message API): the same methods, sampling, local training and aggregation
 as the embedded engine, with clients on Flower nodes (Simulation Engine or Deployment Engine).
 
-Modules: `codec` (sparse payloads, reply checks), `strategy` (the server side of a round), `server_app` and
+Modules: `codec` (sparse payloads, reply checks), `rounds` (the server side of a round), `node_data` (a node's own
+cached samples), `server_app` and
 `client_app` (the Flower apps), `launch` (`engine=flower-sim` / `engine=flower-deploy`). See docs/flower.md."""
 from .launch import QUIET_ENV, quiet_env
 

@@ -1,26 +1,37 @@
-"""Starting a run on Flower: `engine=flower-sim` (the Simulation Engine, in this process) and
-`engine=flower-deploy` (submitted with `flwr run` to a running SuperLink).
+"""Starting a run on Flower: `engine=flower-sim` (the Simulation Engine, in this process, through Flower's
+public `flwr.simulation.run_simulation`) and `engine=flower-deploy` (submitted with `flwr run` to a running
+SuperLink, over TLS unless `insecure=true`), and `LocalFederation`, a SuperLink and SuperNodes on loopback
+(TLS and node authentication on) for scripts/flower-deploy-local.py and the tests.
 
 Both go through a Flower app folder written into the run's `out` folder: a pyproject.toml naming the
 ServerApp and ClientApp and carrying the whole fedlase config as the run config, so the server and every
 node read the same config (a node's level in simulation: the system spec at its partition id)."""
 from __future__ import annotations
 
+import copy
+import importlib
 import importlib.util
 import json
 import logging
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+import psutil
 
 from ..config import Config
 from ..errors import UserError
+
+if TYPE_CHECKING:
+    from .security import Credentials
 
 log = logging.getLogger("fedlase")
 
@@ -33,6 +44,15 @@ QUIET_ENV = {"FLWR_TELEMETRY_ENABLED": "0", "FLWR_DISABLE_UPDATE_CHECK": "1", "R
 
 def quiet_env() -> None:
     os.environ.update(QUIET_ENV)
+
+
+# Files of the submitting machine: they mean nothing to the ServerApp and ClientApps on other machines.
+LOCAL_FILES = ("tls_ca", "tls_cert", "tls_key", "node_keys")
+
+
+def app_config(cfg: Config) -> dict:
+    """The config the apps receive: the run's own, without the submitter's credential paths."""
+    return {**cfg.to_dict(), **{k: None for k in LOCAL_FILES}}
 
 
 def write_app(folder: Path, cfg: Config, resume: bool, progress: bool) -> Path:
@@ -59,7 +79,7 @@ serverapp = "fedlase.flower.server_app:app"
 clientapp = "fedlase.flower.client_app:app"
 
 [tool.flwr.app.config]
-fedlase-config = {json.dumps(json.dumps(cfg.to_dict(), default=str))}
+fedlase-config = {json.dumps(json.dumps(app_config(cfg), default=str))}
 resume = {str(bool(resume)).lower()}
 progress = {str(bool(progress)).lower()}
 """
@@ -93,39 +113,111 @@ def run_flower(cfg: Config, resume: bool = False, progress: bool = True) -> dict
     return json.loads(summary.read_text())
 
 
-def simulate(cfg: Config, app_dir: Path, client_app: str = "fedlase.flower.client_app:app") -> None:
-    """Flower's Simulation Engine in this process: the ServerApp in a thread, the ClientApps in Ray actors
-    (one CPU each), one virtual SuperNode per client. This is what `flwr-simulation` does once a SuperLink
-    has handed it the app, minus the SuperLink, so no process outlives the call. `client_app` lets tests
-    run a ClientApp that misbehaves."""
-    for name in ("flwr", "alembic"):   # Flower's per-message and state-database chatter (some at import)
-        logging.getLogger(name).setLevel(logging.WARNING)
-    from flwr.app import Context, RecordDict
-    from flwr.common.config import get_fused_config_from_dir
-    from flwr.simulation.run_simulation import _run_simulation
-    from flwr.supercore.telemetry import EventType
-    # The server's run config is given here; each node reads the same from app_dir.
-    context = Context(run_id=0, node_id=0, node_config={}, state=RecordDict(),
-                      run_config=get_fused_config_from_dir(app_dir, {}))
+# ---- Simulation Engine ----------------------------------------------------------------------------------------
+def _load(attr: str):
+    """'package.module:name' -> that object."""
+    module, _, name = attr.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def _run_config(app_dir: Path) -> dict:
+    """The app's run config ([tool.flwr.app.config]), as Flower gives it to the apps."""
+    import tomllib
+    return dict(tomllib.loads((Path(app_dir) / "pyproject.toml").read_text())["tool"]["flwr"]["app"]["config"])
+
+
+def configured_apps(server_app: str, client_app: str, run_config: dict):
+    """A ServerApp and a ClientApp that hand the named apps a Context holding `run_config`. Flower's public
+    `run_simulation` runs apps with an empty run config; these wrappers fill it, as a SuperLink would from the
+    app's pyproject.toml. The ClientApp travels to the Ray workers by value: it names the real app and
+    imports it there (once per worker), so a worker never unpickles a whole ClientApp."""
+    from flwr.clientapp import ClientApp
+    from flwr.serverapp import ServerApp
+
+    class ConfiguredServerApp(ServerApp):
+        def __call__(self, grid, context):
+            context.run_config = dict(run_config)
+            return _load(server_app)(grid=grid, context=context)
+
+    class ConfiguredClientApp(ClientApp):
+        def __init__(self):
+            super().__init__()
+            self.inner = None
+
+        def __getstate__(self):
+            return {k: v for k, v in self.__dict__.items() if k != "inner"}
+
+        def __setstate__(self, state):
+            self.__dict__.update(state, inner=None)
+
+        def __call__(self, message, context):
+            if self.inner is None:
+                self.inner = _load(client_app)
+            # Flower refuses a node context whose run config changed: the app gets a copy that has one.
+            inner = copy.copy(context)
+            inner.run_config = dict(run_config)
+            reply = self.inner(message, inner)
+            context.state = inner.state
+            return reply
+
+    return ConfiguredServerApp(), ConfiguredClientApp()
+
+
+class _DropDeprecation(logging.Filter):
+    """fedlase calls `run_simulation` for the user: its deprecation notice (which says to use `flwr run`)
+    is Flower talking to fedlase, not to them."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "run_simulation` function is deprecated" not in record.getMessage()
+
+
+def simulation_backend(cfg: Config) -> dict:
+    """Ray gets every CPU, each ClientApp one CPU (and, with device=cuda, an equal share of one GPU per
+    client, at most 4 clients on it at once)."""
     cpus = max(1, os.cpu_count() or 1)
-    backend = {"client_resources": {"num_cpus": 1, "num_gpus": 0.0},
-               "init_args": {"num_cpus": cpus, "logging_level": "ERROR", "log_to_driver": False}}
+    gpu = 0.0
+    if cfg.device == "cuda" or (cfg.device == "auto" and _has_cuda()):
+        gpu = 1.0 / max(1, min(cpus, cfg.num_clients, 4))
+    return {"client_resources": {"num_cpus": 1, "num_gpus": gpu},
+            "init_args": {"num_cpus": cpus, "logging_level": "ERROR", "log_to_driver": False}}
+
+
+def _has_cuda() -> bool:
+    try:
+        import torch
+        return torch.cuda.is_available()
+    except ImportError:
+        return False
+
+
+def simulate(cfg: Config, app_dir: Path, client_app: str = "fedlase.flower.client_app:app",
+             server_app: str = "fedlase.flower.server_app:app") -> None:
+    """Flower's Simulation Engine in this process (`flwr.simulation.run_simulation`): the ServerApp in a
+    thread, the ClientApps in Ray actors, one virtual SuperNode per client. No SuperLink is started, so no
+    process outlives the call. `client_app` lets tests run a ClientApp that misbehaves."""
+    from flwr.simulation import run_simulation
+    for name in ("flwr", "alembic"):   # Flower's per-message and state-database chatter (after its import,
+        logging.getLogger(name).setLevel(logging.WARNING)   # which sets its own level)
+    srv, cli = configured_apps(server_app, client_app, _run_config(app_dir))
     # Ray's raylet, gcs and workers are started below this process, but Flower shuts Ray down itself and
     # the orphaned workers then linger for tens of seconds: note them while they are ours, reap them after.
-    before, ray_procs, done = descendants(os.getpid()), set(), threading.Event()
+    me = psutil.Process()
+    before, ray_procs, done = descendants(me.pid), set(), threading.Event()
 
     def watch():
         while not done.wait(0.5):
-            ray_procs.update(p for p in descendants(os.getpid()) - before if b"ray" in _read(f"/proc/{p}/cmdline"))
+            for p in _children(me):
+                if p.pid not in before and _is_ray(p):
+                    ray_procs.add(p)
     watcher = threading.Thread(target=watch, daemon=True)
     watcher.start()
+    quiet = _DropDeprecation()
+    logging.getLogger("flwr").addFilter(quiet)
     try:
-        _run_simulation(num_supernodes=cfg.num_clients, exit_event=EventType.PYTHON_API_RUN_SIMULATION_LEAVE,
-                        server_app_attr="fedlase.flower.server_app:app",
-                        client_app_attr=client_app, backend_name="ray",
-                        backend_config=backend, app_dir=str(app_dir), server_app_context=context,
-                        is_app=True)
+        run_simulation(server_app=srv, client_app=cli, num_supernodes=cfg.num_clients,
+                       backend_name="ray", backend_config=simulation_backend(cfg))
     finally:
+        logging.getLogger("flwr").removeFilter(quiet)
         done.set()
         watcher.join()
         import ray
@@ -133,60 +225,208 @@ def simulate(cfg: Config, app_dir: Path, client_app: str = "fedlase.flower.clien
         reap(ray_procs)
 
 
-def _read(path: str) -> bytes:
+# ---- processes ------------------------------------------------------------------------------------------------
+def _children(p: psutil.Process) -> list[psutil.Process]:
     try:
-        return Path(path).read_bytes()
-    except OSError:
-        return b""
+        return p.children(recursive=True)
+    except psutil.Error:
+        return []
 
 
-def _stat(pid: int) -> list[str]:
-    """Fields of /proc/<pid>/stat after the command name: [state, ppid, ...]; [] if it is gone."""
-    text = _read(f"/proc/{pid}/stat").decode(errors="replace")
-    return text.rsplit(")", 1)[1].split() if ")" in text else []
+def _is_ray(p: psutil.Process) -> bool:
+    try:
+        return "ray" in " ".join(p.cmdline())
+    except psutil.Error:
+        return False
 
 
-def descendants(root: int) -> set[int]:
-    """Pids of all live processes below `root` (Linux /proc; empty elsewhere)."""
-    parent = {}
-    for d in Path("/proc").glob("[0-9]*"):
-        f = _stat(int(d.name))
-        if len(f) > 1 and f[0] != "Z":
-            parent[int(d.name)] = int(f[1])
-    out, todo = set(), [root]
-    while todo:
-        kids = [p for p, pp in parent.items() if pp == todo[-1]]
-        todo.pop()
-        out.update(kids)
-        todo += kids
-    return out
+def descendants(root: int) -> set[psutil.Process]:
+    """All live processes below `root` (psutil handles: a pid reused later is not mistaken for them)."""
+    try:
+        return set(_children(psutil.Process(root)))
+    except psutil.Error:
+        return set()
 
 
-def reap(pids: set[int], grace: float = 15.0) -> None:
-    """Wait for these processes to end, then SIGKILL what is left."""
-    alive = lambda p: (f := _stat(p)) and f[0] != "Z"   # noqa: E731
-    deadline = time.monotonic() + grace
-    while time.monotonic() < deadline and any(alive(p) for p in pids):
-        time.sleep(0.2)
-    for p in pids:
-        if alive(p):
-            try:
-                os.kill(p, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
+def reap(procs, grace: float = 15.0) -> None:
+    """Wait up to `grace` seconds for these processes (psutil handles) to end, then SIGKILL what is left."""
+    procs = [p for p in procs if isinstance(p, psutil.Process)]
+    _, alive = psutil.wait_procs(procs, timeout=grace)
+    for p in alive:
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
+    psutil.wait_procs(alive, timeout=5)
+
+
+# ---- Deployment Engine ----------------------------------------------------------------------------------------
+def flwr_command(name: str = "flwr") -> str:
+    """A Flower command of this environment (beside its python), else the PATH's."""
+    exe = Path(sys.executable).with_name(name)
+    found = str(exe) if exe.exists() else shutil.which(name)
+    if found is None:
+        raise UserError(f"engine=flower-deploy needs the `{name}` command: pip install 'fedlase[flower]'")
+    return found
+
+
+def write_connection(home: Path, address: str, ca: str | None, insecure: bool) -> None:
+    """A Flower config in `home` (FLWR_HOME) holding one SuperLink connection, `fedlase`, so the user's ~/.flwr
+    is neither read nor changed."""
+    lines = ['[superlink]', 'default = "fedlase"', '', '[superlink.fedlase]', f'address = "{address}"']
+    if insecure:
+        lines.append("insecure = true")
+    else:
+        lines.append(f'root-certificates = {json.dumps(str(Path(ca).expanduser().resolve()))}')
+    (Path(home) / "config.toml").write_text("\n".join(lines) + "\n")
 
 
 def submit(cfg: Config, app_dir: Path) -> None:
-    """`flwr run` the app on the SuperLink at cfg.superlink (insecure, e.g. loopback) and wait for the end."""
-    flwr = Path(sys.executable).with_name("flwr")   # the one of this environment, else the PATH's
-    flwr = str(flwr) if flwr.exists() else shutil.which("flwr")
-    if flwr is None:
-        raise UserError("engine=flower-deploy needs the `flwr` command: pip install 'fedlase[flower]'")
+    """`flwr run` the app on the SuperLink at cfg.superlink, verified with cfg.tls_ca (or, with insecure=true,
+    in plain text), and wait for the end."""
+    from .security import INSECURE_WARNING
+    flwr = flwr_command()
+    if cfg.insecure:
+        log.warning(INSECURE_WARNING)
+    elif cfg.tls_ca is None:
+        raise UserError("engine=flower-deploy: set tls_ca=<the CA certificate of the SuperLink> "
+                        "(or insecure=true, loopback or a trusted network only)")
     with tempfile.TemporaryDirectory(prefix="fedlase-flwr-home-") as home:
-        # A private Flower config holding one connection, so the user's ~/.flwr is neither read nor changed.
-        (Path(home) / "config.toml").write_text(
-            f'[superlink]\ndefault = "fedlase"\n\n[superlink.fedlase]\naddress = "{cfg.superlink}"\ninsecure = true\n')
+        write_connection(Path(home), cfg.superlink, cfg.tls_ca, cfg.insecure)
         env = {**os.environ, **QUIET_ENV, "FLWR_HOME": home}
         res = subprocess.run([flwr, "run", str(app_dir), "fedlase", "--stream"], env=env)
     if res.returncode != 0:
-        raise UserError(f"flwr run exited with status {res.returncode}; is a SuperLink running at {cfg.superlink}?")
+        raise UserError(f"flwr run exited with status {res.returncode}; is a SuperLink running at {cfg.superlink}"
+                        f"{'' if cfg.insecure else ' and does tls_ca hold the CA that signed its certificate'}?")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LocalFederation:
+    """A SuperLink and SuperNodes on loopback, each a process group of its own, logs in `logs/`. Secure by
+    default: the SuperLink serves TLS with `creds` (made in `logs/../flower-tls` when not given) and admits
+    only registered nodes; `insecure=True` turns both off. Use as a context manager: `stop()` ends every
+    process it started, and the processes those started, whatever happens."""
+
+    def __init__(self, logs: Path, creds: Credentials | None = None, insecure: bool = False, nodes: int = 0):
+        from .security import INSECURE_WARNING, make_credentials
+        self.logs = Path(logs)
+        self.logs.mkdir(parents=True, exist_ok=True)
+        self.insecure = insecure
+        if insecure:
+            log.warning(INSECURE_WARNING)
+        self.creds = None if insecure else creds or make_credentials(self.logs.parent / "flower-tls", nodes=nodes)
+        self.bindir = str(Path(sys.executable).parent)   # flower-superlink, flower-supernode, flwr live beside python
+        self.home = Path(tempfile.mkdtemp(prefix="fedlase-flwr-"))   # FLWR_HOME: connection, app bundles
+        self.env = {**os.environ, **QUIET_ENV, "FLWR_HOME": str(self.home),
+                    "PATH": self.bindir + os.pathsep + os.environ.get("PATH", "")}
+        self.port = free_port()
+        self.address = f"127.0.0.1:{self.port}"
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.tree: set[psutil.Process] = set()
+        write_connection(self.home, self.address, self.creds and str(self.creds.ca), insecure)
+
+    def __enter__(self) -> "LocalFederation":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def _start(self, name: str, cmd: list[str]) -> subprocess.Popen:
+        with open(self.logs / f"{name}.log", "a") as out:
+            p = subprocess.Popen(cmd, env=self.env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        self.procs[f"{name}#{p.pid}"] = p
+        return p
+
+    def _tls_args(self) -> list[str]:
+        if self.insecure:
+            return ["--insecure"]
+        return ["--ssl-ca-certfile", str(self.creds.ca), "--ssl-certfile", str(self.creds.cert),
+                "--ssl-keyfile", str(self.creds.key), "--enable-supernode-auth"]
+
+    def start_superlink(self, timeout: float = 60.0) -> str:
+        link = self._start("superlink", [f"{self.bindir}/flower-superlink", *self._tls_args(), "--host", "127.0.0.1",
+                                         "--port", str(self.port), "--database", ":flwr-in-memory:",
+                                         "--disable-runtime-dependency-installation"])
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if link.poll() is not None:
+                raise UserError(f"the SuperLink exited with status {link.returncode}; see {self.logs}/superlink.log")
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=1):
+                    return self.address
+            except OSError:
+                time.sleep(0.3)
+        raise UserError(f"the SuperLink did not listen on port {self.port} within {timeout:.0f} s")
+
+    def flwr(self, *args: str, timeout: float = 60.0) -> subprocess.CompletedProcess:
+        """A `flwr` command against this SuperLink (connection `fedlase`)."""
+        return subprocess.run([flwr_command(), *args], env=self.env, capture_output=True, text=True,
+                              timeout=timeout)
+
+    def register(self, public_key: Path, tries: int = 10) -> None:
+        """Admit the SuperNode holding this public key's private key (`flwr supernode register`)."""
+        for _ in range(tries):   # the SuperLink's port may open before its Control API answers
+            res = self.flwr("supernode", "register", str(public_key), "fedlase")
+            if res.returncode == 0:
+                return
+            time.sleep(1.0)
+        raise UserError(f"could not register {public_key}: {(res.stdout + res.stderr).strip()[-500:]}")
+
+    def start_node(self, partition: int, level: str, key: Path | None = None, name: str | None = None
+                   ) -> subprocess.Popen:
+        """A SuperNode serving `partition` at `level`; `key`: its private key (None: the credentials' own
+        key for that partition, already registered by the caller)."""
+        if self.insecure:
+            auth = ["--insecure"]
+        else:
+            key = key or self.creds.nodes[partition]
+            auth = ["--root-certificates", str(self.creds.ca), "--auth-supernode-private-key", str(key)]
+        return self._start(name or f"supernode-{partition}",
+                           [f"{self.bindir}/flower-supernode", *auth, "--superlink", self.address,
+                            "--port", str(free_port()),
+                            "--node-config", f"partition-id={partition} level='{level}'"])
+
+    def kill(self, proc: subprocess.Popen) -> None:
+        """SIGKILL a process and everything below it at once (a node dying with its ClientApps)."""
+        tree = [*descendants(proc.pid)]
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        for p in tree:
+            try:
+                p.kill()
+            except psutil.Error:
+                pass
+        proc.wait()
+
+    def stop(self, grace: float = 10.0) -> None:
+        """SIGTERM every process group, then SIGKILL what is still there after `grace` seconds, including the
+        processes they started in other groups (the SuperLink's flwr-serverapp, Ray workers)."""
+        procs = list(self.procs.values())
+        tree = set().union(*(descendants(p.pid) for p in procs)) if procs else set()
+        for p in procs:
+            if p.poll() is None:
+                try:
+                    os.killpg(p.pid, signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+        deadline = time.monotonic() + grace
+        for p in procs:
+            try:
+                p.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        for p in procs:   # the group too: a node's ClientApp processes may outlive it
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+            p.wait()
+        reap(tree, grace=3.0)
+        shutil.rmtree(self.home, ignore_errors=True)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from ..masks import Submodel
 from .base import Method
-from .slicing import width_masks, width_rate
+from .slicing import width_rate, width_slices
 
 
 class FedAvg(Method):
@@ -20,4 +20,5 @@ class FedAvgSmall(Method):
     name = "fedavg_small"
 
     def submodel(self, params, level, round):
-        return Submodel(width_masks(self.model, params, width_rate(float(self.system.smallest))))
+        masks, slices = width_slices(self.model, params, width_rate(float(self.system.smallest)))
+        return Submodel(masks, slices=slices)

@@ -23,8 +23,7 @@ import math
 import torch
 
 from ..errors import ConfigError
-from ..masks import Submodel, kth_largest
-from .base import Method, Option
+from .base import Option, ThresholdMethod
 
 
 def water_fill(weights: list[float], sizes: list[int], total: int) -> list[int]:
@@ -62,7 +61,7 @@ def water_fill(weights: list[float], sizes: list[int], total: int) -> list[int]:
     return k
 
 
-class FedLASE(Method):
+class FedLASE(ThresholdMethod):
     """FedLASE: layer-adaptive extraction; per-layer budgets from log-smoothed layer magnitude scores."""
     name = "fedlase"
     options = {
@@ -73,31 +72,32 @@ class FedLASE(Method):
                             choices=("share", "ratio")),
         "extract_all_layers": Option(False, "extract the first and last layers too (the rebuttal's 'w all layers')",
                                      choices=(True, False)),
-        "ste": Option("official", "gradient through the per-layer threshold masks: official, paper, or fixed "
-                      "(mask fixed for the round: the rebuttal's 'w/o STE')", choices=("official", "paper", "fixed")),
-        "overlap": Option(True, "true: average each coordinate over the clients that trained it; false: divide "
-                          "by the number of clients (the rebuttal's 'w/o overlap')", choices=(True, False)),
+        "edge_layers": Option("model", "layers kept whole: model (the model's edge_layers() if it declares them, "
+                              "else its first and last layers) or first_last (always the first and last budgeted "
+                              "weights)", choices=("model", "first_last")),
+        **ThresholdMethod.options,   # ste, overlap
     }
 
-    def __init__(self, model, levels=(1.0,), **options):
-        super().__init__(model, levels, **options)
+    def __init__(self, model, system=(1.0,), **options):
+        super().__init__(model, system, **options)
         params = dict(model.named_parameters())
         weights = [n for n in self.maskable if n.endswith("weight")]
         if self.args["extract_all_layers"]:
             self.extracted = weights
         else:
-            self.extracted = [n for n in weights if n not in (weights[0], weights[-1])]
+            # the layers kept whole: the model's own choice (a transformer's edge_layers(), see docs/text.md)
+            # unless edge_layers=first_last; models that declare none keep their first and last weights
+            edges = [weights[0], weights[-1]]
+            if self.args["edge_layers"] == "model" and hasattr(model, "edge_layers"):
+                edges = list(model.edge_layers())
+            self.extracted = [n for n in weights if n not in edges]
         fixed = sum(params[n].numel() for n in self.maskable if n not in self.extracted)
-        smallest = self.levels[0]
+        smallest = float(self.system.smallest)
         if self.budget(params, smallest) < fixed:
             raise ConfigError("method_args.extract_all_layers",
                               f"level {smallest:g} allows {self.budget(params, smallest)} parameters, fewer than the "
                               f"{fixed} of the first and last layers and biases kept whole; set "
                               "method_args.extract_all_layers=true or use a larger model")
-
-    @property
-    def aggregation(self) -> str:
-        return "coverage" if self.args["overlap"] else "mean"
 
     def layer_budgets(self, params: dict[str, torch.Tensor], level: float) -> dict[str, int]:
         """Kept parameters of each extracted layer at this level (sums exactly to the extracted budget)."""
@@ -117,13 +117,6 @@ class FedLASE(Method):
                 weights = [n * (math.log1p(si / s_min) if log else si / s_min) for n, si in zip(sizes, s)]
         return dict(zip(self.extracted, water_fill(weights, sizes, rest)))
 
-    def submodel(self, params, level, round):
-        masks, thresholds = {}, {}
-        for name, k in self.layer_budgets(params, level).items():
-            a = params[name].detach().abs()
-            tau = kth_largest(a.flatten(), k) if k > 0 else math.inf
-            masks[name] = a >= tau
-            thresholds[name] = tau
-        if self.args["ste"] == "fixed":
-            return Submodel(masks)
-        return Submodel(masks, thresholds=thresholds, ste=self.args["ste"])
+    def group_budgets(self, params, level):
+        """One group per extracted layer: inside a layer the k_l largest |w| are kept."""
+        return [([name], k) for name, k in self.layer_budgets(params, level).items()]

@@ -23,8 +23,13 @@ def channel_window(size: int, rate: float, roll: int = 0) -> torch.Tensor:
 
 
 def width_masks(model: nn.Module, params: dict[str, torch.Tensor], rate: float, roll: int = 0) -> dict[str, torch.Tensor]:
-    """Masks of the width slice at `rate`, window rolled by `roll` channels (0: the first channels)."""
+    """Masks of the width slice at `rate`, window rolled by `roll` channels (0: the first channels).
+
+    A model may declare `group_units()` -> {group: unit size}: such a group is cut in whole units of that
+    many consecutive channels (a transformer's attention heads: unit = head size), the window counting and
+    rolling in units. Groups it does not name have unit 1 (single channels)."""
     groups = model.channel_groups()
+    units = model.group_units() if hasattr(model, "group_units") else {}
     sizes: dict[str, int] = {}
     for name, (out_g, in_g) in groups.items():
         shape = params[name].shape
@@ -33,7 +38,16 @@ def width_masks(model: nn.Module, params: dict[str, torch.Tensor], rate: float, 
                 sizes.setdefault(g, shape[dim])
     keep = {g: torch.zeros(k, dtype=torch.bool) for g, k in sizes.items()}
     for g, k in sizes.items():
-        keep[g][channel_window(k, rate, roll)] = True
+        u = units.get(g, 1)
+        if u == 1:
+            keep[g][channel_window(k, rate, roll)] = True
+        else:   # whole units: unit j covers channels j*u .. j*u + u - 1
+            kept_units = channel_window(k // u, rate, roll)
+            keep[g][(kept_units[:, None] * u + torch.arange(u)).flatten()] = True
+    return _masks(groups, params, keep)
+
+
+def _masks(groups, params, keep) -> dict[str, torch.Tensor]:
     masks = {}
     for name, (out_g, in_g) in groups.items():
         p = params[name]
@@ -46,3 +60,40 @@ def width_masks(model: nn.Module, params: dict[str, torch.Tensor], rate: float, 
             m &= keep[in_g].to(p.device).view(1, -1, *([1] * (p.dim() - 2)))
         masks[name] = m
     return masks
+
+
+def width_slices(model: nn.Module, params: dict[str, torch.Tensor], rate: float,
+                 roll: int = 0) -> tuple[dict[str, torch.Tensor], dict[str, tuple]]:
+    """(masks, slices) of the width slice: `width_masks`, and per sliced parameter (and BN running statistic
+    of a sliced BN) the kept indices of its output and input dims, for `Submodel.slices`. Indices are sorted:
+    a permutation applied to every tensor of a group alike leaves the network's function unchanged.
+
+    Slices only for a model that declares `sliceable = True` (its forward takes every shape from the
+    tensors, e.g. global pooling before the classifier); otherwise no slices and the masks train."""
+    masks = width_masks(model, params, rate, roll)
+    if not getattr(model, "sliceable", False):
+        return masks, {}
+    groups = model.channel_groups()
+    buffers = {n for n, _ in model.named_buffers()}
+    slices: dict[str, tuple] = {}
+    for name, (out_g, in_g) in groups.items():
+        if name not in masks:
+            continue
+        m = masks[name]
+        dims = [out_g] + ([in_g] if m.dim() > 1 else [])
+        idx = []
+        for d, g in enumerate(dims):   # kept indices along dim d: where any kept coordinate lies
+            if g is None:
+                idx.append(None)
+                continue
+            rest = [e for e in range(m.dim()) if e != d]
+            idx.append(torch.nonzero(m.any(dim=rest) if rest else m).flatten())
+        while idx and idx[-1] is None:
+            idx.pop()
+        slices[name] = tuple(idx)
+        prefix = name.rsplit(".", 1)[0]
+        if name.endswith(".weight") and m.dim() == 1:   # a BN's weight: its running statistics follow it
+            for stat in ("running_mean", "running_var"):
+                if f"{prefix}.{stat}" in buffers:
+                    slices[f"{prefix}.{stat}"] = tuple(idx)
+    return masks, slices

@@ -28,17 +28,20 @@ class SmallCNN(nn.Module):
             prev = c
         self.features = nn.Sequential(*layers)
         self.classifier = nn.Linear(prev, num_classes)
-        # HeteroFL's scaler: multiplies each conv output in training; a method overrides it for a slice
-        # (1/rate). 1.0 keeps every other method bit-identical (x * 1.0 == x).
-        self.register_buffer("width_scale", torch.tensor(1.0), persistent=False)
+
+    # every shape comes from the tensors (global pooling feeds the classifier): a width slice can train as
+    # the gathered smaller tensors on this same module
+    sliceable = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for layer in self.features:
-            x = layer(x)
-            if self.training and isinstance(layer, nn.Conv2d):
-                x = x * self.width_scale              # before BN, where the official code puts it
-        # x: (B, 8c, h, w)
+        x = self.features(x)                          # (B, 8c, h, w)
         return self.classifier(torch.flatten(nn.functional.adaptive_avg_pool2d(x, 1), 1))
+
+    def scaler_names(self) -> list[str]:
+        """The parameters of the layers whose outputs HeteroFL's scaler multiplies (every conv, before its BN,
+        as the official code): a method folds the factor into them (fedlase/methods/heterofl.py)."""
+        return [f"features.{i}.{p}" for i, m in enumerate(self.features) if isinstance(m, nn.Conv2d)
+                for p, _ in m.named_parameters()]
 
     def channel_groups(self) -> dict[str, tuple[str | None, str | None]]:
         """Parameter name -> (output channel group, input channel group) for width slicing.

@@ -16,11 +16,6 @@ def make_bn(channels: int, mode: str) -> nn.BatchNorm2d:
     return nn.BatchNorm2d(channels, momentum=None)
 
 
-def _scaled(x: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
-    """HeteroFL's scaler: a conv output times `scale` (training only), before its BN as in the official code."""
-    return x if scale is None else x * scale
-
-
 class BasicBlock(nn.Module):
     def __init__(self, cin: int, cout: int, stride: int, bn: str):
         super().__init__()
@@ -32,12 +27,12 @@ class BasicBlock(nn.Module):
         if stride != 1 or cin != cout:
             self.shortcut = nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), make_bn(cout, bn))
 
-    def forward(self, x: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
-        out = torch.relu(self.bn1(_scaled(self.conv1(x), scale)))
-        out = self.bn2(_scaled(self.conv2(out), scale))
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.relu(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
         short = x
         if len(self.shortcut):
-            short = self.shortcut[1](_scaled(self.shortcut[0](x), scale))
+            short = self.shortcut[1](self.shortcut[0](x))
         return torch.relu(out + short)
 
 
@@ -55,16 +50,23 @@ class ResNet18(nn.Module):
             cin = cout
         self.layer1, self.layer2, self.layer3, self.layer4 = stages
         self.linear = nn.Linear(w[3], num_classes)
-        # the scaler's factor, overridden by a method for a slice (1/rate); 1.0 leaves outputs bit-identical
-        self.register_buffer("width_scale", torch.tensor(1.0), persistent=False)
+
+    # every shape comes from the tensors (residual adds within one channel group, global pooling feeds the
+    # classifier): a width slice can train as the gathered smaller tensors on this same module
+    sliceable = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        scale = self.width_scale if self.training else None
-        out = torch.relu(self.bn1(_scaled(self.conv1(x), scale)))
+        out = torch.relu(self.bn1(self.conv1(x)))
         for stage in (self.layer1, self.layer2, self.layer3, self.layer4):
             for block in stage:
-                out = block(out, scale)                                  # last: (B, 8w, H/8, W/8)
+                out = block(out)                                         # last: (B, 8w, H/8, W/8)
         return self.linear(torch.flatten(nn.functional.adaptive_avg_pool2d(out, 1), 1))
+
+    def scaler_names(self) -> list[str]:
+        """The parameters of the layers whose outputs HeteroFL's scaler multiplies: every conv (stem, block
+        convs, shortcut convs; bias-free), before its BN as in the official code."""
+        return [f"{n}.{p}" for n, m in self.named_modules() if isinstance(m, nn.Conv2d)
+                for p, _ in m.named_parameters()]
 
     def channel_groups(self) -> dict[str, tuple[str | None, str | None]]:
         """Parameter name -> (output group, input group). A residual stage shares one group across its

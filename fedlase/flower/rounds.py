@@ -1,0 +1,172 @@
+"""The server side of a Flower round, as the engine's round runner (fedlase/engine.py: `RoundRunner`).
+
+It holds no algorithm of its own: the engine samples clients, asks the method for submodels, aggregates the
+updates this runner returns and calls the trackers, exactly as in the embedded engine. What it adds is the
+wire: finding which node holds which partition (QUERY), one TRAIN message per node carrying that node's own
+submodel, checking every reply (`codec.validate_reply`) and counting bytes. It is a plain class, not a
+`flwr.serverapp.strategy.Strategy`: Flower's strategies own sampling, aggregation and the round loop, all of
+which fedlase keeps in its engine so that every engine computes the same thing."""
+from __future__ import annotations
+
+import logging
+import time
+
+from flwr.app import ConfigRecord, Message, MessageType, RecordDict
+from flwr.serverapp import Grid
+
+from ..engine import RoundResult, Update
+from ..levels import Level
+from .codec import ReplyError, encode_submodel, record_bytes, validate_reply
+
+log = logging.getLogger("fedlase")
+
+
+class NodeRounds:
+    """Trains a round's clients on Flower nodes: prepare (messages) -> Flower delivers -> collect (updates)."""
+
+    def __init__(self, grid: Grid, reply_timeout: float = 600.0):
+        self.grid, self.reply_timeout = grid, reply_timeout
+        self.nodes: dict[int, int] = {}        # partition id -> node id
+        self.queried: set[int] = set()         # node ids asked already
+        self.pending: dict[int, tuple] = {}    # partition id -> (message, level, submodel, bytes sent)
+        self.bytes_total = {"sent": 0, "received": 0}
+        self._dense: tuple[int, int] | None = None
+
+    # ---- the runner interface ----------------------------------------------------------------------------------
+    def train(self, exp, rnd, picked, subs) -> RoundResult:
+        msgs = self.prepare(exp, rnd, picked, subs)
+        replies = self.grid.send_and_receive(msgs, timeout=self.reply_timeout) if msgs else []
+        return self.collect(exp, rnd, replies)
+
+    def state_dict(self) -> dict:
+        return {"bytes_total": dict(self.bytes_total)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.bytes_total = dict(state.get("bytes_total", self.bytes_total))
+
+    # ---- who is where ----------------------------------------------------------------------------------------
+    def discover(self, cfg, wait: bool) -> None:
+        """QUERY the nodes not seen yet for their partition id and level. With `wait`, keep polling until
+        every partition has a node or reply_timeout has passed (deployment nodes may connect late)."""
+        n, deadline = cfg.num_clients, time.monotonic() + self.reply_timeout
+        told = False
+        while True:
+            new = [nid for nid in self.grid.get_node_ids() if nid not in self.queried]
+            if new:
+                msgs = [Message(RecordDict(), dst_node_id=nid, message_type=MessageType.QUERY) for nid in new]
+                replies = self.grid.send_and_receive(msgs, timeout=max(1.0, deadline - time.monotonic()))
+                asked = {m.metadata.message_id: m.metadata.dst_node_id for m in msgs}
+                for reply in replies:
+                    self._register(reply, asked.get(reply.metadata.reply_to_message_id, reply.metadata.src_node_id))
+                self.queried.update(new)
+            if not wait or len(self.nodes) == n or time.monotonic() >= deadline:
+                break
+            if not told:
+                log.info("%d of %d partitions have a node; waiting up to %.0f s for the others",
+                         len(self.nodes), n, deadline - time.monotonic())
+                told = True
+            time.sleep(1.0)
+        if wait and len(self.nodes) < n:
+            log.warning("only %d of %d partitions have a node; the others count as failed clients", len(self.nodes), n)
+
+    def _register(self, reply: Message, nid: int) -> None:
+        if reply.has_error():
+            log.warning("node %d did not say who it is: %s", nid, reply.error.reason)
+            return
+        cfg = self.cfg
+        try:
+            node = reply.content.config_records["node"]
+            pid, level = int(node["partition-id"]), str(node["level"])
+        except (KeyError, TypeError, ValueError) as e:
+            log.warning("node %d gave an unreadable identity (%s); ignored", nid, e)
+            return
+        if not 0 <= pid < cfg.num_clients:
+            log.warning("node %d says partition %d, outside 0..%d; ignored", nid, pid, cfg.num_clients - 1)
+            return
+        expected = cfg.levels.level_of(pid)
+        if cfg.assignment == "fixed" and cfg.levels.find(level) != expected:
+            log.warning("node %d (partition %d) declares level %s but system %s gives that partition %s; ignored",
+                        nid, pid, level, cfg.system, expected.name)
+            return
+        if pid in self.nodes and self.nodes[pid] != nid:
+            log.warning("partition %d moves from node %d to node %d", pid, self.nodes[pid], nid)
+        self.nodes[pid] = nid
+
+    # ---- one round -------------------------------------------------------------------------------------------
+    def prepare(self, exp, rnd: int, picked: list[tuple[int, Level]], subs: dict) -> list[Message]:
+        """One TRAIN message per sampled client's node, with that level's submodel of the global model."""
+        self.cfg = exp.cfg
+        self.discover(exp.cfg, wait=not self.nodes)
+        payload = {lvl: encode_submodel(exp.params, exp.buffers, s) for lvl, s in subs.items()}
+        self.pending, self.last = {}, {"sampled": [c for c, _ in picked], "rejected": {}}
+        msgs = []
+        for pid, lvl in picked:
+            if pid not in self.nodes:   # no node holds it: a failed client
+                continue
+            content = RecordDict({**payload[lvl], "task": ConfigRecord(
+                {"round": rnd, "partition-id": pid, "level": lvl.name})})
+            msg = Message(content, dst_node_id=self.nodes[pid], message_type=MessageType.TRAIN, group_id=str(rnd))
+            self.pending[pid] = (msg, lvl, subs[lvl], record_bytes(*payload[lvl].array_records.values()))
+            msgs.append(msg)
+        return msgs
+
+    def collect(self, exp, rnd: int, replies) -> RoundResult:
+        """The good replies as updates, in partition-id order. A bad or missing reply leaves the model exactly
+        as if that client had not been sampled; the metrics line says which clients failed or were rejected."""
+        good, received = [], {}
+        # Match replies by the message they answer: the SuperLink itself answers for a node that died, as
+        # node 1. (The Grid set each message's id when it pushed it.)
+        asked = {m.metadata.message_id: pid for pid, (m, *_) in self.pending.items()}
+        for reply in replies:
+            pid = asked.pop(reply.metadata.reply_to_message_id, None)
+            if pid is None:
+                log.warning("round %d: ignoring a reply that answers no message of this round", rnd)
+                continue
+            _, lvl, sub, _ = self.pending[pid]
+            if reply.has_error():
+                log.warning("round %d: client %d failed: %s", rnd, pid, reply.error.reason)
+                continue
+            received[pid] = record_bytes(*reply.content.array_records.values())
+            try:
+                m = reply.content.metric_records["metrics"]
+                if int(m["partition-id"]) != pid or int(m["round"]) != rnd:
+                    raise ReplyError(f"reply for partition {m['partition-id']} round {m['round']}")
+                delta = validate_reply(reply.content.array_records["delta"], exp.params, sub)
+                loss = float(m["train-loss"])
+            except (KeyError, TypeError, ValueError) as e:   # ReplyError is a ValueError
+                log.warning("round %d: rejected client %d's reply: %s", rnd, pid, e)
+                self.last["rejected"][pid] = str(e)
+                continue
+            good.append(Update(pid, lvl, delta, loss))
+        good.sort(key=lambda u: u.client)
+        accepted = {u.client for u in good}
+        failed = sorted(set(self.last["sampled"]) - accepted - set(self.last["rejected"]))
+        b = self._bytes(exp, received)
+        for key in self.bytes_total:
+            self.bytes_total[key] += b[key]
+        self.last.update(failed=failed, bytes=b, clients=len(good))
+        stats = {"sampled": len(self.last["sampled"]), "failed": failed,
+                 "rejected": {str(k): v for k, v in self.last["rejected"].items()},
+                 "bytes": b, "bytes_total": dict(self.bytes_total)}
+        return RoundResult(good, stats)
+
+    def _bytes(self, exp, received: dict[int, int]) -> dict:
+        """Bytes sent and received this round, in all and per level, against a dense exchange of the whole
+        model (down: parameters and buffers; up: parameters)."""
+        from flwr.app import ArrayRecord
+        out = {"sent": 0, "received": 0, "dense_sent": 0, "dense_received": 0, "levels": {}}
+        if self._dense is None:   # shapes never change: measure the dense encoding once
+            up = record_bytes(ArrayRecord({k: v.detach().cpu() for k, v in exp.params.items()}))
+            self._dense = (up + record_bytes(ArrayRecord({k: v.detach().cpu() for k, v in exp.buffers.items()})), up)
+        dense_down, dense_up = self._dense
+        for pid, (_, lvl, _, sent) in self.pending.items():
+            got = received.get(pid, 0)
+            row = out["levels"].setdefault(lvl.name, {"clients": 0, "sent": 0, "received": 0})
+            row["clients"] += 1
+            row["sent"] += sent
+            row["received"] += got
+            out["sent"] += sent
+            out["received"] += got
+            out["dense_sent"] += dense_down
+            out["dense_received"] += dense_up if got else 0
+        return out

@@ -1,0 +1,158 @@
+"""TLS and SuperNode authentication for the Deployment Engine.
+
+- `check_security(cfg)`: the config's certificate and key files (`tls_ca`, `tls_cert`, `tls_key`,
+  `node_keys`) exist and can be read, and `engine=flower-deploy` has a CA to verify the SuperLink with
+  unless `insecure=true`. Called by `fedlase.config.validate`; raises `ConfigError(key, one line)`.
+- `make_credentials(folder, hosts, nodes)`: a CA, a SuperLink certificate signed by it (valid for `hosts`)
+  and one key pair per SuperNode, written as files. `scripts/flower-deploy-local.py` makes throwaway ones
+  for loopback; for a real federation run `python -m fedlase.flower.security FOLDER --host NAME --nodes N`
+  once, on a trusted machine, and hand out the files (docs/flower.md says which goes where).
+
+Flower 1.42 serves the Fleet, Control and Runtime APIs of a SuperLink on one HTTPS port
+(`--ssl-certfile/--ssl-keyfile/--ssl-ca-certfile`); SuperNodes and `flwr` verify it with the CA
+(`--root-certificates`, `root-certificates` in a connection); with `--enable-supernode-auth` only nodes
+whose public key was registered (`flwr supernode register KEY.pub`) may connect, each signing its
+requests with its private key (`--auth-supernode-private-key`, an EC key in OpenSSH format)."""
+from __future__ import annotations
+
+import argparse
+import datetime
+import ipaddress
+import logging
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..config import check_security  # noqa: F401  (the config's own check, used here too)
+from ..errors import ConfigError
+
+log = logging.getLogger("fedlase")
+
+INSECURE_WARNING = ("insecure=true: the SuperLink is reached without TLS and any machine that can reach it may "
+                    "join as a node, read the global model and send updates; use it on loopback or a trusted "
+                    "network only")
+
+# File names inside a credentials folder (make_credentials writes them, the deployment script reads them).
+CA_CERT, CA_KEY, SERVER_CERT, SERVER_KEY = "ca.crt", "ca.key", "superlink.crt", "superlink.key"
+
+
+def node_key(folder: Path | str, partition: int) -> Path:
+    """The private key of the SuperNode for `partition` in a credentials folder (its public key: + .pub)."""
+    return Path(folder) / f"node-{partition}.key"
+
+
+def check_node_keys(folder: Path | str, partitions: range) -> None:
+    """Each partition has a readable key pair in the node_keys folder (for the deployment script)."""
+    for pid in partitions:
+        for p in (node_key(folder, pid), node_key(folder, pid).with_suffix(".key.pub")):
+            try:
+                p.read_bytes()
+            except OSError as e:
+                raise ConfigError("node_keys", f"cannot read {str(p)!r}: {e.strerror or e}") from None
+
+
+# ---- making credentials -----------------------------------------------------------------------------------------
+@dataclass
+class Credentials:
+    folder: Path
+    ca: Path
+    cert: Path
+    key: Path
+    nodes: list[Path]        # private keys; public ones beside them (+ ".pub")
+
+
+def _write(path: Path, data: bytes, private: bool) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600 if private else 0o644)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+
+
+def make_node_key(path: Path, comment: str = "") -> None:
+    """An EC P-384 key pair for SuperNode authentication: `path` (OpenSSH private key) and `path`.pub."""
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    key = ec.generate_private_key(ec.SECP384R1())
+    _write(path, key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.OpenSSH,
+                                   serialization.NoEncryption()), private=True)
+    pub = key.public_key().public_bytes(serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH)
+    _write(Path(f"{path}.pub"), pub + (f" {comment}".encode() if comment else b"") + b"\n", private=False)
+
+
+def make_credentials(folder: Path | str, hosts: list[str] = ("127.0.0.1", "localhost"), nodes: int = 0,
+                     days: int = 365) -> Credentials:
+    """Write a CA (ca.crt, ca.key), a SuperLink certificate for `hosts` (superlink.crt, superlink.key; IP
+    addresses and DNS names) signed by it, and `nodes` SuperNode key pairs (node-<i>.key, node-<i>.key.pub)."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+    folder = Path(folder)
+    now = datetime.datetime.now(datetime.timezone.utc)
+    start, end = now - datetime.timedelta(minutes=5), now + datetime.timedelta(days=days)
+
+    def pem_key(k) -> bytes:
+        return k.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                               serialization.NoEncryption())
+
+    ca_key = ec.generate_private_key(ec.SECP384R1())
+    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "fedlase federation CA")])
+    ca = (x509.CertificateBuilder().subject_name(ca_name).issuer_name(ca_name).public_key(ca_key.public_key())
+          .serial_number(x509.random_serial_number()).not_valid_before(start).not_valid_after(end)
+          .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+          .add_extension(x509.KeyUsage(digital_signature=True, key_cert_sign=True, crl_sign=True,
+                                       content_commitment=False, key_encipherment=False, data_encipherment=False,
+                                       key_agreement=False, encipher_only=False, decipher_only=False), critical=True)
+          .add_extension(x509.SubjectKeyIdentifier.from_public_key(ca_key.public_key()), critical=False)
+          .sign(ca_key, hashes.SHA384()))
+
+    names = []
+    for h in hosts:
+        try:
+            names.append(x509.IPAddress(ipaddress.ip_address(h)))
+        except ValueError:
+            names.append(x509.DNSName(h))
+    srv_key = ec.generate_private_key(ec.SECP384R1())
+    srv = (x509.CertificateBuilder()
+           .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, hosts[0])]))
+           .issuer_name(ca_name).public_key(srv_key.public_key())
+           .serial_number(x509.random_serial_number()).not_valid_before(start).not_valid_after(end)
+           .add_extension(x509.SubjectAlternativeName(names), critical=False)
+           .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+           .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
+           .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False)
+           .sign(ca_key, hashes.SHA384()))
+
+    creds = Credentials(folder, folder / CA_CERT, folder / SERVER_CERT, folder / SERVER_KEY,
+                        [node_key(folder, i) for i in range(nodes)])
+    _write(creds.ca, ca.public_bytes(serialization.Encoding.PEM), private=False)
+    _write(folder / CA_KEY, pem_key(ca_key), private=True)
+    _write(creds.cert, srv.public_bytes(serialization.Encoding.PEM), private=False)
+    _write(creds.key, pem_key(srv_key), private=True)
+    for i, path in enumerate(creds.nodes):
+        make_node_key(path, comment=f"fedlase-node-{i}")
+    return creds
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m fedlase.flower.security",
+                                 description="Make the credentials of a Flower federation: a CA, the SuperLink's "
+                                             "certificate and one key pair per SuperNode.")
+    ap.add_argument("folder", help="where to write them (created; files are overwritten)")
+    ap.add_argument("--host", action="append", default=[],
+                    help="a name or IP address the nodes use to reach the SuperLink (repeatable; "
+                         "127.0.0.1 and localhost are always added)")
+    ap.add_argument("--nodes", type=int, default=0, help="how many SuperNode key pairs (node-0.key ...)")
+    ap.add_argument("--days", type=int, default=365, help="validity of the certificates in days")
+    a = ap.parse_args(argv)
+    hosts = list(dict.fromkeys([*a.host, "127.0.0.1", "localhost"]))
+    c = make_credentials(a.folder, hosts, a.nodes, a.days)
+    print(f"wrote {c.ca} (every machine), {c.cert} and {c.key} (the SuperLink only), "
+          f"{c.folder / CA_KEY} (keep offline), {a.nodes} node key pairs node-<i>.key(.pub) in {c.folder}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

