@@ -71,6 +71,9 @@ class Config:
     betas: list = _f([0.9, 0.999], "AdamW betas, two numbers in [0, 1)")
     clip_norm: float | None = _f(None, "clip each local step's gradient to this norm (the official HeteroFL and "
                                  "FedRolex codes use 1); unset: no clipping", kind=float, **_positive())
+    label_split: bool = _f(False, "HeteroFL's and FedRolex's official `mask=1`: a client's loss and local metric set "
+                           "the logits of classes absent from its data to 0, and it trains and is credited with its "
+                           "classes' classifier rows only (docs/methods-structured.md)")
     coverage: str = _f("mask", "which clients a coordinate's step is averaged over: mask (the clients whose mask "
                        "holds it), nonzero (those whose delta is nonzero: the official FIARSE server), kept (mask, "
                        "but a BN or bias channel only where the client kept a weight of that channel); see "
@@ -242,6 +245,8 @@ def validate(cfg: Config) -> Config:
     if cfg.batched_clients and model.kind == "text":   # the forward trims batches with a data-dependent size
         raise ConfigError("batched_clients", f"{cfg.model} is a text model, which vmap cannot batch; "
                           "set batched_clients=false")
+    if cfg.batched_clients and cfg.label_split:   # per-client submodels: not in the vmapped step
+        raise ConfigError("batched_clients", "label_split needs the sequential path; set batched_clients=false")
     if cfg.batched_clients and cfg.clip_norm is not None:   # one norm per client: not in the vmapped step
         raise ConfigError("batched_clients", "clip_norm needs the sequential path; set batched_clients=false")
     return cfg

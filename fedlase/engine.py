@@ -28,7 +28,7 @@ from .levels import Level, level_name
 from .masks import Submodel
 from .registry import DATASETS, METHODS, MODELS, PARTITIONS, TRACKERS
 from .sampling import client_job, derive_seed, dropout_seed, sample_clients
-from .train import LocalWork, local_train
+from .train import LocalWork, classifier_names, label_split_masks, local_train, restrict_submodel
 
 log = logging.getLogger("fedlase")
 
@@ -88,6 +88,7 @@ class Update:
     level: Level
     delta: dict[str, torch.Tensor]
     loss: float
+    sub: Submodel | None = None   # the client's own submodel where it differs from its level's (label_split)
 
 
 @dataclass
@@ -115,6 +116,8 @@ class ClientTrainer:
         self.cfg, self.model, self.x, self.y = cfg, model, x, y
         self.train_idx, self.augment = train_idx, augment
         self.work = LocalWork.from_config(cfg)
+        # label_split: each client's classes (HeteroFL/FedRolex `mask=1`), from its own training labels
+        self.classes = {c: torch.unique(y[i]) for c, i in train_idx.items()} if cfg.label_split else None
 
     def job(self, client: int, rnd: int):
         return client_job(self.cfg.seed, self.work, self.train_idx[client], rnd, client, self.augment)
@@ -126,7 +129,15 @@ class ClientTrainer:
             sub = sub.masked()
         with torch.random.fork_rng(devices=[]):   # dropout draws from the client's own stream
             torch.manual_seed(dropout_seed(self.cfg.seed, rnd, client))
-            return local_train(self.model, params, buffers, sub, self.x, self.y, batches, self.work, augment)
+            return local_train(self.model, params, buffers, sub, self.x, self.y, batches, self.work, augment,
+                               self.classes[client] if self.classes is not None else None)
+
+    def submodel(self, client: int, sub: Submodel, params: dict) -> Submodel:
+        """The client's own submodel: its level's, restricted to its classes' classifier rows under
+        label_split (so only those rows are trained, sent and credited)."""
+        if self.classes is None:
+            return sub
+        return restrict_submodel(sub, label_split_masks(params, *classifier_names(self.model), self.classes[client]))
 
 
 class SequentialRounds:
@@ -135,8 +146,9 @@ class SequentialRounds:
     def train(self, exp, rnd, picked, subs):
         updates = []
         for client, lvl in picked:
-            delta, loss = exp.trainer.update(client, exp.state.params, exp.state.buffers, subs[lvl], rnd)
-            updates.append(Update(client, lvl, delta, loss))
+            sub = exp.trainer.submodel(client, subs[lvl], exp.state.params)
+            delta, loss = exp.trainer.update(client, exp.state.params, exp.state.buffers, sub, rnd)
+            updates.append(Update(client, lvl, delta, loss, sub if sub is not subs[lvl] else None))
         return RoundResult(updates)
 
     def state_dict(self) -> dict:
@@ -219,7 +231,7 @@ class Experiment:
         if len(updates) >= self.cfg.min_replies and updates:
             agg = Aggregator(old, self.method.aggregation, self.cfg.coverage, self.owners)
             for u in updates:
-                agg.add(u.delta, subs[u.level])
+                agg.add(u.delta, u.sub or subs[u.level])
             self.state.params = agg.result()
             trained = {u.level for u in updates}
             for t in self.trackers:   # analyses see the clients that were aggregated
@@ -250,8 +262,9 @@ class Experiment:
             buffers = recompute_bn_stats(self.model, weights, buffers, self.x_train[self.bn_sample], bs)
             glob = accuracy(predict(self.model, weights, buffers, x_glob, bs), y_glob)
             clients = [c for c in range(cfg.num_clients) if cfg.assignment != "fixed" or client_level[c] == lvl.index]
-            local = [accuracy(predict(self.model, weights, buffers, self.x_test[self.client_test_t[c]], bs),
-                              self.y_test[self.client_test_t[c]]) for c in clients]
+            classes = self.trainer.classes or {}   # label_split: the local metric masks absent classes' logits
+            local = [accuracy(predict(self.model, weights, buffers, self.x_test[self.client_test_t[c]], bs,
+                                      classes.get(c)), self.y_test[self.client_test_t[c]]) for c in clients]
             all_local += local
             fair = fairness(local)
             out["levels"][lvl.name] = {"clients": len(clients), "global_acc": glob, "local_acc": fair["mean"],

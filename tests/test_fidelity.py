@@ -340,3 +340,31 @@ def test_local_work_from_a_config_without_clip_norm():
     assert LocalWork.from_config(Cfg()).clip_norm is None
     Cfg.clip_norm = 1.0
     assert LocalWork.from_config(Cfg()).clip_norm == 1.0
+
+
+# =========================================================================== label_split wired into the engine
+def test_label_split_trains_and_credits_only_the_clients_classes(tiny_cfg):
+    from fedlase.engine import Experiment
+    from fedlase.train import classifier_names
+    exp = Experiment(tiny_cfg("method=heterofl", "partition=pathological", "classes_per_client=2",
+                              "label_split=true"))
+    weight, bias = classifier_names(exp.model)
+    old = {k: v.clone() for k, v in exp.params.items()}
+    picked = exp.sample(1)
+    exp.run_round(1)
+    moved = (exp.params[weight] != old[weight]).any(dim=1)
+    trained = torch.zeros_like(moved)
+    for client, _ in picked:
+        trained[exp.trainer.classes[client]] = True
+    assert moved.any() and not (moved & ~trained).any()   # rows of classes no sampled client holds stay
+    sub = exp.trainer.submodel(picked[0][0], exp.submodels([picked[0][1]], 1)[picked[0][1]], exp.params)
+    rows = sub.masks[weight].any(dim=1)
+    assert rows.sum() == len(exp.trainer.classes[picked[0][0]])
+
+
+def test_label_split_off_changes_nothing(tiny_cfg, tmp_path):
+    from fedlase.engine import run_experiment
+    a = run_experiment(tiny_cfg("method=heterofl", out=str(tmp_path / "a")), progress=False)["final"]
+    b = run_experiment(tiny_cfg("method=heterofl", "label_split=false", out=str(tmp_path / "b")),
+                       progress=False)["final"]
+    assert a["levels"] == b["levels"] and a["train_loss"] == b["train_loss"]

@@ -67,10 +67,16 @@ def encode_submodel(params: dict[str, torch.Tensor], buffers: dict[str, torch.Te
         else:
             values[n] = _arr(w)
     names = sorted(sub.thresholds or {})
+    scaled = sorted(sub.scales)
+    # A width slice travels as its kept indices per dim ("name|d"), so the node trains the smaller model too.
+    slices = ArrayRecord({f"{n}|{d}": _arr(i.to(torch.int64)) for n, index in sub.slices.items()
+                          for d, i in enumerate(index) if i is not None})
     cfg = ConfigRecord({"ste": sub.ste, "threshold-names": names,
                         "threshold-values": [float(sub.thresholds[n]) for n in names],
-                        "has-thresholds": sub.thresholds is not None})
-    return RecordDict({"values": values, "bits": bits, "credit": credit,
+                        "has-thresholds": sub.thresholds is not None,
+                        "scale-names": scaled, "scale-values": [float(sub.scales[n]) for n in scaled],
+                        "slice-names": sorted(sub.slices), "slice-dims": [len(sub.slices[n]) for n in sorted(sub.slices)]})
+    return RecordDict({"values": values, "bits": bits, "credit": credit, "slices": slices,
                        "buffers": ArrayRecord({n: _arr(b) for n, b in buffers.items()}),
                        "sub-buffers": ArrayRecord({n: _arr(b) for n, b in sub.buffers.items()}),
                        "submodel": cfg})
@@ -96,7 +102,11 @@ def decode_submodel(content: RecordDict, template: dict[str, torch.Tensor]):
     thresholds = dict(zip(cfg["threshold-names"], cfg["threshold-values"])) if cfg["has-thresholds"] else None
     buffers = {n: torch.from_numpy(a.numpy()) for n, a in content.array_records["buffers"].items()}
     sub_buffers = {n: torch.from_numpy(a.numpy()) for n, a in content.array_records["sub-buffers"].items()}
-    return params, buffers, Submodel(masks, thresholds, str(cfg["ste"]), sub_buffers)
+    scales = dict(zip(cfg["scale-names"], cfg["scale-values"]))
+    arrays = content.array_records["slices"]
+    slices = {n: tuple(torch.from_numpy(arrays[f"{n}|{d}"].numpy()) if f"{n}|{d}" in arrays else None
+                       for d in range(k)) for n, k in zip(cfg["slice-names"], cfg["slice-dims"])}
+    return params, buffers, Submodel(masks, thresholds, str(cfg["ste"]), sub_buffers, slices, scales)
 
 
 # ---- up: the reply ---------------------------------------------------------------------------------------------

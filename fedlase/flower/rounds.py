@@ -103,10 +103,12 @@ class NodeRounds:
         for pid, lvl in picked:
             if pid not in self.nodes:   # no node holds it: a failed client
                 continue
-            content = RecordDict({**payload[lvl], "task": ConfigRecord(
+            sub = exp.trainer.submodel(pid, subs[lvl], exp.params)   # its own under label_split
+            data = payload[lvl] if sub is subs[lvl] else encode_submodel(exp.params, exp.buffers, sub)
+            content = RecordDict({**data, "task": ConfigRecord(
                 {"round": rnd, "partition-id": pid, "level": lvl.name})})
             msg = Message(content, dst_node_id=self.nodes[pid], message_type=MessageType.TRAIN, group_id=str(rnd))
-            self.pending[pid] = (msg, lvl, subs[lvl], record_bytes(*payload[lvl].array_records.values()))
+            self.pending[pid] = (msg, lvl, sub, record_bytes(*data.array_records.values()))
             msgs.append(msg)
         return msgs
 
@@ -137,7 +139,7 @@ class NodeRounds:
                 log.warning("round %d: rejected client %d's reply: %s", rnd, pid, e)
                 self.last["rejected"][pid] = str(e)
                 continue
-            good.append(Update(pid, lvl, delta, loss))
+            good.append(Update(pid, lvl, delta, loss, sub))
         good.sort(key=lambda u: u.client)
         accepted = {u.client for u in good}
         failed = sorted(set(self.last["sampled"]) - accepted - set(self.last["rejected"]))
