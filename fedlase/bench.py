@@ -38,6 +38,8 @@ import torch
 import torch.nn.functional as F
 from torch.func import functional_call
 
+from .report import markdown_table
+
 SECTIONS = ("overhead", "sliced", "masks", "memory", "comm", "batched")
 MEMORY_CLIENTS = (100, 1000, 10000)
 LEVELS = (1.0, 0.25, 0.0625, 0.015625)
@@ -45,15 +47,11 @@ SYSTEM = "{1,1/4,1/16,1/64}_{%d,%d,%d,%d}"
 
 
 # ---- data -----------------------------------------------------------------------------------------------------
-def _write_idx(path: Path, arr: np.ndarray, magic: int) -> None:
-    head = magic.to_bytes(4, "big") + b"".join(int(d).to_bytes(4, "big") for d in arr.shape)
-    path.write_bytes(head + arr.astype(np.uint8).tobytes())
-
-
 def data_overrides(folder: Path, n_cifar: int = 5000) -> dict[str, list[str]]:
     """Config overrides for the bench's datasets: real Fashion-MNIST when installed, else files of its shape
     with random pixels; CIFAR-10-shaped pickles with random pixels (CIFAR is not obtainable here)."""
     from .data import DEFAULT_DATA_DIRS
+    from .data.sources import idx_bytes
     rng = np.random.default_rng(0)
     out = {"digits": ["dataset=digits"]}
     fm = Path(DEFAULT_DATA_DIRS["fashion_mnist"])
@@ -63,8 +61,8 @@ def data_overrides(folder: Path, n_cifar: int = 5000) -> dict[str, list[str]]:
         d = folder / "fmnist"
         d.mkdir(parents=True, exist_ok=True)
         for split, n in (("train", 60000), ("t10k", 10000)):
-            _write_idx(d / f"{split}-images-idx3-ubyte", rng.integers(0, 256, (n, 28, 28)), 2051)
-            _write_idx(d / f"{split}-labels-idx1-ubyte", rng.integers(0, 10, n), 2049)
+            (d / f"{split}-images-idx3-ubyte").write_bytes(idx_bytes(rng.integers(0, 256, (n, 28, 28)), 2051))
+            (d / f"{split}-labels-idx1-ubyte").write_bytes(idx_bytes(rng.integers(0, 10, n), 2049))
         out["fmnist"] = ["dataset=fashion_mnist", f"data_dir={d}"]
     d = folder / "cifar-10-batches-py"
     d.mkdir(parents=True, exist_ok=True)
@@ -112,10 +110,6 @@ def _max_diff(a: dict, b: dict) -> float:
     return max(float((a[n] - b[n]).abs().max()) for n in a)
 
 
-def table(headers: list[str], rows: list[list]) -> str:
-    out = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
-    out += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
-    return "\n".join(out)
 
 
 # ---- overhead: the engine against a tight loop ------------------------------------------------------------
@@ -267,11 +261,11 @@ def section_overhead(args, scen: dict) -> str:
                 evals.append([name, f"{r['eval']:.2f}", r["eval_what"]])
             print(f"  overhead {name} {method}: {rows[-1][4]}", file=sys.stderr)
     what = "wall" if args.device == "cuda" else "CPU"
-    return (f"### Engine against a tight loop of the same local steps ({what} s per round)\n\n" + table(
+    return (f"### Engine against a tight loop of the same local steps ({what} s per round)\n\n" + markdown_table(
         ["scenario", "method", "engine", "tight loop", "overhead", "overhead (wall)", "masks ms (share)",
          "aggregation ms", "one extraction per level", "same result"], rows) +
         f"\n\n### Evaluation ({what} s; fiarse, all four levels: whole test set and every client's local split)\n\n" +
-        table(["scenario", "s per evaluation", "data"], evals))
+        markdown_table(["scenario", "s per evaluation", "data"], evals))
 
 
 # ---- masks at full size ---------------------------------------------------------------------------------------
@@ -299,7 +293,7 @@ def section_masks(args) -> str:
             rows.append([f"{mname}, {size / 1e6:.2f}M", method, f"{sum(per):.3f}"] + [f"{s * 1e3:.1f}" for s in per])
     what = "wall" if args.device == "cuda" else "CPU"
     return (f"### Mask extraction at full size ({what} time; all four levels of one round, no training)\n\n" +
-            table(["model", "method", "s per round", "ms at 1", "ms at 1/4", "ms at 1/16", "ms at 1/64"], rows))
+            markdown_table(["model", "method", "s per round", "ms at 1", "ms at 1/4", "ms at 1/16", "ms at 1/64"], rows))
 
 
 # ---- memory against the number of clients ---------------------------------------------------------------------
@@ -342,7 +336,7 @@ def section_memory(args, data: dict) -> str:
         print(f"  memory {n} clients: {rows[-1][4]} MiB", file=sys.stderr)
     src = "Fashion-MNIST" if data["real_fmnist"] else "Fashion-MNIST-shaped random data"
     return (f"### Peak memory against the number of clients ({src}, 60,000 samples, CNN, 10 clients a round)\n\n" +
-            table(["clients", "setup CPU s", "CPU s per round", "peak RSS after setup (MiB)", "peak RSS (MiB)",
+            markdown_table(["clients", "setup CPU s", "CPU s per round", "peak RSS after setup (MiB)", "peak RSS (MiB)",
                    "peak vs 100", "RSS at the end (MiB)"], rows))
 
 
@@ -373,7 +367,7 @@ def section_comm(args) -> str:
                 rows.append([mname, method, f"{lvl:g}", f"{100 * kept:.1f}%", f"{dense / 2**20:.2f}",
                              f"{sparse / 2**20:.3f}", f"{values / 2**20:.3f}", f"{sparse / dense:.3f}"])
     return ("### Bytes a client receives (and sends) per round, float32, MiB\n\n" +
-            table(["model", "method", "level", "kept (budgeted params)", "dense", "values + bit mask",
+            markdown_table(["model", "method", "level", "kept (budgeted params)", "dense", "values + bit mask",
                    "values only", "sparse / dense"], rows))
 
 
@@ -406,7 +400,7 @@ def section_batched(args, scen: dict) -> str:
             print(f"  batched {name} {method}: {rows[-1][4]}", file=sys.stderr)
     what = "wall" if args.device == "cuda" else "CPU"
     return (f"### Batched clients against the sequential engine ({what} s per round)\n\n" +
-            table(["scenario", "method", "sequential", "batched", "speedup", "max param diff after a round"], rows))
+            markdown_table(["scenario", "method", "sequential", "batched", "speedup", "max param diff after a round"], rows))
 
 
 # ---- sliced against masked ------------------------------------------------------------------------------
@@ -440,7 +434,7 @@ def section_sliced(args, scen: dict) -> str:
             print(f"  sliced {name} {method}: {rows[-1][4]}", file=sys.stderr)
     what = "wall" if args.device == "cuda" else "CPU"
     return (f"### Width slices: sliced training against the masked full-size path ({what} s per round)\n\n" +
-            table(["scenario", "method", "masked (sliced=false)", "sliced", "speedup", "max param diff after a round"],
+            markdown_table(["scenario", "method", "masked (sliced=false)", "sliced", "speedup", "max param diff after a round"],
                   rows))
 
 

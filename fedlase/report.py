@@ -138,7 +138,8 @@ def _cell(mean: float, std: float, n: int, scale: float = 100, digits: int = 2) 
     return f"{scale * mean:.{digits}f}" + (f" ± {scale * std:.{digits}f}" if n > 1 else "")
 
 
-def _md_table(header: list[str], rows: list[list[str]]) -> str:
+def markdown_table(header: list[str], rows: list[list]) -> str:
+    """A Markdown table (report and bench)."""
     esc = lambda s: str(s).replace("|", "\\|")   # noqa: E731
     lines = ["| " + " | ".join(map(esc, header)) + " |", "|" + "|".join("---" for _ in header) + "|"]
     lines += ["| " + " | ".join(map(esc, row)) + " |" for row in rows]
@@ -351,7 +352,7 @@ def make_report(dirs: list[str], out: str | Path, group_by: list[str] | None = N
           "group's runs, i.e. seeds) in %, a single run shows its value. Levels are resource levels "
           "(fraction of the model a client holds); `global` = a level's submodel on the whole test set, "
           "`local` = the level's clients on their own test splits.\n"]
-    md.append(_md_table(["group", "runs", "seeds", "rounds", "method", "dataset", "system"],
+    md.append(markdown_table(["group", "runs", "seeds", "rounds", "method", "dataset", "system"],
                         [[g.label, str(len(g.runs)), ", ".join(sorted({_fmt(r.config.get("seed")) for r in g.runs})),
                           _fmt(g.runs[0].config.get("rounds")), _fmt(g.runs[0].config.get("method")),
                           _fmt(g.runs[0].config.get("dataset")), _fmt(g.runs[0].config.get("system"))]
@@ -375,7 +376,7 @@ def make_report(dirs: list[str], out: str | Path, group_by: list[str] | None = N
                             _cell(*_analysis_stats(g, ("updates", "gini")), scale=1, digits=3),
                             _cell(*_analysis_stats(g, ("updates", "mean")), scale=1, digits=1)] for g in groups])))
     for title, (header, rows) in sections:
-        md += [f"\n## {title}\n", _md_table(header, rows)]
+        md += [f"\n## {title}\n", markdown_table(header, rows)]
 
     plots = []
     for metric in ("global_acc", "local_acc"):

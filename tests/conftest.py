@@ -29,11 +29,7 @@ FMNIST_STEMS = {"x_train": "train-images-idx3-ubyte", "y_train": "train-labels-i
                 "x_test": "t10k-images-idx3-ubyte", "y_test": "t10k-labels-idx1-ubyte"}
 
 
-def idx_bytes(arr, magic: int) -> bytes:
-    """An IDX file: magic number, each dimension as a big-endian int32, then the unsigned bytes."""
-    arr = np.asarray(arr, dtype=np.uint8)
-    head = magic.to_bytes(4, "big") + b"".join(int(d).to_bytes(4, "big") for d in arr.shape)
-    return head + arr.tobytes()
+from fedlase.data.sources import idx_bytes  # noqa: E402  (the one IDX writer)
 
 
 def write_fmnist(folder: Path, n_train: int = 12, n_test: int = 5, size: int = 6, gz: bool = True,

@@ -12,7 +12,11 @@ import numpy as np
 
 from fedlase.errors import ConfigError, DataError
 
-PARTITIONS = ("iid", "dirichlet", "balanced_dirichlet", "pathological")
+# The schemes this module implements (fedlase/data/__init__.py registers each; the registry is the one list).
+SCHEMES = {"iid": "a random permutation cut into near-equal parts",
+           "dirichlet": "per-class Dirichlet(alpha) label skew",
+           "balanced_dirichlet": "FIARSE's: each client draws p ~ Dir(alpha) and N/n samples, filled interleaved",
+           "pathological": "classes_per_client classes per client"}
 
 
 def partition(labels: np.ndarray, num_clients: int, scheme: str, *, alpha: float = 0.3,
@@ -64,8 +68,8 @@ def _partition(labels, num_clients, scheme, alpha, classes_per_client, seed):
     if isinstance(num_clients, bool) or not isinstance(num_clients, (int, np.integer)) \
             or not 1 <= num_clients <= n:
         raise ConfigError("num_clients", f"must be an integer between 1 and the {n} samples, got {num_clients!r}")
-    if scheme not in PARTITIONS:
-        raise ConfigError("partition", f"unknown scheme {scheme!r}; expected one of {', '.join(PARTITIONS)}")
+    if scheme not in SCHEMES:
+        raise ConfigError("partition", f"unknown scheme {scheme!r}; expected one of {', '.join(SCHEMES)}")
     if not (isinstance(alpha, (int, float, np.floating, np.integer)) and math.isfinite(alpha) and alpha > 0):
         raise ConfigError("alpha", f"must be > 0, got {alpha!r}")
     classes = np.unique(y)

@@ -18,7 +18,6 @@ import torch
 
 from fedlase.errors import ConfigError, DataError
 
-DATASETS = ("fashion_mnist", "cifar10", "cifar100", "digits")
 DEFAULT_DATA_DIRS = {"fashion_mnist": "/usr/share/datasets/fashion-mnist"}
 
 
@@ -44,14 +43,10 @@ class Dataset:
 
 
 def load_dataset(name: str, data_dir: str | None = None) -> Dataset:
-    """Load dataset `name` (one of DATASETS) from `data_dir` (default: DEFAULT_DATA_DIRS[name])."""
-    if name == "fashion_mnist":
-        return _load_fashion_mnist(data_dir)
-    if name in ("cifar10", "cifar100"):
-        return _load_cifar(name, data_dir)
-    if name == "digits":
-        return _load_digits()
-    raise ConfigError("dataset", f"unknown dataset {name!r}; expected one of {', '.join(DATASETS)}")
+    """Load the image dataset `name` (a key of IMAGE_DATASETS) from `data_dir` (default: DEFAULT_DATA_DIRS)."""
+    if name not in IMAGE_DATASETS:
+        raise ConfigError("dataset", f"unknown image dataset {name!r}; expected one of {', '.join(IMAGE_DATASETS)}")
+    return IMAGE_DATASETS[name].load(name, data_dir)
 
 
 # --------------------------------------------------------------------------- normalisation
@@ -92,6 +87,13 @@ _FMNIST_FILES = {
     "x_test": ("t10k-images-idx3-ubyte", 2051),
     "y_test": ("t10k-labels-idx1-ubyte", 2049),
 }
+
+
+def idx_bytes(arr, magic: int) -> bytes:
+    """An IDX file's bytes (the inverse of `read_idx`): magic number, each dimension as a big-endian int32,
+    then the unsigned bytes. For tests and benchmarks that need Fashion-MNIST-shaped files."""
+    arr = np.asarray(arr, dtype=np.uint8)
+    return magic.to_bytes(4, "big") + b"".join(int(d).to_bytes(4, "big") for d in arr.shape) + arr.tobytes()
 
 
 def read_idx(path: str | Path, magic: int) -> np.ndarray:
@@ -262,3 +264,23 @@ def augment_batch(x: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     # Advanced indices around a slice put the indexed dims first: result is (B, H, W, C).
     out = padded[bi, :, rows[:, :, None], cols[:, None, :]]
     return out.permute(0, 3, 1, 2).contiguous()
+
+
+@dataclass(frozen=True)
+class ImageSource:
+    """One image dataset this module reads; fedlase/data/__init__.py registers each (the registry's one list)."""
+    load: object            # (name, data_dir) -> Dataset
+    num_classes: int
+    shape: tuple[int, int, int]
+    help: str
+    needs_data_dir: bool = False
+
+
+IMAGE_DATASETS = {
+    "fashion_mnist": ImageSource(lambda name, d: _load_fashion_mnist(d), 10, (1, 28, 28),
+                                 "Fashion-MNIST IDX files (default: the Debian package's folder)"),
+    "cifar10": ImageSource(_load_cifar, 10, (3, 32, 32), "CIFAR-10 python-pickle folder (data_dir)", True),
+    "cifar100": ImageSource(_load_cifar, 100, (3, 32, 32), "CIFAR-100 python-pickle folder (data_dir)", True),
+    "digits": ImageSource(lambda name, d: _load_digits(), 10, (1, 8, 8),
+                          "scikit-learn's 8x8 digits (tiny, bundled; for tests)"),
+}
