@@ -52,7 +52,7 @@ def _cmd_sweep(args) -> int:
 
 def _cmd_report(args) -> int:
     from .report import make_report
-    path = make_report(args.dirs, args.out, args.group_by)
+    path = make_report(args.dirs, args.out, args.group_by, args.paired_against)
     print(f"report written to {path} (tables as CSV and plots next to it)")
     return 0
 
@@ -122,6 +122,8 @@ def main(argv: list[str] | None = None) -> int:
     rep.add_argument("--out", default="report", help="folder for report.md, the CSV files and plots/ [default: report]")
     rep.add_argument("--group-by", nargs="+", metavar="KEY", help="group runs by these config keys only "
                      "(dotted, e.g. method method_args.score)")
+    rep.add_argument("--paired-against", metavar="GROUP", help="compare every group with this one (its label as "
+                     "the report's first table shows it), paired by seed: mean difference, t and p")
     rep.set_defaults(func=_cmd_report)
 
     args = parser.parse_args(argv)

@@ -20,9 +20,13 @@ from .errors import UserError
 
 log = logging.getLogger("fedlase")
 
-# Config keys that do not change a run's results: never used to tell groups apart by default.
-NOT_GROUPED = {"seed", "out", "threads", "device", "checkpoint_every", "eval_every", "eval_batch_size", "data_dir",
-               "batched_clients"}
+
+
+def not_grouped() -> set[str]:
+    """Keys never used to tell groups apart by default: the seed (a group's runs are its seeds) and the keys
+    declared not to change a result (fedlase/options.py), except rounds (a run's length is part of its result)."""
+    from .config import options
+    return ({"seed"} | {k for k, o in options().items() if not o.affects_result}) - {"rounds"}
 METRICS = {"global_acc": "global accuracy", "local_acc": "local accuracy", "local_std": "std of local accuracies",
            "local_worst10": "worst-10% local accuracy"}
 ALL = "all"   # the row/column of a metric over all levels (mean over levels / over all clients)
@@ -109,8 +113,9 @@ def group_runs(runs: list[Run], group_by: list[str] | None = None) -> list[Group
     if group_by:
         keys = list(group_by)
     else:
+        skip = not_grouped()
         keys = sorted({k for r in runs for k in r.config
-                       if k not in NOT_GROUPED and not k.startswith("analysis.") and k != "analysis"})
+                       if k not in skip and not k.startswith("analysis.") and k != "analysis"})
     groups: dict[tuple, Group] = {}
     for r in runs:
         key = tuple(json.dumps(r.config.get(k), sort_keys=True, default=str) for k in keys)
@@ -341,7 +346,65 @@ def plot_magnitudes(g: Group, path: Path, max_rounds: int = 4) -> bool:
 
 
 # ---- the report ------------------------------------------------------------------------------------------------
-def make_report(dirs: list[str], out: str | Path, group_by: list[str] | None = None) -> Path:
+def _betainc(a: float, b: float, x: float) -> float:
+    """The regularized incomplete beta function I_x(a, b), by its continued fraction (modified Lentz)."""
+    if x <= 0 or x >= 1:
+        return 0.0 if x <= 0 else 1.0
+    if x > (a + 1) / (a + b + 2):   # the fraction converges fast below this point; use the symmetry above it
+        return 1.0 - _betainc(b, a, 1 - x)
+    front = math.exp(math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b) + a * math.log(x) + b * math.log1p(-x)) / a
+    tiny, f, c, d = 1e-300, 1.0, 1.0, 0.0
+    for i in range(400):
+        m = i // 2
+        if i == 0:
+            num = 1.0
+        elif i % 2 == 0:
+            num = m * (b - m) * x / ((a + 2 * m - 1) * (a + 2 * m))
+        else:
+            num = -(a + m) * (a + b + m) * x / ((a + 2 * m) * (a + 2 * m + 1))
+        d = 1.0 + num * d
+        d = 1 / (d if abs(d) > tiny else tiny)
+        c = 1.0 + num / c if abs(c) > tiny else 1.0 + num / tiny
+        f *= c * d
+        if abs(1.0 - c * d) < 1e-12:
+            break
+    return front * (f - 1.0)
+
+
+def paired_t(diffs: list[float]) -> tuple[float, float, float]:
+    """(mean difference, t, two-sided p) of a paired t-test on per-seed differences (n >= 2)."""
+    n = len(diffs)
+    mean = float(np.mean(diffs))
+    sd = float(np.std(diffs, ddof=1)) if n > 1 else math.nan
+    if n < 2 or sd == 0 or math.isnan(sd):
+        return mean, math.nan, math.nan
+    t = mean / (sd / math.sqrt(n))
+    df = n - 1
+    return mean, t, _betainc(df / 2, 0.5, df / (df + t * t))
+
+
+def paired_table(groups: list[Group], baseline: str) -> tuple[list, list]:
+    """Every group against the baseline group, paired by seed: mean difference (points), t and p."""
+    base = next((g for g in groups if g.label == baseline), None)
+    if base is None:
+        raise UserError(f"report: --paired-against {baseline!r} names no group; groups: "
+                        + "; ".join(g.label for g in groups))
+    by_seed = {r.config.get("seed"): r for r in base.runs}
+    rows = []
+    for g in groups:
+        if g is base:
+            continue
+        cells = [g.label]
+        pairs = [(r, by_seed[r.config.get("seed")]) for r in g.runs if r.config.get("seed") in by_seed]
+        for name in ("global_acc", "local_acc"):
+            mean, t, p = paired_t([100 * (r.metric(name) - b.metric(name)) for r, b in pairs])
+            cells += [f"{mean:+.2f}", "—" if math.isnan(t) else f"{t:.2f}", "—" if math.isnan(p) else f"{p:.3f}"]
+        rows.append([*cells[:1], str(len(pairs)), *cells[1:]])
+    return (["group", "seeds paired", "global Δ", "t", "p", "local Δ", "t", "p"], rows)
+
+
+def make_report(dirs: list[str], out: str | Path, group_by: list[str] | None = None,
+                paired_against: str | None = None) -> Path:
     """Write report.md, results.csv, runs.csv and plots/ under `out`; return the path of report.md."""
     runs = find_runs(dirs)
     groups = group_runs(runs, group_by)
@@ -375,6 +438,9 @@ def make_report(dirs: list[str], out: str | Path, group_by: list[str] | None = N
                           [[g.label, str(len(g.runs)), _cell(*_analysis_stats(g, ("updates", "never"))),
                             _cell(*_analysis_stats(g, ("updates", "gini")), scale=1, digits=3),
                             _cell(*_analysis_stats(g, ("updates", "mean")), scale=1, digits=1)] for g in groups])))
+    if paired_against is not None:
+        sections.append((f"Paired by seed against {paired_against} (difference in points, paired t-test)",
+                         paired_table(groups, paired_against)))
     for title, (header, rows) in sections:
         md += [f"\n## {title}\n", markdown_table(header, rows)]
 

@@ -260,3 +260,13 @@ def test_bad_jobs_is_a_one_line_error(tmp_path, capsys, jobs):
     err = capsys.readouterr().err
     assert "--jobs must be a whole number >= 1" in err and len(err.strip().splitlines()) == 1
     assert not (tmp_path / "out").exists()
+
+
+def test_paired_t_matches_the_closed_form_and_a_hand_case():
+    import math
+    from fedlase.report import _betainc, paired_t
+    mean, t, p = paired_t([1.0, 2.0, 3.0])             # n = 3: df = 2, p = 1 - |t| / sqrt(2 + t^2)
+    assert mean == 2.0 and math.isclose(t, 2 * math.sqrt(3)) and math.isclose(p, 1 - t / math.sqrt(2 + t * t))
+    assert math.isclose(_betainc(0.5, 0.5, 0.5), 0.5, abs_tol=1e-9)   # symmetric
+    assert math.isclose(_betainc(1.0, 1.0, 0.3), 0.3, abs_tol=1e-9)   # uniform
+    assert math.isnan(paired_t([1.0, 1.0])[2])                        # no spread: no test
