@@ -38,7 +38,9 @@ def client_dataset(cfg, pid: int, cache_dir: Path | None = None) -> Dataset:
     meta_path = folder / "meta.json"
     if meta_path.exists():
         meta = json.loads(meta_path.read_text())
-        x, y = torch.from_numpy(np.load(folder / "x.npy")), torch.from_numpy(np.load(folder / "y.npy"))
+        # copy-on-write maps: a message reads only the pages of the samples it trains on
+        x = torch.from_numpy(np.load(folder / "x.npy", mmap_mode="c"))
+        y = torch.from_numpy(np.load(folder / "y.npy", mmap_mode="c"))
     else:
         data = DATASETS.get(cfg.dataset).load(cfg)
         train, _ = client_splits(cfg, data.y_train.numpy(), data.y_test.numpy(), data.num_classes)
