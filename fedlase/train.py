@@ -51,10 +51,38 @@ def client_batches(n_samples: int, work: LocalWork, generator: torch.Generator) 
     return batches[:steps]
 
 
-def make_optimizer(params: list[torch.Tensor], work: LocalWork) -> torch.optim.Optimizer:
+class SGD:
+    """torch.optim.SGD's update (weight decay, momentum; no dampening or Nesterov), written out: a process's
+    first torch.optim step imports torch._dynamo, about 3 s that every Flower ClientApp process (one per
+    message) would pay. Same operations in the same order, so bit-identical (tests/test_engine.py)."""
+
+    def __init__(self, params: list[torch.Tensor], lr: float, momentum: float = 0.0, weight_decay: float = 0.0):
+        self.params, self.lr, self.momentum, self.weight_decay = list(params), lr, momentum, weight_decay
+        self.buffers: list[torch.Tensor | None] = [None] * len(self.params)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p in self.params:
+            p.grad = None
+
+    @torch.no_grad()
+    def step(self) -> None:
+        for i, p in enumerate(self.params):
+            if p.grad is None:
+                continue
+            g = p.grad if self.weight_decay == 0 else p.grad.add(p, alpha=self.weight_decay)
+            if self.momentum != 0:
+                if self.buffers[i] is None:
+                    self.buffers[i] = g.detach().clone()
+                else:
+                    self.buffers[i].mul_(self.momentum).add_(g, alpha=1)
+                g = self.buffers[i]
+            p.add_(g, alpha=-self.lr)
+
+
+def make_optimizer(params: list[torch.Tensor], work: LocalWork):
     if work.optimizer == "adamw":
         return torch.optim.AdamW(params, lr=work.lr, betas=work.betas, weight_decay=work.weight_decay)
-    return torch.optim.SGD(params, lr=work.lr, momentum=work.momentum, weight_decay=work.weight_decay)
+    return SGD(params, lr=work.lr, momentum=work.momentum, weight_decay=work.weight_decay)
 
 
 def has_tied_weights(model: nn.Module) -> bool:

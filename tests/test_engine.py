@@ -478,3 +478,21 @@ def test_end_to_end_each_method(tmp_path, tiny_cfg, method):
         assert kept == {"1": exp_total, "1/4": exp_total}
     if method == "fiarse":
         assert kept == {"1": exp_total, "1/4": int(exp_total / 4)}
+
+
+@pytest.mark.parametrize("momentum, weight_decay", [(0.0, 0.0), (0.8, 0.0), (0.9, 5e-4), (0.0, 1e-3)])
+def test_sgd_equals_torch_optim_sgd_bit_for_bit(momentum, weight_decay):
+    from fedlase.train import SGD
+    torch.manual_seed(0)
+    a = [torch.randn(5, 3, requires_grad=True), torch.randn(7, requires_grad=True)]
+    b = [t.detach().clone().requires_grad_(True) for t in a]
+    ours = SGD(a, lr=0.05, momentum=momentum, weight_decay=weight_decay)
+    ref = torch.optim.SGD(b, lr=0.05, momentum=momentum, weight_decay=weight_decay)
+    for step in range(4):
+        x = torch.randn(3)
+        for params, opt in ((a, ours), (b, ref)):
+            opt.zero_grad(set_to_none=True)
+            loss = (params[0] @ x).pow(2).sum() + params[1].sin().sum() * (step + 1)
+            loss.backward()
+            opt.step()
+        assert all(torch.equal(p, q) for p, q in zip(a, b))
