@@ -227,7 +227,7 @@ def validate(cfg: Config) -> Config:
     method.check_args(cfg.method_args)
     data, model = DATASETS.get(cfg.dataset), MODELS.get(cfg.model)
     if data.kind != model.kind:
-        raise ConfigError("model", f"{cfg.model} is a {model.kind} model but dataset {cfg.dataset} is {data.kind}; "
+        raise ConfigError("model", f"{cfg.model} is a model for {model.kind} data but dataset {cfg.dataset} is {data.kind}; "
                           f"pick a {data.kind} model ({', '.join(n for n, m in MODELS.items() if m.kind == data.kind)})")
     if cfg.local_epochs is None and cfg.local_steps is None:
         raise ConfigError("local_steps", "must be a positive integer (or set local_epochs)")

@@ -50,3 +50,13 @@ def write_fmnist(folder: Path, n_train: int = 12, n_test: int = 5, size: int = 6
         else:
             (folder / stem).write_bytes(raw)
     return {k: v[0] for k, v in data.items()}
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """One torch thread for a module's tests: the tiny models run fastest so, and the cores are shared."""
+    import torch
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -25,13 +25,7 @@ from fedlase.sampling import client_job, sample_clients
 from fedlase.train import LocalWork, client_batches, local_train
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """The tiny models here run fastest on one thread (the machine's cores are shared)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")   # tiny models run fastest on one thread
 
 
 def sigmoid(z: float) -> float:

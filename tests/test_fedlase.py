@@ -20,12 +20,7 @@ FIRST, LAST = "features.0.weight", "classifier.weight"
 MIDDLE = ["features.4.weight", "features.8.weight", "features.11.weight"]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")   # tiny models run fastest on one thread
 
 
 # =========================================================================== water_fill by hand
