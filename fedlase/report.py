@@ -315,6 +315,21 @@ def plot_updates(groups: list[Group], path: Path, bins: int = 60) -> bool:
     return True
 
 
+def magnitude_table(g: Group) -> tuple[list, list] | None:
+    """The rebuttal's layout: per-layer max and mean |w| of the global model at the last recorded round, weights
+    only, the first and last layers left out (the group's first run that recorded magnitudes)."""
+    z = next((z for z in (r.npz("magnitudes") for r in g.runs) if z is not None), None)
+    if z is None:
+        return None
+    names = [str(s) for s in z["layers"]]
+    cols = [i for i, n in enumerate(names) if n.endswith("weight")][1:-1]
+    if not cols:
+        return None
+    header = [f"{g.label}, round {int(z['rounds'][-1])}", *(_short(names[i]) for i in cols)]
+    rows = [[f"{stat} |θ|", *(f"{float(z[stat][-1][i]):.4f}" for i in cols)] for stat in ("max", "mean")]
+    return header, rows
+
+
 def plot_magnitudes(g: Group, path: Path, max_rounds: int = 4) -> bool:
     zs = [z for z in (r.npz("magnitudes") for r in g.runs) if z is not None]
     if not zs:
@@ -438,6 +453,10 @@ def make_report(dirs: list[str], out: str | Path, group_by: list[str] | None = N
                           [[g.label, str(len(g.runs)), _cell(*_analysis_stats(g, ("updates", "never"))),
                             _cell(*_analysis_stats(g, ("updates", "gini")), scale=1, digits=3),
                             _cell(*_analysis_stats(g, ("updates", "mean")), scale=1, digits=1)] for g in groups])))
+    for g in groups:
+        table = magnitude_table(g)
+        if table is not None:
+            sections.append(("Per-layer parameter magnitudes (weights; first and last layers left out)", table))
     if paired_against is not None:
         sections.append((f"Paired by seed against {paired_against} (difference in points, paired t-test)",
                          paired_table(groups, paired_against)))

@@ -270,3 +270,15 @@ def test_paired_t_matches_the_closed_form_and_a_hand_case():
     assert math.isclose(_betainc(0.5, 0.5, 0.5), 0.5, abs_tol=1e-9)   # symmetric
     assert math.isclose(_betainc(1.0, 1.0, 0.3), 0.3, abs_tol=1e-9)   # uniform
     assert math.isnan(paired_t([1.0, 1.0])[2])                        # no spread: no test
+
+
+def test_magnitude_table_is_the_rebuttal_layout(tmp_path):
+    import numpy as np
+    from fedlase.report import Group, Run, magnitude_table
+    (tmp_path / "analysis").mkdir()
+    layers = np.array(["a.weight", "a.bias", "b.weight", "c.weight", "d.weight"])
+    mx, mean = np.arange(10.0).reshape(2, 5), np.arange(10.0).reshape(2, 5) / 10
+    np.savez(tmp_path / "analysis" / "magnitudes.npz", layers=layers, rounds=np.array([0, 180]), max=mx, mean=mean)
+    header, rows = magnitude_table(Group("fedavg", (), [Run(tmp_path, {"final": {}}, {})]))
+    assert header == ["fedavg, round 180", "b", "c"]                 # weights only, first and last left out
+    assert rows == [["max |θ|", "7.0000", "8.0000"], ["mean |θ|", "0.7000", "0.8000"]]
