@@ -527,3 +527,25 @@ def test_measure_speed(minilm, cache):
                 step = (time.perf_counter() - t) / work.steps
                 print(f"threads={n_threads} max_length={length} {label}: {step:.2f} s per local step (batch 20)")
     torch.set_num_threads(threads)
+
+
+@pytest.mark.flower
+@pytest.mark.parametrize("method", ["fedlase", "heterofl"])
+def test_text_run_on_flower_simulation_equals_the_embedded_run(hf_folder, tmp_path, cache, monkeypatch, method):
+    """2 rounds of a text run (a tiny BERT from a local folder, AG-News-format data) on Flower's Simulation
+    Engine give the embedded engine's model bit for bit."""
+    pytest.importorskip("flwr")
+    from fedlase.api import make_config, run
+    monkeypatch.setenv("FEDLASE_CACHE", str(tmp_path / "nodes"))
+    data = write_agnews(tmp_path / "ag", n_train=48, n_test=16)
+    settings = dict(dataset="agnews", data_dir=str(data), model="hf", model_path=str(hf_folder), max_length=16,
+                    method=method, system="{1,1/4}_{2,2}", participation=0.5, local_steps=2, batch_size=4,
+                    optimizer="adamw", lr=1e-3, betas=[0.9, 0.95], rounds=2, eval_every=1, eval_batch_size=8,
+                    threads=1, device="cpu", partition="iid")
+    if method == "fedlase":
+        settings["method_args"] = {"extract_all_layers": True}   # the tiny model's edge layers exceed 1/4
+    run(make_config(**settings, out=str(tmp_path / "e")))
+    run(make_config(**settings, engine="flower-sim", out=str(tmp_path / "f")))
+    emb = torch.load(tmp_path / "e" / "checkpoint.pt", weights_only=False)["params"]
+    flo = torch.load(tmp_path / "f" / "checkpoint.pt", weights_only=False)["params"]
+    assert emb.keys() == flo.keys() and all(torch.equal(emb[k], flo[k]) for k in emb)

@@ -63,6 +63,8 @@ def client_trainer(cfg, pid: int, device: torch.device, cache_dir: Path | None =
                    data: Dataset | None = None) -> ClientTrainer:
     """What partition `pid`'s node needs to train: its samples (`data`, else from the cache), the model, the
     local work."""
+    if cfg.threads:   # as the embedded engine does: the run's torch CPU threads hold on the nodes too
+        torch.set_num_threads(cfg.threads)
     data = data if data is not None else client_dataset(cfg, pid, cache_dir)
     model = build_model_for(cfg, data).to(device)
     x, y = data.x_train.to(device), data.y_train.to(device)
