@@ -200,9 +200,11 @@ def _round(cfg, rnd=1, spoil=None, drop=(), dead=()):
     runner = NodeRounds(grid)
 
     def deliver(msgs, timeout=None):
+        if not msgs or msgs[0].metadata.message_type != "train":   # QUERY: every node answers
+            return grid.send_and_receive(msgs)
         replies = grid.send_and_receive(msgs, dead=dead)
         replies = [r for r in replies if r.has_error() or grid.nodes[r.metadata.src_node_id] not in drop]
-        if spoil is not None and msgs and msgs[0].metadata.message_type == "train":
+        if spoil is not None:
             sent, _, sub, _ = runner.pending[spoil[0]]
             reply = next(r for r in replies if r.metadata.reply_to_message_id == sent.metadata.message_id)
             _spoil(spoil[1], reply.content.array_records["delta"], exp.params, sub)
@@ -210,8 +212,8 @@ def _round(cfg, rnd=1, spoil=None, drop=(), dead=()):
 
     runner.grid = type("Wire", (), {"send_and_receive": staticmethod(deliver), "get_node_ids": grid.get_node_ids})()
     exp = Experiment(cfg, runner)
-    exp.run_round(rnd)
-    return exp.params, runner.last
+    stats = exp.run_round(rnd)   # the engine's line ("skipped" under min_replies) over the runner's details
+    return exp.params, {**stats, **runner.last}
 
 
 def _embedded(cfg, rnd=1, without=()):
@@ -476,24 +478,27 @@ def test_fedlase_imports_no_private_flower_module():
 
 def test_security_keys_are_checked(tmp_path):
     from fedlase.errors import ConfigError
+    from fedlase.flower.launch import require_tls
     from fedlase.flower.security import check_security, make_credentials
     creds = make_credentials(tmp_path / "tls", nodes=1)
     ok = small_cfg(tmp_path, "engine=flower-deploy", f"tls_ca={creds.ca}", f"tls_cert={creds.cert}",
                    f"tls_key={creds.key}", f"node_keys={creds.folder}")
     check_security(ok)
-    cases = [(["engine=flower-deploy"], "tls_ca"),                                  # secure by default
-             (["engine=flower-deploy", f"tls_ca={tmp_path / 'nope.crt'}"], "tls_ca"),
+    require_tls(ok)
+    cases = [(["engine=flower-deploy", f"tls_ca={tmp_path / 'nope.crt'}"], "tls_ca"),
              ([f"tls_ca={creds.ca}", f"tls_cert={creds.cert}"], "tls_key"),
              ([f"tls_ca={creds.ca}", f"tls_cert={creds.nodes[0]}.pub",
                f"tls_key={creds.key}"], "tls_cert"),                                    # not PEM
              ([f"node_keys={tmp_path / 'none'}"], "node_keys"),
              (["insecure=true", f"tls_ca={creds.ca}"], "insecure")]
-    for overrides, key in cases:
-        cfg = small_cfg(tmp_path, *overrides)
+    for overrides, key in cases:   # the config's own validation calls check_security
         with pytest.raises(ConfigError) as e:
-            check_security(cfg)
+            small_cfg(tmp_path, *overrides)
         assert e.value.key == key and "\n" not in str(e.value), (overrides, str(e.value))
-    check_security(small_cfg(tmp_path, "engine=flower-deploy", "insecure=true"))   # asked for: allowed
+    with pytest.raises(ConfigError) as e:   # secure by default: a deployment without tls_ca is refused
+        require_tls(small_cfg(tmp_path, "engine=flower-deploy"))
+    assert e.value.key == "tls_ca"
+    require_tls(small_cfg(tmp_path, "engine=flower-deploy", "insecure=true"))   # asked for: allowed
 
 
 def test_made_credentials_verify(tmp_path):

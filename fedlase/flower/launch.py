@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 import psutil
 
 from ..config import Config
-from ..errors import UserError
+from ..errors import ConfigError, UserError
 
 if TYPE_CHECKING:
     from .security import Credentials
@@ -94,8 +94,18 @@ def _check_out(cfg: Config, resume: bool) -> Path:
     return out
 
 
+def require_tls(cfg: Config) -> None:
+    """Secure by default: a deployment verifies its SuperLink with tls_ca unless the user asked for insecure=true.
+    Checked where a run is submitted, not in the config (the apps on other machines get the config without the
+    submitter's file paths)."""
+    if cfg.engine == "flower-deploy" and not cfg.insecure and cfg.tls_ca is None:
+        raise ConfigError("tls_ca", "engine=flower-deploy verifies the SuperLink with this CA certificate: give "
+                                    "tls_ca=FILE (or insecure=true, loopback or a trusted network only)")
+
+
 def run_flower(cfg: Config, resume: bool = False, progress: bool = True) -> dict:
     """Run the experiment on Flower; return its summary (written to cfg.out as by the embedded engine)."""
+    require_tls(cfg)
     quiet_env()
     for mod in ("flwr", "ray") if cfg.engine == "flower-sim" else ("flwr",):
         if importlib.util.find_spec(mod) is None:
@@ -286,11 +296,9 @@ def submit(cfg: Config, app_dir: Path) -> None:
     in plain text), and wait for the end."""
     from .security import INSECURE_WARNING
     flwr = flwr_command()
+    require_tls(cfg)
     if cfg.insecure:
         log.warning(INSECURE_WARNING)
-    elif cfg.tls_ca is None:
-        raise UserError("engine=flower-deploy: set tls_ca=<the CA certificate of the SuperLink> "
-                        "(or insecure=true, loopback or a trusted network only)")
     with tempfile.TemporaryDirectory(prefix="fedlase-flwr-home-") as home:
         write_connection(Path(home), cfg.superlink, cfg.tls_ca, cfg.insecure)
         env = {**os.environ, **QUIET_ENV, "FLWR_HOME": home}
