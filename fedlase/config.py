@@ -74,10 +74,11 @@ class Config:
     label_split: bool = _f(False, "HeteroFL's and FedRolex's official `mask=1`: a client's loss and local metric set "
                            "the logits of classes absent from its data to 0, and it trains and is credited with its "
                            "classes' classifier rows only (docs/methods-structured.md)")
-    coverage: str = _f("mask", "which clients a coordinate's step is averaged over: mask (the clients whose mask "
-                       "holds it), nonzero (those whose delta is nonzero: the official FIARSE server), kept (mask, "
-                       "but a BN or bias channel only where the client kept a weight of that channel); see "
-                       "docs/methods.md", choices=("mask", "nonzero", "kept"))
+    coverage: str | None = _f(None, "which clients a coordinate's step is averaged over: mask (the clients whose "
+                              "mask holds it), nonzero (those whose delta is nonzero: the official FIARSE server), "
+                              "kept (mask, but a BN or bias channel only where the client kept a weight of that "
+                              "channel); unset: the method's own (nonzero for FIARSE, mask for the others); see "
+                              "docs/methods.md", kind=str, choices=("mask", "nonzero", "kept"))
     eval_order: str = _f("test", "global accuracy on: test (the test set in stored order, batches of "
                          "eval_batch_size) or clients (the clients' local test parts in client order, batches of "
                          "20: the official FIARSE evaluation)", choices=("test", "clients"))

@@ -192,7 +192,8 @@ class Experiment:
         g = torch.Generator().manual_seed(cfg.seed)
         self.bn_sample = torch.randperm(len(d.y_train), generator=g)[:BN_RECOMPUTE_SAMPLES].to(self.device)
         self.trackers = [TRACKERS.get(name)(self, opts) for name, opts in check_analysis(cfg.analysis).items()]
-        self.owners = channel_owners(self.model) if cfg.coverage == "kept" else None
+        self.coverage = cfg.coverage or self.method.coverage
+        self.owners = channel_owners(self.model) if self.coverage == "kept" else None
         self.runner = runner or (BatchedRounds() if cfg.batched_clients else SequentialRounds())
 
     # the global model, as trackers and runners read it
@@ -229,7 +230,7 @@ class Experiment:
         stats = {"train_loss": float(np.mean([u.loss for u in updates])) if updates else float("nan"),
                  "clients": len(updates), **result.stats}
         if len(updates) >= self.cfg.min_replies and updates:
-            agg = Aggregator(old, self.method.aggregation, self.cfg.coverage, self.owners)
+            agg = Aggregator(old, self.method.aggregation, self.coverage, self.owners)
             for u in updates:
                 agg.add(u.delta, u.sub or subs[u.level])
             self.state.params = agg.result()

@@ -16,7 +16,7 @@ REFERENCE = json.loads((Path(__file__).parent / "reference" / "two_rounds.json")
 def test_two_rounds_match_reference(key, tmp_path):
     ref = REFERENCE["runs"][key]
     # the masked path of structured methods: sliced training equals it only up to float rounding (test_sliced.py)
-    cfg = load_config(None, [*REFERENCE["base"], *ref["args"], "sliced=false", f"out={tmp_path / 'r'}"])
+    cfg = load_config(None, [*REFERENCE["base"], *ref["args"], "sliced=false", "coverage=mask", f"out={tmp_path / 'r'}"])
     final = run_experiment(cfg, progress=False)["final"]
     assert math.isclose(final["train_loss"], ref["train_loss"], rel_tol=0, abs_tol=1e-12), key
     for level, want in ref["levels"].items():

@@ -23,6 +23,7 @@ class Method:
     """Base class. Subclasses set `name`, `options` and implement `submodel`."""
     name: ClassVar[str] = ""
     options: ClassVar[dict[str, Option]] = {}
+    coverage: ClassVar[str] = "mask"   # the aggregation's coverage rule unless the config sets one
 
     def __init__(self, model: nn.Module, system: System | list = (1.0,), **options):
         self.model = model

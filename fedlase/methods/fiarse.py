@@ -23,6 +23,7 @@ def stages(names: list[str]) -> list[list[str]]:
 class FIARSE(ThresholdMethod):
     """FIARSE: one global magnitude threshold over all budgeted parameters (or one per stage)."""
     name = "fiarse"
+    coverage = "nonzero"   # the official server counts the clients whose delta is nonzero (docs/methods.md)
     options = {**ThresholdMethod.options,
                "scope": Option("global", "global: one threshold over the whole model (the paper); layerwise: one "
                                "per top-level stage (the official code's fiarse_layerwise)",
