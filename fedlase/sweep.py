@@ -272,22 +272,28 @@ def _finished(out: Path, run: PlannedRun, result: dict, seconds: float, error: s
         _record(out, {"run": run.name, "status": "failed", "error": error, "time": seconds})
 
 
+def _account(out: Path, run: PlannedRun, result: dict, t0: float, error, pace: list, bar) -> None:
+    """Record a finished run; a successful one adds its time and rounds to `pace` ([seconds, rounds]), the
+    basis of the ETA."""
+    seconds = time.perf_counter() - t0
+    if error is None:
+        pace[0] += seconds
+        pace[1] += run.cfg.rounds
+    _finished(out, run, result, seconds, error)
+    if bar is not None:
+        bar.update(1)
+
+
 def _run_in_process(out: Path, todo: list[PlannedRun], result: dict, bar, progress: bool) -> None:
-    spent, rounds_done = 0.0, 0
+    pace = [0.0, 0]   # seconds and rounds of the runs finished in this invocation
     for i, run in enumerate(todo):
         if bar is not None:
             eta = ""
-            if rounds_done:   # from the time per round of the runs finished in this invocation
-                eta = f"eta {_fmt_time(spent / rounds_done * sum(r.cfg.rounds for r in todo[i:]))}, "
+            if pace[1]:
+                eta = f"eta {_fmt_time(pace[0] / pace[1] * sum(r.cfg.rounds for r in todo[i:]))}, "
             bar.set_postfix_str(f"{eta}now {run.name}")
         t0 = time.perf_counter()
-        error = _run_one(run, progress)
-        if error is None:
-            spent += time.perf_counter() - t0
-            rounds_done += run.cfg.rounds
-        _finished(out, run, result, time.perf_counter() - t0, error)
-        if bar is not None:
-            bar.update(1)
+        _account(out, run, result, t0, _run_one(run, progress), pace, bar)
 
 
 def _run_one(run: PlannedRun, progress: bool) -> str | None:
@@ -382,14 +388,14 @@ def _stop(procs: dict) -> None:
 def _run_in_subprocesses(out: Path, todo: list[PlannedRun], result: dict, bar, jobs: int) -> None:
     threads = max(1, cpu_cores() // jobs)
     queue, procs = list(todo), {}   # proc -> (run, start time, log file)
-    spent, rounds_done = 0.0, 0
+    pace = [0.0, 0]   # seconds and rounds of the runs finished so far
 
     def show():
         if bar is None:
             return
         eta = ""
-        if rounds_done:   # from the time per round of the runs finished so far, `jobs` of them at a time
-            per_round, now = spent / rounds_done, time.perf_counter()
+        if pace[1]:   # from the time per round of the runs finished so far, `jobs` of them at a time
+            per_round, now = pace[0] / pace[1], time.perf_counter()
             running = [max(0.0, per_round * r.cfg.rounds - (now - t0)) for r, t0, _ in procs.values()]
             left = sum(running) + per_round * sum(r.cfg.rounds for r in queue)
             eta = f"eta {_fmt_time(max([left / jobs, *running]))}, "
@@ -406,13 +412,7 @@ def _run_in_subprocesses(out: Path, todo: list[PlannedRun], result: dict, bar, j
             for proc in [p for p in procs if p.poll() is not None]:
                 run, t0, logf = procs.pop(proc)
                 logf.close()
-                error = _child_error(run, proc)
-                if error is None:
-                    spent += time.perf_counter() - t0
-                    rounds_done += run.cfg.rounds
-                _finished(out, run, result, time.perf_counter() - t0, error)
-                if bar is not None:
-                    bar.update(1)
+                _account(out, run, result, t0, _child_error(run, proc), pace, bar)
                 show()
     except BaseException:   # Ctrl-C (or any error here): no run goes on without the sweep
         _stop(procs)
