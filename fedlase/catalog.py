@@ -7,15 +7,13 @@ from __future__ import annotations
 import importlib.util
 import logging
 from importlib.metadata import entry_points
-from pathlib import Path
 
 from . import analysis, data, methods, models  # noqa: F401  (built-ins register on import)
 
 log = logging.getLogger("fedlase")
 
 # The text track needs `transformers` (extra `text`); without it, its choices are simply absent.
-TEXT = importlib.util.find_spec("transformers") is not None and \
-    all((Path(__file__).parent / f).exists() for f in ("data/text.py", "models/transformer.py"))
+TEXT = importlib.util.find_spec("transformers") is not None
 if TEXT:
     from .data import text as _text_data  # noqa: F401
     from .models import transformer as _text_models  # noqa: F401

@@ -18,7 +18,7 @@ import yaml
 from . import catalog  # noqa: F401  (registers the built-in datasets, models, partitions, methods, analyses)
 from .errors import ConfigError
 from .levels import System, parse_level
-from .options import Option, check_options, check_value
+from .options import Option, check_value
 from .registry import DATASETS, METHODS, MODELS, PARTITIONS, TRACKERS
 
 

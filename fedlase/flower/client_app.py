@@ -81,7 +81,8 @@ def train(msg: Message, context: Context) -> Message:
     params, buffers, sub = decode_submodel(msg.content, template)
     dev = trainer.x.device
     clock("decode")
-    clock.optim()
+    if cfg.optimizer == "adamw":   # only torch.optim pays this; fedlase's SGD does not import torch._dynamo
+        clock.optim()
     delta, loss = trainer.update(pid, {n: p.to(dev) for n, p in params.items()},
                                  {n: b.to(dev) for n, b in buffers.items()}, sub.to(dev), rnd)
     clock("train")
@@ -105,7 +106,8 @@ class _Clock:
         self.kind = f"{msg.metadata.message_type} round={msg.metadata.group_id or '-'}"
 
     def optim(self) -> None:
-        """torch.optim imports torch._dynamo (about 1-2 s) at a process's first optimizer: time it apart."""
+        """torch.optim (AdamW here) imports torch._dynamo (about 1-2 s) at a process's first optimizer: time it
+        apart."""
         if self.on and "torch._dynamo" not in sys.modules:
             import torch._dynamo  # noqa: F401
             self("optim")
