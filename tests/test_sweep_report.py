@@ -281,3 +281,17 @@ def test_magnitude_table_is_the_rebuttal_layout(tmp_path):
     header, rows = magnitude_table(Group("fedavg", (), [Run(tmp_path, {"final": {}}, {})]))
     assert header == ["fedavg, round 180", "b", "c"]                 # weights only, first and last left out
     assert rows == [["max |θ|", "7.0000", "8.0000"], ["mean |θ|", "0.7000", "0.8000"]]
+
+
+def test_curve_table_means_each_round_over_the_runs_that_evaluated_it(tmp_path):
+    from fedlase.report import Group, Run, curve_table
+    runs = []
+    for i, accs in enumerate(([0.5, 0.6, 0.7], [0.7, 0.8])):   # the second run stopped after round 20
+        d = tmp_path / str(i)
+        d.mkdir()
+        (d / "metrics.jsonl").write_text("".join(json.dumps({"round": 10 * (k + 1), "global_acc": a}) + "\n"
+                                                 for k, a in enumerate(accs)))
+        runs.append(Run(d, {"final": {}}, {}))
+    header, rows = curve_table([Group("g", (), runs)])
+    assert header == ["group", "runs", "round 10", "round 20", "round 30"]
+    assert rows == [["g", "2", "60.0", "70.0", "70.0"]]

