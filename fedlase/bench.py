@@ -236,7 +236,7 @@ def measure_overhead(overrides: list[str], method: str, rounds: int, repeats: in
             deltas, secs = tight_round(exp, model, picked, subs, jobs, rnd)
             best["tight"] = np.minimum(best["tight"], secs)
             t0 = _now(exp.device)
-            agg = Aggregator(start, exp.method.aggregation)
+            agg = Aggregator(start, exp.method.aggregation, exp.coverage, exp.owners)
             for d, (_, lvl) in zip(deltas, picked):
                 agg.add(d, subs[lvl])
             mine = agg.result()

@@ -296,3 +296,20 @@ def test_two_round_run_on_digits(tiny_cfg, method):
     assert len(last["levels"]) == 4 and all(math.isfinite(a) and 0 <= a <= 1 for a in accs)
     kept = [v["kept"] for v in last["levels"].values()]
     assert kept == sorted(kept, reverse=True) and kept[0] > kept[-1]
+
+
+def test_static_slices_are_built_once_and_rolling_ones_every_round():
+    model = SmallCNN(width=0.5)
+    params = {n: p.detach() for n, p in model.named_parameters()}
+    het, rolex = HeteroFL(model, [1.0, 0.25]), FedRolex(model, [1.0, 0.25])
+    small = build_method("fedavg_small", model, {}, [1.0, 0.25])
+    assert het.submodel(params, 0.25, 1) is het.submodel(params, 0.25, 7)            # static: one build
+    assert small.submodel(params, 1.0, 1) is small.submodel(params, 0.25, 3)          # one slice for all
+    a, b = rolex.submodel(params, 0.25, 1), rolex.submodel(params, 0.25, 2)
+    assert a is not b and any(not torch.equal(a.masks[n], b.masks[n]) for n in a.masks)
+    fresh = HeteroFL(model, [1.0, 0.25]).submodel(params, 0.25, 1)                     # same as uncached
+    cached = het.submodel(params, 0.25, 9)
+    assert all(torch.equal(fresh.masks[n], cached.masks[n]) for n in fresh.masks)
+    assert fresh.slices.keys() == cached.slices.keys()
+    for n, idx in fresh.slices.items():
+        assert all((i is None and j is None) or torch.equal(i, j) for i, j in zip(idx, cached.slices[n]))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from ..masks import Submodel
 from .base import Method
-from .slicing import width_rate, width_slices
+from .slicing import SliceCache, slice_key, width_rate, width_slices
 
 
 class FedAvg(Method):
@@ -19,6 +19,14 @@ class FedAvgSmall(Method):
     """Every client trains the width slice of the system's smallest level, whatever its own level."""
     name = "fedavg_small"
 
+    def __init__(self, model, system=(1.0,), **options):
+        super().__init__(model, system, **options)
+        self._slices = SliceCache()
+
     def submodel(self, params, level, round):
-        masks, slices = width_slices(self.model, params, width_rate(float(self.system.smallest)))
+        rate = width_rate(float(self.system.smallest))
+        return self._slices("smallest", slice_key(params, rate), lambda: self._slice(params, rate))
+
+    def _slice(self, params, rate: float) -> Submodel:
+        masks, slices = width_slices(self.model, params, rate)
         return Submodel(masks, slices=slices)

@@ -17,7 +17,7 @@ import torch
 from ..errors import ConfigError
 from ..masks import Submodel
 from .base import Method, Option
-from .slicing import width_rate, width_slices
+from .slicing import SliceCache, slice_key, width_rate, width_slices
 
 
 class HeteroFL(Method):
@@ -41,6 +41,7 @@ class HeteroFL(Method):
             raise ConfigError("method_args.scaler", f"model {type(model).__name__} declares no scaler_names(); "
                               "set method_args.scaler=false")
         self._scaled = list(model.scaler_names()) if hasattr(model, "scaler_names") else []
+        self._slices = SliceCache()
 
     def roll(self, round: int) -> int:
         """How far the window has rolled at this round: never, for HeteroFL."""
@@ -50,7 +51,11 @@ class HeteroFL(Method):
         rate = width_rate(float(level))
         if rate >= 1:
             return Submodel()   # the whole model: no masks to apply or count
-        masks, slices = width_slices(self.model, params, rate, self.roll(round))
+        key = slice_key(params, rate, self.roll(round))
+        return self._slices(level, key, lambda: self._slice(params, rate, key[1]))
+
+    def _slice(self, params, rate: float, roll: int) -> Submodel:
+        masks, slices = width_slices(self.model, params, rate, roll)
         scales, buffers = {}, {}
         if self.args["scaler"]:   # training only: evaluation never applies scales or buffer overrides
             if self._legacy_scale:

@@ -97,3 +97,24 @@ def width_slices(model: nn.Module, params: dict[str, torch.Tensor], rate: float,
                 if f"{prefix}.{stat}" in buffers:
                     slices[f"{prefix}.{stat}"] = tuple(idx)
     return masks, slices
+
+
+class SliceCache:
+    """The last submodel built per level, reused while its key holds. A width slice depends on the rate, the
+    window's roll, the weights' shapes and device, never on their values: keyed on those, HeteroFL and
+    FedAvg-small build each level's submodel once per run (and its `inner()` once), while FedRolex, whose window
+    moves every round, rebuilds. One entry per level, so memory stays one submodel per level."""
+
+    def __init__(self):
+        self._last: dict = {}
+
+    def __call__(self, level, key: tuple, build):
+        hit = self._last.get(level)
+        if hit is None or hit[0] != key:
+            hit = self._last[level] = (key, build())
+        return hit[1]
+
+
+def slice_key(params: dict[str, torch.Tensor], rate: float, roll: int = 0) -> tuple:
+    """What a width slice depends on (see SliceCache)."""
+    return rate, roll, next(iter(params.values())).device
