@@ -90,11 +90,13 @@ def scenarios(args, data: dict) -> dict[str, list[str]]:
                                       f"local_steps={max(2, steps // 2)}", "batch_size=20"],
         "cnn w=0.25 digits": [*common, *data["digits"], "model=cnn", "width=0.25", f"local_steps={steps}",
                               "batch_size=32"],
-        # the text track, when its extras are installed: 3 clients a round, short sequences, so that a
-        # MiniLM round costs seconds on a CPU; the packaged BBC News (real text)
-        **({"minilm bbc": [*common, "participation=0.03", "dataset=bbc_news", "model=minilm", "max_length=64",
-                           f"local_steps={max(2, steps // 2)}", "batch_size=16", "optimizer=adamw", "lr=0.0002",
-                           "betas=[0.9,0.95]", "eval_batch_size=64"]} if _text_available() else {}),
+        # the text track, when its extras are installed: one round of configs/text.yaml (MiniLM on the packaged
+        # BBC News, 20 clients, 5 a round x 5 steps of batch 20, 32 tokens, word embeddings whole)
+        **({"minilm bbc": [f"device={args.device}", f"threads={args.threads}", "checkpoint_every=0", "seed=0",
+                           "system=" + SYSTEM % (2, 4, 6, 8), "participation=0.25", "dataset=bbc_news",
+                           "model=minilm", "max_length=32", "word_embeddings=whole", "local_steps=5",
+                           "batch_size=20", "optimizer=adamw", "lr=0.0002", "betas=[0.9,0.95]",
+                           "eval_batch_size=50"]} if _text_available() else {}),
     }
 
 

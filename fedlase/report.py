@@ -79,6 +79,12 @@ def flatten(d: dict, prefix: str = "") -> dict:
     return out
 
 
+def key_defaults() -> dict:
+    """Every top-level config key's default (mappings such as method_args have none to fill)."""
+    from .config import options
+    return {k: o.default for k, o in options().items() if not isinstance(o.default, dict)}
+
+
 def find_runs(dirs: list[str]) -> list[Run]:
     runs, seen = [], set()
     for d in dirs:
@@ -94,7 +100,8 @@ def find_runs(dirs: list[str]) -> list[Run]:
             seen.add(f.resolve())
             try:
                 summary = json.loads(f.read_text())
-                runs.append(Run(f.parent, summary, flatten(summary["config"])))
+                # a key added after the run was made is read as its default (new keys default to the old behaviour)
+                runs.append(Run(f.parent, summary, {**key_defaults(), **flatten(summary["config"])}))
             except (json.JSONDecodeError, KeyError) as e:
                 log.warning("report: skipping %s (unreadable: %s)", f, e)
     if not runs:

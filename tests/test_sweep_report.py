@@ -295,3 +295,16 @@ def test_curve_table_means_each_round_over_the_runs_that_evaluated_it(tmp_path):
     header, rows = curve_table([Group("g", (), runs)])
     assert header == ["group", "runs", "round 10", "round 20", "round 30"]
     assert rows == [["g", "2", "60.0", "70.0", "70.0"]]
+
+
+def test_a_key_added_after_a_run_reads_as_its_default(tmp_path):
+    from fedlase.report import find_runs, group_runs
+    final = {"round": 1, "global_acc": 0.5, "local_acc": 0.5, "levels": {}}
+    for seed, extra in ((0, {}), (1, {"word_embeddings": "budget"}), (2, {"word_embeddings": "whole"})):
+        d = tmp_path / str(seed)
+        d.mkdir()
+        (d / "summary.json").write_text(json.dumps({"config": {"method": "fedlase", "seed": seed, **extra},
+                                                    "final": final}))
+    groups = group_runs(find_runs([str(tmp_path)]))
+    assert sorted((g.label, len(g.runs)) for g in groups) == [("word_embeddings=budget", 2),
+                                                              ("word_embeddings=whole", 1)]
