@@ -225,19 +225,28 @@ def test_ctrl_c_stops_the_children_and_records_nothing(tmp_path):
 
     import psutil
     import torch
-    path = write_sweep(tmp_path, base={**BASE, "analysis": {}, "rounds": 500, "checkpoint_every": 1},
+    # rounds: far more than can finish before the Ctrl-C, however fast the machine
+    path = write_sweep(tmp_path, base={**BASE, "analysis": {}, "rounds": 1_000_000, "checkpoint_every": 1},
                        grid={"seed": [0, 1]})
     out = tmp_path / "out"
+    # SIGINT back to its default in the sweep: a test run started in the background (`cmd &` in a script)
+    # inherits SIGINT ignored, and Python then never turns it into KeyboardInterrupt
     proc = subprocess.Popen([sys.executable, "-m", "fedlase.cli", "sweep", str(path), "--quiet", "--jobs", "2"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 120
-    while not all((out / f"seed={s}" / "checkpoint.pt").is_file() for s in (0, 1)):   # both runs under way
-        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
-        time.sleep(0.2)
-    children = _children_of(proc.pid)
-    assert len(children) == 2
-    proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=60)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        deadline = time.monotonic() + 120
+        while not all((out / f"seed={s}" / "checkpoint.pt").is_file() for s in (0, 1)):   # both runs under way
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.2)
+        children = _children_of(proc.pid)
+        assert len(children) == 2
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:   # never leave a million-round sweep behind (its children stop when it goes)
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
     assert proc.returncode == 130 and "interrupted" in err and "Traceback" not in err
     time.sleep(0.5)
     assert _children_of(proc.pid) == []
