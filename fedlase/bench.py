@@ -285,9 +285,14 @@ def section_overhead(args, scen: dict) -> str:
 
 
 # ---- masks at full size ---------------------------------------------------------------------------------------
+def wanted_models(args) -> list[str] | None:
+    """The models `--models` picks (None: all)."""
+    return [m.strip() for m in args.models.split(",")] if getattr(args, "models", None) else None
+
+
 def _full_models(args):
     from .models import build_model
-    wanted = [m.strip() for m in args.models.split(",")] if getattr(args, "models", None) else None
+    wanted = wanted_models(args)
     models = {}
     if wanted is None or "cnn" in wanted:
         models["cnn (28x28x1)"] = build_model("cnn", 1, 10, 1.0, "batch", 28)
@@ -479,8 +484,8 @@ def run(args) -> str:
     with tempfile.TemporaryDirectory(prefix="fedlase-bench-") as tmp:
         data = data_overrides(Path(tmp))
         scen = scenarios(args, data)
-        if args.models:   # --models cnn,minilm: only the scenarios of these models
-            wanted = [m.strip() for m in args.models.split(",")]
+        wanted = wanted_models(args)
+        if wanted:   # --models cnn,minilm: only the scenarios of these models
             scen = {k: v for k, v in scen.items() if k.split()[0] in wanted}
         for section in only:
             print(f"bench: {section} ...", file=sys.stderr)
@@ -509,7 +514,7 @@ def check_arguments(args) -> None:
         if bad:
             raise UserError(f"--only: {', '.join(bad)} is not a section; choose from {', '.join(SECTIONS)}")
     known = ("cnn", "resnet18", "minilm")
-    if args.models and any(m.strip() not in known for m in args.models.split(",")):
+    if args.models and any(m not in known for m in wanted_models(args)):
         raise UserError(f"--models: choose from {', '.join(known)} (comma-separated), got {args.models!r}")
     if args.threads < 1:
         raise UserError(f"--threads: must be >= 1, got {args.threads}")

@@ -87,6 +87,7 @@ def key_defaults() -> dict:
 
 def find_runs(dirs: list[str]) -> list[Run]:
     runs, seen = [], set()
+    defaults = key_defaults()   # a key added after a run was made is read as its default (the old behaviour)
     for d in dirs:
         p = Path(d)
         if not p.is_dir():
@@ -100,8 +101,7 @@ def find_runs(dirs: list[str]) -> list[Run]:
             seen.add(f.resolve())
             try:
                 summary = json.loads(f.read_text())
-                # a key added after the run was made is read as its default (new keys default to the old behaviour)
-                runs.append(Run(f.parent, summary, {**key_defaults(), **flatten(summary["config"])}))
+                runs.append(Run(f.parent, summary, {**defaults, **flatten(summary["config"])}))
             except (json.JSONDecodeError, KeyError) as e:
                 log.warning("report: skipping %s (unreadable: %s)", f, e)
     if not runs:
