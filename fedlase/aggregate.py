@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .masks import Submodel
+from .masks import Submodel, slice_block
 
 AGGREGATIONS = ("coverage", "mean")
 COVERAGES = ("mask", "nonzero", "kept")
@@ -93,21 +93,40 @@ class Aggregator:
         self._credit: dict[int, tuple[Submodel, dict]] = {}   # id(sub) -> (sub, kept credit): once per level
 
     def add(self, delta: dict[str, torch.Tensor], sub: Submodel) -> None:
-        """Add one client's delta (already zero outside its mask) and the submodel it was sent."""
+        """Add one client's delta (already zero outside its mask) and the submodel it was sent. A width
+        slice's delta may come as the gathered smaller tensors (`local_train(..., scatter=False)`); it is then
+        added into its block only, which skips a full-size scatter and the adds of its zeros (same result)."""
+        if sub.slices and any(d.shape != self.sums[n].shape for n, d in delta.items()):
+            if self.coverage == "kept":
+                delta = sub.scatter(delta, self.global_params)
+            else:
+                self._add_small(delta, sub)
+                self.clients += 1
+                return
         if self.coverage == "kept":
             self._add_kept(delta, sub)
-        elif self.coverage == "nonzero":
-            for n, d in delta.items():
-                self.sums[n].add_(d)
-                self.counts[n].add_(d != 0)
         else:
             for n, d in delta.items():
                 self.sums[n].add_(d)
-                if n in sub.masks:
-                    self.counts[n].add_(sub.masks[n])
-                else:
-                    self.counts[n].add_(1)
+                self.counts[n].add_(self._count(d, sub.masks.get(n)))
         self.clients += 1
+
+    def _count(self, d: torch.Tensor, mask: torch.Tensor | None):
+        """What one client adds to a coordinate's count under `mask` or `nonzero` coverage."""
+        if self.coverage == "nonzero":
+            return d != 0
+        return 1 if mask is None else mask
+
+    def _add_small(self, delta, sub) -> None:
+        inner = sub.inner()   # the gathered masks that are not whole (a label-split restriction)
+        for n, d in delta.items():
+            if n in sub.slices:
+                block = slice_block(sub.slices[n])
+                self.sums[n][block] += d
+                self.counts[n][block] += self._count(d, inner.masks.get(n))
+            else:
+                self.sums[n].add_(d)
+                self.counts[n].add_(self._count(d, sub.masks.get(n)))
 
     def _add_kept(self, delta, sub) -> None:
         cached = self._credit.get(id(sub))

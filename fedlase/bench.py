@@ -133,7 +133,7 @@ def tight_round(exp, model, picked, subs, jobs, rnd: int) -> tuple[list[dict], f
     it; HeteroFL's scaler as weight x factor), no engine code. Returns each client's full-size delta and the
     time spent (the steps and the deltas; batches are drawn beforehand)."""
     x, y, work = exp.trainer.x, exp.trainer.y, exp.trainer.work
-    from .masks import _block, threshold_mask
+    from .masks import slice_block, threshold_mask
     from .sampling import dropout_seed
     from .train import make_optimizer
     params, buffers = exp.state.params, exp.state.buffers
@@ -145,7 +145,7 @@ def tight_round(exp, model, picked, subs, jobs, rnd: int) -> tuple[list[dict], f
         sliced = bool(sub.slices) and exp.cfg.sliced
         t0 = _now(exp.device)
         if sliced:   # the physically smaller model: gathered copies of the kept rows/columns
-            blocks = {n: _block(sl) for n, sl in sub.slices.items()}   # w[rows[:, None], cols[None, :]]
+            blocks = {n: slice_block(sl) for n, sl in sub.slices.items()}   # w[rows[:, None], cols[None, :]]
             train = {n: (p[blocks[n]] if n in blocks else p).clone().requires_grad_(True) for n, p in params.items()}
             bufs = {n: b[blocks[n]] if n in blocks else b.clone() for n, b in buffers.items()}
             masks = {}
@@ -205,6 +205,16 @@ class _Counted:
     def __getattr__(self, name):
         return getattr(self.inner, name)
 
+    def cache_state(self) -> list:
+        """What the method's slice caches hold (HeteroFL, FedRolex, FedAvg-small), to replay a round from."""
+        from .methods.slicing import SliceCache
+        return [(c, c.snapshot()) for c in vars(self.inner).values() if isinstance(c, SliceCache)]
+
+    @staticmethod
+    def restore(state: list) -> None:
+        for cache, snapshot in state:
+            cache.restore(snapshot)
+
 
 def measure_overhead(overrides: list[str], method: str, rounds: int, repeats: int, evaluate: bool = False) -> dict:
     """Engine rounds against the tight loop of the same round. Each round is measured `repeats` times from the
@@ -222,15 +232,18 @@ def measure_overhead(overrides: list[str], method: str, rounds: int, repeats: in
     for rnd in range(2, 2 + rounds):
         start = exp.state.params
         best = {k: np.full(2, math.inf) for k in t}
+        caches = counted.cache_state()   # as a run reaches this round: FedRolex's window has moved, so it rebuilds
         for _ in range(repeats):
             exp.state.params = start
             counted.calls.clear()
+            counted.restore(caches)
             t0 = _now(exp.device)
             exp.run_round(rnd)
             best["engine"] = np.minimum(best["engine"], _now(exp.device) - t0)
             after, exp.state.params = exp.state.params, start
             picked = exp.sample(rnd)
             calls_ok &= sorted(lv.index for lv in counted.calls) == sorted({lvl.index for _, lvl in picked})
+            counted.restore(caches)
             t0 = _now(exp.device)
             subs = exp.submodels([lvl for _, lvl in picked], rnd)
             best["masks"] = np.minimum(best["masks"], _now(exp.device) - t0)

@@ -122,15 +122,17 @@ class ClientTrainer:
     def job(self, client: int, rnd: int):
         return client_job(self.cfg.seed, self.work, self.train_idx[client], rnd, client, self.augment)
 
-    def update(self, client: int, params: dict, buffers: dict, sub: Submodel, rnd: int) -> tuple[dict, float]:
-        """The client's delta (zero outside its submodel) and mean training loss for this round."""
+    def update(self, client: int, params: dict, buffers: dict, sub: Submodel, rnd: int,
+               scatter: bool = True) -> tuple[dict, float]:
+        """The client's delta (zero outside its submodel; a width slice's as its small tensors unless
+        `scatter`) and mean training loss for this round."""
         batches, augment = self.job(client, rnd)
         if sub.slices and not self.cfg.sliced:   # sliced=false: the masked full-size path, for checking
             sub = sub.masked()
         with torch.random.fork_rng(devices=[]):   # dropout draws from the client's own stream
             torch.manual_seed(dropout_seed(self.cfg.seed, rnd, client))
             return local_train(self.model, params, buffers, sub, self.x, self.y, batches, self.work, augment,
-                               self.classes[client] if self.classes is not None else None)
+                               self.classes[client] if self.classes is not None else None, scatter)
 
     def submodel(self, client: int, sub: Submodel, params: dict) -> Submodel:
         """The client's own submodel: its level's, restricted to its classes' classifier rows under
@@ -147,7 +149,8 @@ class SequentialRounds:
         updates = []
         for client, lvl in picked:
             sub = exp.trainer.submodel(client, subs[lvl], exp.state.params)
-            delta, loss = exp.trainer.update(client, exp.state.params, exp.state.buffers, sub, rnd)
+            # a slice's delta stays small: the aggregator adds it into its block
+            delta, loss = exp.trainer.update(client, exp.state.params, exp.state.buffers, sub, rnd, scatter=False)
             updates.append(Update(client, lvl, delta, loss, sub if sub is not subs[lvl] else None))
         return RoundResult(updates)
 

@@ -70,7 +70,7 @@ class Submodel:
     # ---- width slices ----------------------------------------------------------------------------------------
     def gather(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The sliced (smaller) copies of the named tensors; tensors without a slice pass through."""
-        return {n: t[_block(self.slices[n])] if n in self.slices else t for n, t in tensors.items()}
+        return {n: t[slice_block(self.slices[n])] if n in self.slices else t for n, t in tensors.items()}
 
     def scatter(self, small: dict[str, torch.Tensor], like: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Full-size tensors shaped like `like`, zero outside the slice, holding `small` on it."""
@@ -78,7 +78,7 @@ class Submodel:
         for n, t in small.items():
             if n in self.slices:
                 full = torch.zeros_like(like[n])
-                full[_block(self.slices[n])] = t
+                full[slice_block(self.slices[n])] = t
                 out[n] = full
             else:
                 out[n] = t
@@ -92,7 +92,7 @@ class Submodel:
             return self.__dict__["_inner"]
         masks = {}
         for n, m in self.masks.items():
-            g = m[_block(self.slices[n])] if n in self.slices else m
+            g = m[slice_block(self.slices[n])] if n in self.slices else m
             if not bool(g.all()):
                 masks[n] = g
         self.__dict__["_inner"] = Submodel(masks, scales=self.scales)
@@ -121,7 +121,7 @@ class Submodel:
                         self.scales)
 
 
-def _block(index: tuple) -> tuple:
+def slice_block(index: tuple) -> tuple:
     """An indexing tuple that selects the block kept indices[d] x ... of the leading dims (None: all of a
     dim), e.g. (rows, cols) -> w[rows[:, None], cols[None, :]]."""
     sliced = [d for d, i in enumerate(index) if i is not None]

@@ -94,7 +94,7 @@ def has_tied_weights(model: nn.Module) -> bool:
 def local_train(model: nn.Module, global_params: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor],
                 sub: Submodel, x: torch.Tensor, y: torch.Tensor, batches: list[torch.Tensor], work: LocalWork,
                 augment: Callable[[torch.Tensor], torch.Tensor] | None = None,
-                classes: torch.Tensor | None = None) -> tuple[dict[str, torch.Tensor], float]:
+                classes: torch.Tensor | None = None, scatter: bool = True) -> tuple[dict[str, torch.Tensor], float]:
     """Train `sub` of the global model on (x, y) for the given batches; return the delta, zero outside the
     submodel's mask, and the mean training loss.
 
@@ -105,11 +105,12 @@ def local_train(model: nn.Module, global_params: dict[str, torch.Tensor], buffer
     their sliced model). `classes` (the client's present classes, as indices or a bool mask over the classes)
     sets the other classes' logits to 0 before the loss, as HeteroFL's and FedRolex's official `mask=1`.
     A submodel with `slices` trains the gathered smaller tensors (same module: conv, linear and BN take their
-    shapes from the tensors) and its delta is scattered back to full size, zero outside the slice."""
+    shapes from the tensors) and its delta is scattered back to full size, zero outside the slice, unless
+    `scatter=False` (then the small tensors come back; `Aggregator.add` takes them as they are)."""
     if sub.slices:
         small, loss = local_train(model, sub.gather(global_params), sub.gather({**buffers, **sub.buffers}),
                                   sub.inner(), x, y, batches, work, augment, classes)
-        return sub.scatter(small, global_params), loss
+        return (sub.scatter(small, global_params) if scatter else small), loss
     params = {n: p.detach().clone().requires_grad_(True) for n, p in global_params.items()}
     bufs = {**{n: b.clone() for n, b in buffers.items()}, **sub.buffers}
     plist = list(params.values())

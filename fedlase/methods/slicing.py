@@ -28,6 +28,11 @@ def width_masks(model: nn.Module, params: dict[str, torch.Tensor], rate: float, 
     A model may declare `group_units()` -> {group: unit size}: such a group is cut in whole units of that
     many consecutive channels (a transformer's attention heads: unit = head size), the window counting and
     rolling in units. Groups it does not name have unit 1 (single channels)."""
+    return _masks(model.channel_groups(), params, group_keep(model, params, rate, roll))
+
+
+def group_keep(model: nn.Module, params: dict[str, torch.Tensor], rate: float, roll: int = 0) -> dict[str, torch.Tensor]:
+    """Channel group -> bool vector of its kept channels (see `width_masks`)."""
     groups = model.channel_groups()
     units = model.group_units() if hasattr(model, "group_units") else {}
     sizes: dict[str, int] = {}
@@ -44,7 +49,7 @@ def width_masks(model: nn.Module, params: dict[str, torch.Tensor], rate: float, 
         else:   # whole units: unit j covers channels j*u .. j*u + u - 1
             kept_units = channel_window(k // u, rate, roll)
             keep[g][(kept_units[:, None] * u + torch.arange(u)).flatten()] = True
-    return _masks(groups, params, keep)
+    return keep
 
 
 def _masks(groups, params, keep) -> dict[str, torch.Tensor]:
@@ -70,29 +75,25 @@ def width_slices(model: nn.Module, params: dict[str, torch.Tensor], rate: float,
 
     Slices only for a model that declares `sliceable = True` (its forward takes every shape from the
     tensors, e.g. global pooling before the classifier); otherwise no slices and the masks train."""
-    masks = width_masks(model, params, rate, roll)
+    groups = model.channel_groups()
+    keep = group_keep(model, params, rate, roll)
+    masks = _masks(groups, params, keep)
     if not getattr(model, "sliceable", False):
         return masks, {}
-    groups = model.channel_groups()
+    device = next(iter(params.values())).device
+    index = {g: torch.nonzero(k).flatten().to(device) for g, k in keep.items()}   # sorted kept indices
     buffers = {n for n, _ in model.named_buffers()}
     slices: dict[str, tuple] = {}
     for name, (out_g, in_g) in groups.items():
         if name not in masks:
             continue
-        m = masks[name]
-        dims = [out_g] + ([in_g] if m.dim() > 1 else [])
-        idx = []
-        for d, g in enumerate(dims):   # kept indices along dim d: where any kept coordinate lies
-            if g is None:
-                idx.append(None)
-                continue
-            rest = [e for e in range(m.dim()) if e != d]
-            idx.append(torch.nonzero(m.any(dim=rest) if rest else m).flatten())
+        dims = [out_g] + ([in_g] if masks[name].dim() > 1 else [])
+        idx = [None if g is None else index[g] for g in dims]
         while idx and idx[-1] is None:
             idx.pop()
         slices[name] = tuple(idx)
         prefix = name.rsplit(".", 1)[0]
-        if name.endswith(".weight") and m.dim() == 1:   # a BN's weight: its running statistics follow it
+        if name.endswith(".weight") and masks[name].dim() == 1:   # a BN's weight: its running statistics follow it
             for stat in ("running_mean", "running_var"):
                 if f"{prefix}.{stat}" in buffers:
                     slices[f"{prefix}.{stat}"] = tuple(idx)
@@ -107,6 +108,13 @@ class SliceCache:
 
     def __init__(self):
         self._last: dict = {}
+
+    def snapshot(self) -> dict:
+        """What the cache holds now (`fedlase bench` replays a round from the state a run reaches it in)."""
+        return dict(self._last)
+
+    def restore(self, snapshot: dict) -> None:
+        self._last = dict(snapshot)
 
     def __call__(self, level, key: tuple, build):
         hit = self._last.get(level)
