@@ -78,6 +78,8 @@ class Config:
     label_split: bool = _f(False, "HeteroFL's and FedRolex's official `mask=1`: a client's loss and local metric set "
                            "the logits of classes absent from its data to 0, and it trains and is credited with its "
                            "classes' classifier rows only (docs/methods-structured.md)")
+    head_norm: str = _f("none", "text models: none, or batch (BatchNorm over the pooled features before the "
+                        "classifier, per level as `bn` says; docs/text.md)", choices=("none", "batch"))
     coverage: str | None = _f(None, "which clients a coordinate's step is averaged over: mask (the clients whose "
                               "mask holds it), nonzero (those whose delta is nonzero: the official FIARSE server), "
                               "kept (mask, but a BN or bias channel only where the client kept a weight of that "
@@ -250,6 +252,8 @@ def validate(cfg: Config) -> Config:
     if cfg.batched_clients and model.kind == "text":   # the forward trims batches with a data-dependent size
         raise ConfigError("batched_clients", f"{cfg.model} is a text model, which vmap cannot batch; "
                           "set batched_clients=false")
+    if cfg.head_norm != "none" and model.kind != "text":
+        raise ConfigError("head_norm", f"applies to text models; {cfg.model} is an image model (its BN layers follow `bn`)")
     if cfg.batched_clients and cfg.label_split:   # per-client submodels: not in the vmapped step
         raise ConfigError("batched_clients", "label_split needs the sequential path; set batched_clients=false")
     if cfg.batched_clients and cfg.clip_norm is not None:   # one norm per client: not in the vmapped step

@@ -74,7 +74,10 @@ def recompute_bn_stats(model: nn.Module, weights: dict, buffers: dict, x: torch.
             fresh[n] = torch.ones_like(b)
         else:
             fresh[n] = b.clone()
-    model.train()   # BN momentum=None: a cumulative average over the batches of this pass
+    model.eval()   # only the BN layers in training mode: dropout (a text model's) stays off and draws nothing
+    for m in model.modules():
+        if isinstance(m, nn.modules.batchnorm._BatchNorm):
+            m.train()   # BN momentum=None: a cumulative average over the batches of this pass
     for i in range(0, len(x), batch_size):
         functional_call(model, (weights, fresh), (x[i:i + batch_size],))
     return fresh

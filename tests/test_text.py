@@ -572,3 +572,36 @@ def test_text_run_on_flower_simulation_equals_the_embedded_run(hf_folder, tmp_pa
     emb = torch.load(tmp_path / "e" / "checkpoint.pt", weights_only=False)["params"]
     flo = torch.load(tmp_path / "f" / "checkpoint.pt", weights_only=False)["params"]
     assert emb.keys() == flo.keys() and all(torch.equal(emb[k], flo[k]) for k in emb)
+
+
+def test_head_norm_run_resumes_bit_identically(hf_folder, tmp_path, cache):
+    """head_norm=batch with static BN: BatchNorm over the pooled features, its statistics recomputed per level
+    before evaluation with dropout off (nothing drawn), so a resumed run evaluates exactly as an uninterrupted
+    one; and the statistics differ by level (each level normalises its own features)."""
+    from fedlase.api import make_config, run
+    from fedlase.engine import Experiment
+    data = write_agnews(tmp_path / "ag", n_train=48, n_test=16)
+    settings = dict(dataset="agnews", data_dir=str(data), model="hf", model_path=str(hf_folder), max_length=16,
+                    method="fiarse", system="{1,1/4}_{2,2}", participation=1.0, local_steps=2, batch_size=4,
+                    optimizer="adamw", lr=1e-3, betas=[0.9, 0.95], rounds=3, eval_every=1, eval_batch_size=8,
+                    threads=1, device="cpu", partition="iid", head_norm="batch", bn="static", checkpoint_every=1)
+    whole = run(make_config(**settings, out=str(tmp_path / "whole")))
+    run(make_config(**{**settings, "rounds": 1}, out=str(tmp_path / "cut")))
+    resumed = run(make_config(**settings, out=str(tmp_path / "cut")), resume=True)
+    assert json.dumps(whole["final"]["levels"]) == json.dumps(resumed["final"]["levels"])
+    exp = Experiment(make_config(**settings, out=str(tmp_path / "x")))
+    assert isinstance(exp.model.norm, torch.nn.BatchNorm1d) and "norm.running_mean" in exp.buffers
+    from fedlase.evaluate import recompute_bn_stats
+    stats = []
+    for lvl in exp.levels:
+        w, b = exp.method.eval_submodel(exp.params, lvl, 1).model(exp.params, exp.buffers)
+        stats.append(recompute_bn_stats(exp.model, w, b, exp.x_train, 8)["norm.running_mean"])
+    assert not torch.allclose(stats[0], stats[1])
+
+
+def test_head_norm_needs_a_text_model():
+    from fedlase.api import make_config
+    from fedlase.engine import Experiment
+    with pytest.raises(ConfigError) as e:
+        Experiment(make_config(dataset="digits", model="cnn", head_norm="batch"))
+    assert "head_norm" in one_line(e)

@@ -104,7 +104,7 @@ class TransformerClassifier(nn.Module):
     from torch's global generator (the engine seeds it per client and round). Nothing else here is random."""
 
     def __init__(self, encoder: nn.Module, num_classes: int, pad_id: int, seed: int = 0, head: str | None = None,
-                 word_embeddings: str = "budget"):
+                 word_embeddings: str = "budget", head_norm: str = "none", bn: str = "batch"):
         super().__init__()
         if word_embeddings not in ("budget", "whole"):
             raise ValueError(f"word_embeddings must be 'budget' or 'whole', got {word_embeddings!r}")
@@ -123,6 +123,11 @@ class TransformerClassifier(nn.Module):
         p = getattr(conf, "classifier_dropout", None)
         self.dropout = nn.Dropout(conf.hidden_dropout_prob if p is None else p)
         hidden = int(conf.hidden_size)
+        if head_norm not in ("none", "batch"):
+            raise ValueError(f"head_norm must be 'none' or 'batch', got {head_norm!r}")
+        # head_norm='batch': BatchNorm over the pooled features before the classifier, outside the budget; with
+        # bn='static' its statistics are recomputed per level before evaluation, as for the CNN's BN layers
+        self.norm = nn.BatchNorm1d(hidden, momentum=None, track_running_stats=bn == "static") if head_norm == "batch" else None
         with torch.random.fork_rng(devices=[]):   # nn.Linear's own init draws from the global generator
             if self.head == "first_token":
                 self.dense = nn.Linear(hidden, hidden)
@@ -176,13 +181,15 @@ class TransformerClassifier(nn.Module):
         x, mask = x[:, :length], mask[:, :length]
         out = self.backbone(input_ids=x, attention_mask=mask.long())
         if self.head == "pooler":
-            h = self.dropout(out.pooler_output)
+            h = out.pooler_output
         elif self.head == "mean":
             m = mask.unsqueeze(-1).to(out.last_hidden_state.dtype)
-            h = self.dropout((out.last_hidden_state * m).sum(1) / m.sum(1).clamp(min=1.0))
+            h = (out.last_hidden_state * m).sum(1) / m.sum(1).clamp(min=1.0)
         else:
-            h = self.dropout(torch.tanh(self.dense(self.dropout(out.last_hidden_state[:, 0]))))
-        return self.classifier(h)
+            h = torch.tanh(self.dense(self.dropout(out.last_hidden_state[:, 0])))
+        if self.norm is not None:
+            h = self.norm(h)
+        return self.classifier(self.dropout(h))
 
     # ------------------------------------------------------------------ what methods read
 
@@ -285,7 +292,8 @@ def _build(folder: Path, cfg, dataset, bert_only: bool) -> TransformerClassifier
         positions -= int(tok.pad_token_id) + 1
     _check_max_length(cfg, getattr(tok, "model_max_length", None), positions)
     return TransformerClassifier(enc, dataset.num_classes, tok.pad_token_id, seed=getattr(cfg, "seed", 0), head=head,
-                                 word_embeddings=getattr(cfg, "word_embeddings", "budget"))
+                                 word_embeddings=getattr(cfg, "word_embeddings", "budget"),
+                                 head_norm=getattr(cfg, "head_norm", "none"), bn=getattr(cfg, "bn", "batch"))
 
 
 def build_minilm(cfg, dataset) -> TransformerClassifier:
