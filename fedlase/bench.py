@@ -91,10 +91,11 @@ def scenarios(args, data: dict) -> dict[str, list[str]]:
         "cnn w=0.25 digits": [*common, *data["digits"], "model=cnn", "width=0.25", f"local_steps={steps}",
                               "batch_size=32"],
         # the text track, when its extras are installed: one round of configs/text.yaml (MiniLM on the packaged
-        # BBC News, 20 clients, 5 a round x 5 steps of batch 20, 32 tokens, word embeddings whole)
+        # BBC News, 20 clients, 5 a round x 5 steps of batch 20, 32 tokens, word embeddings whole, BN head)
         **({"minilm bbc": [f"device={args.device}", f"threads={args.threads}", "checkpoint_every=0", "seed=0",
                            "system=" + SYSTEM % (2, 4, 6, 8), "participation=0.25", "dataset=bbc_news",
-                           "model=minilm", "max_length=32", "word_embeddings=whole", "local_steps=5",
+                           "model=minilm", "max_length=32", "word_embeddings=whole", "head_norm=batch",
+                           "bn=static", "local_steps=5",
                            "batch_size=20", "optimizer=adamw", "lr=0.0002", "betas=[0.9,0.95]",
                            "eval_batch_size=50"]} if _text_available() else {}),
     }
@@ -153,7 +154,7 @@ def tight_round(exp, model, picked, subs, jobs, rnd: int) -> tuple[list[dict], f
             with torch.no_grad():
                 for n, p in own.items():
                     p.copy_(params[n])
-            train, bufs, masks = own, {**buffers, **sub.buffers}, sub.masks
+            train, bufs, masks = own, {n: b.clone() for n, b in {**buffers, **sub.buffers}.items()}, sub.masks
         torch.manual_seed(dropout_seed(exp.cfg.seed, rnd, client))   # a text model's dropout: the engine's draws
         opt = make_optimizer(list(train.values()), work)
         plain = not sliced and not sub.masks and not sub.thresholds and not sub.buffers and not sub.scales

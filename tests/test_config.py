@@ -291,6 +291,8 @@ def _partner(key: str, value: str) -> list[str]:
         kind = MODELS.get(value).kind
         data = next(n for n, d in DATASETS.items() if d.kind == kind and not d.needs_data_dir)
         return [f"dataset={data}"]
+    if key == "head_norm" and value != "none":   # a text model's option
+        return ["dataset=bbc_news", "model=minilm"]
     return []
 
 
