@@ -96,19 +96,19 @@ class Aggregator:
         """Add one client's delta (already zero outside its mask) and the submodel it was sent. A width
         slice's delta may come as the gathered smaller tensors (`local_train(..., scatter=False)`); it is then
         added into its block only, which skips a full-size scatter and the adds of its zeros (same result)."""
-        if sub.slices and any(d.shape != self.sums[n].shape for n, d in delta.items()):
-            if self.coverage == "kept":
-                delta = sub.scatter(delta, self.global_params)
-            else:
-                self._add_small(delta, sub)
-                self.clients += 1
-                return
+        small = bool(sub.slices) and any(d.shape != self.sums[n].shape for n, d in delta.items())
         if self.coverage == "kept":
-            self._add_kept(delta, sub)
+            self._add_kept(sub.scatter(delta, self.global_params) if small else delta, sub)
         else:
+            inner = sub.inner() if small else None   # the gathered masks that are not whole (label split)
             for n, d in delta.items():
-                self.sums[n].add_(d)
-                self.counts[n].add_(self._count(d, sub.masks.get(n)))
+                if small and n in sub.slices:
+                    block = slice_block(sub.slices[n])
+                    self.sums[n][block] += d
+                    self.counts[n][block] += self._count(d, inner.masks.get(n))
+                else:
+                    self.sums[n].add_(d)
+                    self.counts[n].add_(self._count(d, sub.masks.get(n)))
         self.clients += 1
 
     def _count(self, d: torch.Tensor, mask: torch.Tensor | None):
@@ -116,17 +116,6 @@ class Aggregator:
         if self.coverage == "nonzero":
             return d != 0
         return 1 if mask is None else mask
-
-    def _add_small(self, delta, sub) -> None:
-        inner = sub.inner()   # the gathered masks that are not whole (a label-split restriction)
-        for n, d in delta.items():
-            if n in sub.slices:
-                block = slice_block(sub.slices[n])
-                self.sums[n][block] += d
-                self.counts[n][block] += self._count(d, inner.masks.get(n))
-            else:
-                self.sums[n].add_(d)
-                self.counts[n].add_(self._count(d, sub.masks.get(n)))
 
     def _add_kept(self, delta, sub) -> None:
         cached = self._credit.get(id(sub))

@@ -28,12 +28,14 @@ def width_masks(model: nn.Module, params: dict[str, torch.Tensor], rate: float, 
     A model may declare `group_units()` -> {group: unit size}: such a group is cut in whole units of that
     many consecutive channels (a transformer's attention heads: unit = head size), the window counting and
     rolling in units. Groups it does not name have unit 1 (single channels)."""
-    return _masks(model.channel_groups(), params, group_keep(model, params, rate, roll))
-
-
-def group_keep(model: nn.Module, params: dict[str, torch.Tensor], rate: float, roll: int = 0) -> dict[str, torch.Tensor]:
-    """Channel group -> bool vector of its kept channels (see `width_masks`)."""
     groups = model.channel_groups()
+    return _masks(groups, params, group_keep(model, groups, params, rate, roll))
+
+
+def group_keep(model: nn.Module, groups: dict, params: dict[str, torch.Tensor], rate: float,
+               roll: int = 0) -> dict[str, torch.Tensor]:
+    """Channel group -> bool vector of its kept channels (see `width_masks`); `groups` is
+    `model.channel_groups()`."""
     units = model.group_units() if hasattr(model, "group_units") else {}
     sizes: dict[str, int] = {}
     for name, (out_g, in_g) in groups.items():
@@ -76,7 +78,7 @@ def width_slices(model: nn.Module, params: dict[str, torch.Tensor], rate: float,
     Slices only for a model that declares `sliceable = True` (its forward takes every shape from the
     tensors, e.g. global pooling before the classifier); otherwise no slices and the masks train."""
     groups = model.channel_groups()
-    keep = group_keep(model, params, rate, roll)
+    keep = group_keep(model, groups, params, rate, roll)
     masks = _masks(groups, params, keep)
     if not getattr(model, "sliceable", False):
         return masks, {}
