@@ -32,7 +32,7 @@ from torch import nn
 from torch.func import functional_call, vmap
 
 from .errors import ConfigError
-from .masks import Submodel, threshold_mask
+from .masks import Submodel
 from .train import LocalWork, has_tied_weights, make_optimizer
 
 
@@ -77,31 +77,7 @@ def local_train_batched(model: nn.Module, global_params: dict[str, torch.Tensor]
         outs = local_train_batched(model, sl.gather(global_params), sl.gather(buffers), [s.inner() for s in subs],
                                    x, y, batches, work, augments)
         return [(s.scatter(d, global_params), loss) for s, (d, loss) in zip(subs, outs)]
-    # The stacked version of Submodel.apply: thresholds (one tau per client), else fixed masks (ones where a
-    # client keeps the parameter whole: w * 1 == w), else the plain weight; then the training-time scales
-    # (1.0 where a client has none: w * 1.0 == w).
-    taus, masks, scales = {}, {}, {}
-    for n, g in global_params.items():
-        view = (C, *[1] * g.dim())
-        has_tau = [s.thresholds is not None and n in s.thresholds for s in subs]
-        if any(has_tau):
-            if not all(has_tau):
-                raise ValueError(f"{n}: some clients of a batched group have a threshold, others not")
-            taus[n] = torch.tensor([s.thresholds[n] for s in subs], dtype=g.dtype, device=dev).view(view)
-        if any(n in s.masks for s in subs):
-            masks[n] = torch.stack([s.masks[n] if n in s.masks else torch.ones_like(g, dtype=torch.bool)
-                                    for s in subs]).to(dev)
-        if any(n in s.scales for s in subs):
-            scales[n] = torch.tensor([s.scales.get(n, 1.0) for s in subs], dtype=g.dtype, device=dev).view(view)
-    ste = subs[0].ste
-    if taus and any(s.ste != ste for s in subs):
-        raise ValueError("clients of a batched group use different ste modes")
-
-    def effective(p: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        out = {n: threshold_mask(w, taus[n], ste) if n in taus else w * masks[n] if n in masks else w
-               for n, w in p.items()}
-        return {n: w * scales[n] if n in scales else w for n, w in out.items()}
-
+    stacked = Submodel.stack(subs, global_params)   # every client's masked forward in one
     tie = has_tied_weights(model)
 
     def client_loss(p, b, xb, yb):
@@ -119,13 +95,14 @@ def local_train_batched(model: nn.Module, global_params: dict[str, torch.Tensor]
                 xb = augments[c](xb)
             xs.append(xb)
         ys = torch.stack([y[batches[c][t]] for c in range(C)])
-        losses = batched_loss(effective(params), bufs, torch.stack(xs), ys)   # (C,)
+        losses = batched_loss(stacked.apply(params, train=True), bufs, torch.stack(xs), ys)   # (C,)
         opt.zero_grad(set_to_none=True)
         losses.sum().backward()
         opt.step()
         total += losses.detach().double()
     out = []
     with torch.no_grad():
+        masks = stacked.masks
         deltas = {n: (p - global_params[n]) * masks[n] if n in masks else p - global_params[n]
                   for n, p in params.items()}
         mean_loss = (total / max(steps, 1)).tolist()
@@ -142,13 +119,12 @@ def _slice_key(sub: Submodel) -> tuple:
 def train_clients_batched(trainer, params: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor],
                           picked: list, subs: dict, rnd: int) -> list[tuple[dict, float]]:
     """(delta, loss) of every picked (client, level), in `picked` order, trained group by group with the
-    trainer's model, data and batches (`ClientTrainer` of fedlase/engine.py)."""
+    trainer's model, data and batches (`ClientTrainer` of fedlase/client.py)."""
     if any(isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0 for m in trainer.model.modules()):
         raise ConfigError("batched_clients", "the model uses dropout, whose random draws under vmap cannot "
                           "match the sequential ones; set batched_clients=false")
     jobs = [trainer.job(client, rnd) for client, _ in picked]
-    if not getattr(trainer.cfg, "sliced", True):   # sliced=false: masks over the full model, for checking
-        subs = {lvl: s.masked() if s.slices else s for lvl, s in subs.items()}
+    subs = {lvl: trainer.trained(s) for lvl, s in subs.items()}   # sliced=false: masks over the full model
     groups: dict[tuple, list[int]] = {}
     for i, ((_, lvl), (batches, _)) in enumerate(zip(picked, jobs)):
         sub = subs[lvl]

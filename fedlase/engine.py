@@ -20,55 +20,21 @@ import numpy as np
 import torch
 
 from .aggregate import Aggregator, channel_owners
+from .client import ClientSettings, ClientTrainer, build_model_for, client_splits, pick_device
 from .config import Config, check_analysis, config_from_dict, parse_override, result_keys, set_dotted
-from .data import local_test_split
 from .errors import UserError
-from .evaluate import OFFICIAL_EVAL_BATCH_SIZE, accuracy, global_eval_set, predict, recompute_bn_stats
-from .levels import Level, level_name
+from .evaluate import EvalData, EvalSettings, evaluate_levels
+from .levels import Level
 from .masks import Submodel
-from .registry import DATASETS, METHODS, MODELS, PARTITIONS, TRACKERS
-from .sampling import client_job, derive_seed, dropout_seed, sample_clients
-from .train import LocalWork, classifier_names, label_split_masks, local_train, restrict_submodel
+from .registry import DATASETS, METHODS, TRACKERS
+from .sampling import sample_clients
 
 log = logging.getLogger("fedlase")
 
 BN_RECOMPUTE_SAMPLES = 5000   # training samples used to recompute static BN statistics before evaluation
 
-__all__ = ["Experiment", "RunState", "Update", "RoundResult", "ClientTrainer", "run_experiment", "derive_seed",
-           "fairness", "level_name", "pick_device", "build_model_for", "client_splits"]
-
-
-def pick_device(name: str) -> torch.device:
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    if name == "cuda" and not torch.cuda.is_available():
-        raise UserError("device: cuda was asked for but torch sees no CUDA device; use device=cpu or auto")
-    return torch.device(name)
-
-
-def fairness(accs: list[float]) -> dict:
-    """Client fairness: mean, std and the mean of the worst 10% (at least one client) of accuracies."""
-    if not accs:
-        return {"mean": float("nan"), "std": float("nan"), "worst10": float("nan")}
-    a = np.sort(np.asarray(accs))
-    return {"mean": float(a.mean()), "std": float(a.std()), "worst10": float(a[: max(1, math.ceil(0.1 * len(a)))].mean())}
-
-
-def client_splits(cfg: Config, y_train: np.ndarray, y_test: np.ndarray, num_classes: int):
-    """Each client's training indices (the configured partition) and local test indices."""
-    n = cfg.num_clients
-    if n > len(y_train):
-        raise UserError(f"system: {n} clients but only {len(y_train)} training samples")
-    train = PARTITIONS.get(cfg.partition).split(y_train, n, cfg)
-    ratio = cfg.local_test_ratio or len(y_test) / len(y_train)
-    test = local_test_split([y_train[i] for i in train], y_test, num_classes, ratio, seed=cfg.seed)
-    return train, test
-
-
-def build_model_for(cfg: Config, data) -> torch.nn.Module:
-    """The global model, initialised from the run's seed."""
-    torch.manual_seed(cfg.seed)
-    return MODELS.get(cfg.model).build(cfg, data)
+__all__ = ["Experiment", "RunState", "Update", "RoundResult", "RoundRunner", "SequentialRounds", "BatchedRounds",
+           "run_experiment", "evaluate_run"]
 
 
 # ---- state and rounds ----------------------------------------------------------------------------------------
@@ -105,41 +71,6 @@ class RoundRunner(Protocol):
     def state_dict(self) -> dict: ...
 
     def load_state_dict(self, state: dict) -> None: ...
-
-
-class ClientTrainer:
-    """What a client needs to train and nothing more: the model, the training tensors, each client's index
-    array, and the local work. A Flower ClientApp builds one for its own partition only."""
-
-    def __init__(self, cfg: Config, model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor,
-                 train_idx: dict[int, torch.Tensor], augment: bool):
-        self.cfg, self.model, self.x, self.y = cfg, model, x, y
-        self.train_idx, self.augment = train_idx, augment
-        self.work = LocalWork.from_config(cfg)
-        # label_split: each client's classes (HeteroFL/FedRolex `mask=1`), from its own training labels
-        self.classes = {c: torch.unique(y[i]) for c, i in train_idx.items()} if cfg.label_split else None
-
-    def job(self, client: int, rnd: int):
-        return client_job(self.cfg.seed, self.work, self.train_idx[client], rnd, client, self.augment)
-
-    def update(self, client: int, params: dict, buffers: dict, sub: Submodel, rnd: int,
-               scatter: bool = True) -> tuple[dict, float]:
-        """The client's delta (zero outside its submodel; a width slice's as its small tensors unless
-        `scatter`) and mean training loss for this round."""
-        batches, augment = self.job(client, rnd)
-        if sub.slices and not self.cfg.sliced:   # sliced=false: the masked full-size path, for checking
-            sub = sub.masked()
-        with torch.random.fork_rng(devices=[]):   # dropout draws from the client's own stream
-            torch.manual_seed(dropout_seed(self.cfg.seed, rnd, client))
-            return local_train(self.model, params, buffers, sub, self.x, self.y, batches, self.work, augment,
-                               self.classes[client] if self.classes is not None else None, scatter)
-
-    def submodel(self, client: int, sub: Submodel, params: dict) -> Submodel:
-        """The client's own submodel: its level's, restricted to its classes' classifier rows under
-        label_split (so only those rows are trained, sent and credited)."""
-        if self.classes is None:
-            return sub
-        return restrict_submodel(sub, label_split_masks(params, *classifier_names(self.model), self.classes[client]))
 
 
 class SequentialRounds:
@@ -189,11 +120,19 @@ class Experiment:
                               {k: v.detach().clone() for k, v in self.model.named_buffers()})
         self.levels: tuple[Level, ...] = cfg.levels.levels
         self.method = METHODS.get(cfg.method)(self.model, cfg.levels, **cfg.method_args)
-        self.trainer = ClientTrainer(cfg, self.model, self.x_train, self.y_train,
+        self.trainer = ClientTrainer(ClientSettings.from_config(cfg), self.model, self.x_train, self.y_train,
                                      {c: torch.as_tensor(i, device=self.device) for c, i in enumerate(self.client_train)},
                                      d.augment)
         g = torch.Generator().manual_seed(cfg.seed)
-        self.bn_sample = torch.randperm(len(d.y_train), generator=g)[:BN_RECOMPUTE_SAMPLES].to(self.device)
+        bn_sample = torch.randperm(len(d.y_train), generator=g)[:BN_RECOMPUTE_SAMPLES].to(self.device)
+        self.eval_data = EvalData(self.x_test, self.y_test, self.client_test_t, self.x_train, bn_sample,
+                                  self.trainer.classes)
+        self.eval_settings = EvalSettings.from_config(cfg)
+        # who is evaluated at each level: unless the assignment is fixed a client has no fixed level, so every
+        # client is evaluated at every level
+        owner = cfg.levels.client_level
+        self.level_clients = {lvl: [c for c in range(cfg.num_clients) if cfg.assignment != "fixed"
+                                    or owner[c] == lvl.index] for lvl in self.levels}
         self.trackers = [TRACKERS.get(name)(self, opts) for name, opts in check_analysis(cfg.analysis).items()]
         self.coverage = cfg.coverage or self.method.coverage
         self.owners = channel_owners(self.model) if self.coverage == "kept" else None
@@ -249,34 +188,10 @@ class Experiment:
 
     # ---- evaluation ------------------------------------------------------------------------------------------
     def evaluate(self, rnd: int) -> dict:
-        """Per level: global accuracy (the level's submodel on the whole test set) and local accuracy (each
-        client of that level on its own test split), with client fairness. Unless the assignment is fixed a
-        client has no fixed level, so every client is evaluated at every level."""
-        cfg, bs, params = self.cfg, self.cfg.eval_batch_size, self.state.params
-        if cfg.eval_order == "clients":   # the official FIARSE evaluation: client-ordered batches of 20
-            bs = OFFICIAL_EVAL_BATCH_SIZE
-        x_glob, y_glob = global_eval_set(cfg.eval_order, self.x_test, self.y_test, self.client_test_t)
-        out: dict = {"levels": {}}
-        all_local = []
-        client_level = cfg.levels.client_level
-        for lvl in self.levels:
-            sub = self.method.eval_submodel(params, lvl, rnd).to(self.device)
-            with torch.no_grad():   # a width slice is evaluated as the smaller model (unless sliced=false)
-                weights, buffers = sub.model(params, self.state.buffers, sliced=cfg.sliced)
-            buffers = recompute_bn_stats(self.model, weights, buffers, self.x_train[self.bn_sample], bs)
-            glob = accuracy(predict(self.model, weights, buffers, x_glob, bs), y_glob)
-            clients = [c for c in range(cfg.num_clients) if cfg.assignment != "fixed" or client_level[c] == lvl.index]
-            classes = self.trainer.classes or {}   # label_split: the local metric masks absent classes' logits
-            local = [accuracy(predict(self.model, weights, buffers, self.x_test[self.client_test_t[c]], bs,
-                                      classes.get(c)), self.y_test[self.client_test_t[c]]) for c in clients]
-            all_local += local
-            fair = fairness(local)
-            out["levels"][lvl.name] = {"clients": len(clients), "global_acc": glob, "local_acc": fair["mean"],
-                                       "local_std": fair["std"], "local_worst10": fair["worst10"],
-                                       "kept": sub.kept(self.method.maskable, params)}
-        fair = fairness(all_local)
-        out["global_acc"] = float(np.mean([v["global_acc"] for v in out["levels"].values()]))
-        out["local_acc"], out["local_std"], out["local_worst10"] = fair["mean"], fair["std"], fair["worst10"]
+        """The evaluation step (`evaluate.evaluate_levels`: per level, global and local accuracy with client
+        fairness), then what the trackers add."""
+        out = evaluate_levels(self.model, self.method, self.state.params, self.state.buffers, self.level_clients,
+                              self.eval_data, self.eval_settings, rnd)
         for t in self.trackers:
             out.update(t.on_eval(rnd) or {})
         return out

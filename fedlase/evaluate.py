@@ -1,11 +1,17 @@
-"""Evaluation of a level's submodel of the global model."""
+"""Evaluation: each level's submodel of the global model on the test set and on every client's local split.
+
+`evaluate_levels` is the engine's evaluation step; the functions below it are its parts."""
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+
+import numpy as np
 import torch
 from torch import nn
 from torch.func import functional_call
 
-from .train import class_keep
+from .train import label_mask_logits
 
 
 EVAL_ORDERS = ("test", "clients")
@@ -19,14 +25,11 @@ def predict(model: nn.Module, weights: dict, buffers: dict, x: torch.Tensor, bat
     callers evaluate each client's split as its own batches. `classes`: HeteroFL's label-split local metric,
     the other classes' logits set to 0 before the argmax (`train.label_mask_logits`)."""
     model.eval()
-    keep = None
     out = []
     for i in range(0, len(x), batch_size):
         logits = functional_call(model, (weights, buffers), (x[i:i + batch_size],))
         if classes is not None:
-            if keep is None:
-                keep = class_keep(classes, logits.shape[-1], logits.device)
-            logits = logits.masked_fill(~keep, 0.0)
+            logits = label_mask_logits(logits, classes)
         out.append(logits.argmax(1))
     return torch.cat(out) if out else torch.empty(0, dtype=torch.long)
 
@@ -85,3 +88,71 @@ def recompute_bn_stats(model: nn.Module, weights: dict, buffers: dict, x: torch.
 
 def accuracy(pred: torch.Tensor, y: torch.Tensor) -> float:
     return float((pred == y).float().mean()) if len(y) else float("nan")
+
+
+def fairness(accs: list[float]) -> dict:
+    """Client fairness: mean, std and the mean of the worst 10% (at least one client) of accuracies."""
+    if not accs:
+        return {"mean": float("nan"), "std": float("nan"), "worst10": float("nan")}
+    a = np.sort(np.asarray(accs))
+    return {"mean": float(a.mean()), "std": float(a.std()), "worst10": float(a[: max(1, math.ceil(0.1 * len(a)))].mean())}
+
+
+# ---- the evaluation step -------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class EvalSettings:
+    """How a run is evaluated: the global set's order (`global_eval_set`), the batch size, and whether a width
+    slice is evaluated as the smaller model (sliced) or as masks over the full one."""
+    order: str = "test"
+    batch_size: int = 1000
+    sliced: bool = True
+
+    @classmethod
+    def from_config(cls, cfg) -> "EvalSettings":
+        return cls(cfg.eval_order, cfg.eval_batch_size, cfg.sliced)
+
+    @property
+    def batch(self) -> int:
+        """The batch size in use: the official FIARSE evaluation (order=clients) batches by 20."""
+        return OFFICIAL_EVAL_BATCH_SIZE if self.order == "clients" else self.batch_size
+
+
+@dataclass
+class EvalData:
+    """What evaluation reads, on the run's device."""
+    x_test: torch.Tensor
+    y_test: torch.Tensor
+    client_test: list[torch.Tensor]                 # each client's local test indices
+    x_train: torch.Tensor
+    bn_sample: torch.Tensor                         # the training samples that recompute static BN statistics
+    classes: dict[int, torch.Tensor] | None = None  # label_split: each client's classes (local metric only)
+
+
+def evaluate_levels(model: nn.Module, method, params: dict, buffers: dict, level_clients: dict, data: EvalData,
+                    settings: EvalSettings, rnd: int) -> dict:
+    """Per level: global accuracy (the level's submodel on the whole test set) and local accuracy (each client
+    of `level_clients[level]` on its own test split), with client fairness and the kept budgeted parameters;
+    then the means over levels and over every evaluated client. The metrics line's evaluation part."""
+    bs = settings.batch
+    x_glob, y_glob = global_eval_set(settings.order, data.x_test, data.y_test, data.client_test)
+    classes = data.classes or {}   # label_split: the local metric masks absent classes' logits
+    bn_x = data.x_train[data.bn_sample]
+    out: dict = {"levels": {}}
+    all_local = []
+    for lvl, clients in level_clients.items():
+        sub = method.eval_submodel(params, lvl, rnd).to(data.x_test.device)
+        with torch.no_grad():   # a width slice is evaluated as the smaller model (unless sliced=false)
+            weights, bufs = sub.model(params, buffers, sliced=settings.sliced)
+        bufs = recompute_bn_stats(model, weights, bufs, bn_x, bs)
+        glob = accuracy(predict(model, weights, bufs, x_glob, bs), y_glob)
+        local = [accuracy(predict(model, weights, bufs, data.x_test[data.client_test[c]], bs, classes.get(c)),
+                          data.y_test[data.client_test[c]]) for c in clients]
+        all_local += local
+        fair = fairness(local)
+        out["levels"][lvl.name] = {"clients": len(clients), "global_acc": glob, "local_acc": fair["mean"],
+                                   "local_std": fair["std"], "local_worst10": fair["worst10"],
+                                   "kept": sub.kept(method.maskable, params)}
+    fair = fairness(all_local)
+    out["global_acc"] = float(np.mean([v["global_acc"] for v in out["levels"].values()]))
+    out["local_acc"], out["local_std"], out["local_worst10"] = fair["mean"], fair["std"], fair["worst10"]
+    return out

@@ -44,6 +44,8 @@ class Submodel:
         smaller dense tensors (`gather`) and scatters its delta back (`scatter`); empty: train masked.
     scales: name -> factor the weight is multiplied by in local training only (HeteroFL's scaler folded into
         the weights: a layer's output times s equals its weight and bias times s).
+    local: the method's own local training (a `fedlase.methods.base.LocalObjective`: FjORD's width per batch,
+        DepthFL's exits, FedDSE's per-client mask); None: plain cross-entropy of one forward (fedlase/train.py).
     """
     masks: dict[str, torch.Tensor] = field(default_factory=dict)
     thresholds: dict[str, float] | None = None
@@ -51,10 +53,12 @@ class Submodel:
     buffers: dict[str, torch.Tensor] = field(default_factory=dict)
     slices: dict[str, tuple] = field(default_factory=dict)
     scales: dict[str, float] = field(default_factory=dict)
+    local: object | None = None
 
     def apply(self, params: dict[str, torch.Tensor], train: bool = False) -> dict[str, torch.Tensor]:
         """The effective weights: params times their (threshold or fixed) masks, differentiable; in training
-        (`train`) also times their scales."""
+        (`train`) also times their scales. The one masked forward of fedlase: local training, evaluation, the
+        batched path (on a `stack` of clients' submodels) and the bench's tight loop all weight through it."""
         out = {}
         for name, w in params.items():
             if self.thresholds is not None and name in self.thresholds:
@@ -66,6 +70,31 @@ class Submodel:
             if train and name in self.scales:
                 out[name] = out[name] * self.scales[name]
         return out
+
+    @classmethod
+    def stack(cls, subs: list["Submodel"], params: dict[str, torch.Tensor]) -> "Submodel":
+        """One submodel over C clients' parameters stacked as (C, *shape) (fedlase/batched.py): `apply` on the
+        stacked parameters is then every client's own masked forward. Masks stack (all ones where a client
+        keeps a parameter whole: w * 1 == w), thresholds and scales become one value per client (a threshold
+        on a parameter must be every client's or none's; scale 1.0 where a client has none: w * 1.0 == w)."""
+        C = len(subs)
+        thresholds, masks, scales = {}, {}, {}
+        for n, g in params.items():
+            view = (C, *[1] * g.dim())
+            has_tau = [s.thresholds is not None and n in s.thresholds for s in subs]
+            if any(has_tau):
+                if not all(has_tau):
+                    raise ValueError(f"{n}: some clients of a batched group have a threshold, others not")
+                thresholds[n] = torch.tensor([s.thresholds[n] for s in subs], dtype=g.dtype, device=g.device).view(view)
+            if any(n in s.masks for s in subs):
+                masks[n] = torch.stack([s.masks[n] if n in s.masks else torch.ones_like(g, dtype=torch.bool)
+                                        for s in subs]).to(g.device)
+            if any(n in s.scales for s in subs):
+                scales[n] = torch.tensor([s.scales.get(n, 1.0) for s in subs], dtype=g.dtype, device=g.device).view(view)
+        ste = subs[0].ste
+        if thresholds and any(s.ste != ste for s in subs):
+            raise ValueError("clients of a batched group use different ste modes")
+        return cls(masks, thresholds or None, ste, scales=scales)
 
     # ---- width slices ----------------------------------------------------------------------------------------
     def gather(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -95,12 +124,12 @@ class Submodel:
             g = m[slice_block(self.slices[n])] if n in self.slices else m
             if not bool(g.all()):
                 masks[n] = g
-        self.__dict__["_inner"] = Submodel(masks, scales=self.scales)
+        self.__dict__["_inner"] = Submodel(masks, scales=self.scales, local=self.local)
         return self.__dict__["_inner"]
 
     def masked(self) -> "Submodel":
         """This submodel without its slices: trained and evaluated as masks over the full-size model."""
-        return Submodel(self.masks, self.thresholds, self.ste, self.buffers, {}, self.scales)
+        return Submodel(self.masks, self.thresholds, self.ste, self.buffers, {}, self.scales, self.local)
 
     def model(self, params: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor],
               sliced: bool = True) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
@@ -118,7 +147,7 @@ class Submodel:
         return Submodel({k: v.to(device) for k, v in self.masks.items()}, self.thresholds, self.ste,
                         {k: v.to(device) for k, v in self.buffers.items()},
                         {k: tuple(None if i is None else i.to(device) for i in v) for k, v in self.slices.items()},
-                        self.scales)
+                        self.scales, self.local)
 
 
 def slice_block(index: tuple) -> tuple:

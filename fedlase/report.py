@@ -288,7 +288,7 @@ def plot_ratios(g: Group, path: Path) -> bool:
         return False
     plt = _plt()
     levels, rounds, layers = z["levels"], z["rounds"], [_short(str(s)) for s in z["layers"]]
-    from .engine import level_name
+    from .levels import level_name
     n = len(levels)
     height = max(2.5, 0.22 * len(layers) + 1.2)
     fig, axes = plt.subplots(1, n, figsize=(3.4 * n + 1.8, height + 0.6), squeeze=False, sharey=True,

@@ -29,11 +29,6 @@ class LocalWork:
     betas: tuple[float, float] = (0.9, 0.999)
     clip_norm: float | None = None   # clip each step's gradient to this total L2 norm (HeteroFL/FedRolex: 1)
 
-    @classmethod
-    def from_config(cls, cfg) -> "LocalWork":
-        return cls(cfg.local_steps, cfg.local_epochs, cfg.batch_size, cfg.optimizer, cfg.lr, cfg.momentum,
-                   cfg.weight_decay, tuple(cfg.betas), getattr(cfg, "clip_norm", None))
-
     def num_steps(self, n_samples: int) -> int:
         if self.epochs is not None:
             return max(1, math.ceil(self.epochs * n_samples / self.batch_size))
@@ -106,29 +101,39 @@ def local_train(model: nn.Module, global_params: dict[str, torch.Tensor], buffer
     sets the other classes' logits to 0 before the loss, as HeteroFL's and FedRolex's official `mask=1`.
     A submodel with `slices` trains the gathered smaller tensors (same module: conv, linear and BN take their
     shapes from the tensors) and its delta is scattered back to full size, zero outside the slice, unless
-    `scatter=False` (then the small tensors come back; `Aggregator.add` takes them as they are)."""
+    `scatter=False` (then the small tensors come back; `Aggregator.add` takes them as they are).
+
+    A submodel with `local` (a method's `LocalObjective`, fedlase/methods/base.py) trains the method's way:
+    `local.start` may replace the submodel for this client (its own mask) and `local.loss` turns each batch into
+    the loss; without one, the loss is the cross-entropy of one forward (the path every other method takes)."""
     if sub.slices:
         small, loss = local_train(model, sub.gather(global_params), sub.gather({**buffers, **sub.buffers}),
                                   sub.inner(), x, y, batches, work, augment, classes)
         return (sub.scatter(small, global_params) if scatter else small), loss
     params = {n: p.detach().clone().requires_grad_(True) for n, p in global_params.items()}
     bufs = {**{n: b.clone() for n, b in buffers.items()}, **sub.buffers}
+    local = sub.local
+    if local is not None:
+        if classes is not None:
+            raise ValueError("label_split is not supported with a method's own local objective")
+        sub = local.start(model, sub, params, bufs, x, batches)
     plist = list(params.values())
     opt = make_optimizer(plist, work)
     model.train()
     tie = has_tied_weights(model)
-    keep = None
     total = torch.zeros((), dtype=torch.float64, device=x.device)   # summed where the loss is: no sync a step
     for idx in batches:
         xb, yb = x[idx], y[idx]
         if augment is not None:
             xb = augment(xb)
-        logits = functional_call(model, (sub.apply(params, train=True), bufs), (xb,), tie_weights=tie)
-        if classes is not None:
-            if keep is None:
-                keep = class_keep(classes, logits.shape[-1], logits.device)
-            logits = logits.masked_fill(~keep, 0.0)
-        loss = F.cross_entropy(logits, yb)
+        if local is not None:
+            loss = local.loss(lambda w, b, *a, **k: functional_call(model, (w, b), a, k, tie_weights=tie),
+                              sub.apply(params, train=True), bufs, xb, yb)
+        else:
+            logits = functional_call(model, (sub.apply(params, train=True), bufs), (xb,), tie_weights=tie)
+            if classes is not None:
+                logits = label_mask_logits(logits, classes)
+            loss = F.cross_entropy(logits, yb)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         if work.clip_norm is not None:
@@ -160,7 +165,8 @@ def class_keep(classes: torch.Tensor, num_classes: int, device=None) -> torch.Te
 def label_mask_logits(logits: torch.Tensor, present_classes: torch.Tensor) -> torch.Tensor:
     """The official label-split masking: the logits of classes outside `present_classes` are set to 0 (not
     -inf: those classes stay in the softmax with logit 0 and get no gradient; in an argmax an absent class
-    wins when every present logit is negative). Used in the local loss and the local accuracy."""
+    wins when every present logit is negative). The one place of this rule: the local loss (`local_train`) and
+    the local accuracy (`evaluate.predict`) both call it; pass a bool vector (`class_keep`) to build it once."""
     return logits.masked_fill(~class_keep(present_classes, logits.shape[-1], logits.device), 0.0)
 
 

@@ -13,15 +13,16 @@ from torch import nn
 from conftest import TINY
 
 from fedlase.config import load_config
-from fedlase.engine import (Experiment, RoundResult, SequentialRounds, derive_seed, fairness, level_name,
-                            run_experiment)
+from fedlase.engine import Experiment, RoundResult, SequentialRounds, run_experiment
+from fedlase.evaluate import fairness
+from fedlase.levels import level_name
 from fedlase.errors import UserError
 from fedlase.levels import Level
 from fedlase.masks import Submodel, maskable_names
 from fedlase.methods import build_method
 from fedlase.models import build_model
 from fedlase.registry import METHODS
-from fedlase.sampling import client_job, sample_clients
+from fedlase.sampling import client_job, derive_seed, sample_clients
 from fedlase.train import LocalWork, client_batches, local_train
 
 

@@ -333,13 +333,14 @@ def test_restrict_submodel_ands_existing_masks():
     assert out.ste == "paper" and sub.masks.keys() == {"w"}
 
 
-def test_local_work_from_a_config_without_clip_norm():
-    class Cfg:
-        local_steps, local_epochs, batch_size, optimizer, lr, momentum, weight_decay = 5, None, 8, "sgd", 0.1, 0, 0
-        betas = (0.9, 0.999)
-    assert LocalWork.from_config(Cfg()).clip_norm is None
-    Cfg.clip_norm = 1.0
-    assert LocalWork.from_config(Cfg()).clip_norm == 1.0
+def test_client_settings_read_the_typed_config(tiny_cfg):
+    # the client gets its settings as one typed record; clip_norm unset means no clipping
+    from fedlase.client import ClientSettings
+    s = ClientSettings.from_config(tiny_cfg())
+    assert s.work == LocalWork(2, None, 16, "sgd", 0.05, 0.0, 0.0, (0.9, 0.999), None)
+    assert (s.seed, s.sliced, s.label_split) == (0, True, False)
+    s = ClientSettings.from_config(tiny_cfg("clip_norm=1", "sliced=false", "label_split=true", "seed=3"))
+    assert (s.work.clip_norm, s.seed, s.sliced, s.label_split) == (1.0, 3, False, True)
 
 
 # =========================================================================== label_split wired into the engine
@@ -359,7 +360,7 @@ def test_label_split_trains_and_credits_only_the_clients_classes(tiny_cfg):
     assert moved.any() and not (moved & ~trained).any()   # rows of classes no sampled client holds stay
     sub = exp.trainer.submodel(picked[0][0], exp.submodels([picked[0][1]], 1)[picked[0][1]], exp.params)
     rows = sub.masks[weight].any(dim=1)
-    assert rows.sum() == len(exp.trainer.classes[picked[0][0]])
+    assert rows.sum() == exp.trainer.classes[picked[0][0]].sum()
 
 
 def test_label_split_off_changes_nothing(tiny_cfg, tmp_path):

@@ -17,7 +17,7 @@ from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
 from ..config import config_from_dict
-from ..engine import pick_device
+from ..client import pick_device
 from .codec import decode_submodel, encode_delta
 from .node_data import client_dataset, client_trainer
 

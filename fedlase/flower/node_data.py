@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from ..data import Dataset
-from ..engine import ClientTrainer, build_model_for, client_splits
+from ..client import ClientSettings, ClientTrainer, build_model_for, client_splits
 from ..registry import DATASETS
 
 # Config keys that decide a partition's samples.
@@ -68,4 +68,5 @@ def client_trainer(cfg, pid: int, device: torch.device, cache_dir: Path | None =
     data = data if data is not None else client_dataset(cfg, pid, cache_dir)
     model = build_model_for(cfg, data).to(device)
     x, y = data.x_train.to(device), data.y_train.to(device)
-    return ClientTrainer(cfg, model, x, y, {pid: torch.arange(len(y), device=device)}, data.augment)
+    return ClientTrainer(ClientSettings.from_config(cfg), model, x, y, {pid: torch.arange(len(y), device=device)},
+                         data.augment)
