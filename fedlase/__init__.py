@@ -2,16 +2,21 @@
 
 The Python API (docs/library.md): `make_config`, `run`, `read_summary`, `read_metrics`, and `register_method`,
 `register_dataset`, `register_model` with the base classes `Method`/`ThresholdMethod` and `Submodel`.
-Names are loaded on first use, so `import fedlase` stays cheap for the CLI and for Flower's ClientApps."""
+`fedlase.ConfigError`, `fedlase.UserError` and the module `fedlase.errors` are there after `import fedlase`.
+Everything else is loaded on first use: `import fedlase` imports no torch."""
 __version__ = "0.1.0"
+
+from . import errors   # noqa: E402  (light: the one module a caller needs to catch fedlase's errors)
+from .errors import ConfigError, DataError, UserError   # noqa: E402
 
 _API = {
     "make_config": "api", "run": "api", "read_summary": "api", "read_metrics": "api",
     "register_method": "registry", "register_dataset": "registry", "register_model": "registry",
-    "register_partition": "registry", "Method": "methods.base", "ThresholdMethod": "methods.base",
+    "register_partition": "registry", "load_builtins": "catalog", "Method": "methods.base",
+    "ThresholdMethod": "methods.base",
     "Option": "options", "Submodel": "masks", "Dataset": "data.sources", "Config": "config",
 }
-__all__ = sorted(_API)
+__all__ = sorted([*_API, "ConfigError", "DataError", "UserError", "errors"])
 
 
 def __getattr__(name: str):

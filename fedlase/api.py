@@ -11,13 +11,15 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from .catalog import load_builtins
 from .config import Config, config_from_dict, load_config
-from .engine import run_experiment
+from .runner import run_config
 
 
 def make_config(path: str | None = None, **settings) -> Config:
     """A validated Config from an optional YAML file and keyword settings (dotted keys as nested dicts:
     `method_args={"score": "max"}`). Bad values raise fedlase.errors.ConfigError naming the key."""
+    load_builtins()
     if path is None:
         return config_from_dict(settings)
     return load_config(path, [f"{k}={json.dumps(v)}" if not isinstance(v, str) else f"{k}={v}"
@@ -26,10 +28,7 @@ def make_config(path: str | None = None, **settings) -> Config:
 
 def run(cfg: Config, resume: bool = False, progress: bool = False) -> dict:
     """Run (or resume) the experiment on the engine its config names; returns summary.json's content."""
-    if cfg.engine.startswith("flower"):
-        from .flower import run_flower   # needs the `flower` extra
-        return run_flower(cfg, resume=resume, progress=progress)
-    return run_experiment(cfg, resume=resume, progress=progress)
+    return run_config(cfg, resume=resume, progress=progress)
 
 
 def read_summary(out: str | Path) -> dict:

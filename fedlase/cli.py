@@ -21,13 +21,9 @@ def format_table(final: dict) -> str:
 
 def _cmd_run(args) -> int:
     from .config import load_config
-    from .engine import run_experiment
+    from .runner import run_config
     cfg = load_config(args.config, args.overrides)
-    if cfg.engine.startswith("flower"):
-        from .flower import run_flower
-        summary = run_flower(cfg, resume=args.resume, progress=not args.quiet)
-    else:
-        summary = run_experiment(cfg, resume=args.resume, progress=not args.quiet)
+    summary = run_config(cfg, resume=args.resume, progress=not args.quiet)
     print(f"\n{cfg.method} on {cfg.dataset}, system {cfg.system}, {cfg.rounds} rounds "
           f"({summary['train_time']:.0f} s of training); outputs in {cfg.out}")
     print(format_table(summary["final"]))
@@ -90,17 +86,33 @@ def _cmd_methods(args) -> int:
     return 0
 
 
+class _Parser(argparse.ArgumentParser):
+    """An epilog may be a function, called only when the help is printed: listing the registered choices
+    loads the built-ins (torch and all), which `fedlase --help` and every other command line must not pay."""
+
+    def format_help(self) -> str:
+        if callable(self.epilog):
+            self.epilog = self.epilog()
+        return super().format_help()
+
+
+def _keys_with_choices() -> str:
+    from .catalog import load_builtins
+    load_builtins()
+    return "config keys:\n" + describe_keys()
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="fedlase", description="System-heterogeneous federated learning by submodel extraction.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="config keys of `fedlase run` (also in `fedlase run --help`; `fedlase methods` lists each "
-               "method's options):\n" + describe_keys())
-    sub = parser.add_subparsers(dest="command", required=True)
+        epilog="config keys of `fedlase run` (`fedlase run --help` also lists the methods, datasets, models and "
+               "partitions; `fedlase methods` lists each method's options):\n" + describe_keys(choices=False))
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     run = sub.add_parser("run", help="run one experiment", formatter_class=argparse.RawDescriptionHelpFormatter,
                          description="Run one experiment from a YAML config and/or key=value overrides "
                                      "(overrides win; nested keys with dots: method_args.score=max).",
-                         epilog="config keys:\n" + describe_keys())
+                         epilog=_keys_with_choices)
     run.add_argument("config", nargs="?", help="YAML config file (optional when the first argument is key=value)")
     run.add_argument("overrides", nargs="*", help="key=value settings")
     run.add_argument("--resume", action="store_true", help="continue the run in `out` from its last checkpoint")
@@ -155,6 +167,8 @@ def main(argv: list[str] | None = None) -> int:
         args.overrides, args.config = [args.config, *args.overrides], None
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
+        from .catalog import load_builtins
+        load_builtins()   # every command sees the built-in and installed choices
         return args.func(args)
     except UserError as e:
         print(f"fedlase: error: {e}", file=sys.stderr)

@@ -3,7 +3,11 @@
 Every field is declared with its `Option` (fedlase/options.py): help text, allowed values read from the
 registries (fedlase/registry.py), range, and whether it changes the result. `fedlase run --help` documents
 every key from this one place, and a resumed run may differ from its checkpoint only in fields declared
-`affects_result=False`."""
+`affects_result=False`.
+
+This module sits low in the import graph: it reads choices from the registries when a config is validated
+(never at import), and imports no method, model or dataset module. A program registers the built-ins first
+(`fedlase.catalog.load_builtins()`: the CLI, the Python API, Flower's apps and sweep children do)."""
 from __future__ import annotations
 
 import dataclasses
@@ -15,11 +19,11 @@ from typing import Any
 
 import yaml
 
-from . import catalog  # noqa: F401  (registers the built-in datasets, models, partitions, methods, analyses)
 from .errors import ConfigError
 from .levels import System, parse_level
 from .options import Option, check_value
 from .registry import DATASETS, METHODS, MODELS, PARTITIONS, TRACKERS
+from .resources import check_run
 
 
 def _f(default, help: str, **kw):
@@ -258,6 +262,7 @@ def validate(cfg: Config) -> Config:
         raise ConfigError("batched_clients", "label_split needs the sequential path; set batched_clients=false")
     if cfg.batched_clients and cfg.clip_norm is not None:   # one norm per client: not in the vmapped step
         raise ConfigError("batched_clients", "clip_norm needs the sequential path; set batched_clients=false")
+    check_run(cfg, data, model)   # sizes against the model, the data and the machine's memory (resources.py)
     return cfg
 
 
@@ -286,10 +291,12 @@ def parse_override(item: str) -> tuple[str, Any]:
     key = key.strip()
     if not eq or not key:
         raise ConfigError(item, "overrides are written key=value, e.g. rounds=50")
+    if not text.strip():   # `coverage=` must not silently mean "unset"
+        raise ConfigError(key, "empty value; give one, or leave the key out for its default")
     if key in _RAW_STRING_KEYS:
         return key, text
     try:
-        return key, yaml.safe_load(text) if text.strip() else None
+        return key, yaml.safe_load(text)
     except yaml.YAMLError:
         return key, text
 
@@ -336,11 +343,15 @@ def config_from_dict(raw: dict, validate_: bool = True) -> Config:
     return validate(cfg) if validate_ else cfg
 
 
-def describe_keys() -> str:
-    """Help text for every config key, for the CLI."""
+_REGISTRY_KEYS = ("method", "dataset", "model", "partition")
+
+
+def describe_keys(choices: bool = True) -> str:
+    """Help text for every config key, for the CLI; `choices`: also list the registered methods, datasets,
+    models and partitions (registered by then: fedlase.catalog.load_builtins())."""
     lines = []
     for name, opt in options().items():
-        allowed = opt.allowed()
-        choices = f" ({', '.join(map(str, allowed))})" if allowed and name in ("method", "dataset", "model", "partition") else ""
-        lines.append(f"  {name:<18} {opt.help}{choices} [default: {opt.default}]")
+        listed = opt.allowed() if choices and name in _REGISTRY_KEYS else None
+        names = f" ({', '.join(map(str, listed))})" if listed else ""
+        lines.append(f"  {name:<18} {opt.help}{names} [default: {opt.default}]")
     return "\n".join(lines)

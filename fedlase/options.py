@@ -66,6 +66,8 @@ def check_value(key: str, opt: Option, value):
         if opt.default is None:
             return None
         raise ConfigError(key, f"must be set ({opt.help})")
+    if isinstance(value, str) and not value.strip():
+        raise ConfigError(key, f"empty value; give one ({opt.help})")
     if isinstance(value, float) and not math.isfinite(value):
         raise ConfigError(key, f"must be a finite number, got {value}")
     allowed = opt.allowed()

@@ -3,15 +3,49 @@
 Config validation, `fedlase methods`, sweeps and Flower all read choices from here, so a dataset, model or
 method registered from outside the package (a `register` call before the run, or a `fedlase.plugins` entry
 point) is as valid as a built-in one. This module imports nothing of fedlase but its errors, so anything
-may import it; the built-ins register themselves when `fedlase.catalog` imports their modules."""
+may import it. The built-ins are registered where a program starts (the CLI, `fedlase.make_config`/`fedlase.run`,
+Flower's apps, a sweep's child processes) by `fedlase.catalog.load_builtins()`, so importing the config or the
+engine loads no method, model or dataset module.
+
+Registering the same definition again is a no-op, so a plugin module may be imported twice: once as the
+running script (`__main__`) and once by its name (the `plugins` key). Another definition under a taken name is
+an error unless `replace=True`."""
 from __future__ import annotations
 
+import dataclasses
+import os
+import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable, Generic, TypeVar
 
 from .errors import ConfigError
 
 T = TypeVar("T")
+
+KINDS = ("image", "text")   # a dataset's and a model's `kind`; they must match
+
+
+def _origin(obj) -> tuple:
+    """Where a class or function is defined: (source file, qualified name, line of a function). The same
+    definition imported twice (as `__main__` and by its module name) has one origin."""
+    module = sys.modules.get(getattr(obj, "__module__", None) or "")
+    path = getattr(module, "__file__", None)
+    code = getattr(obj, "__code__", None)
+    return (os.path.realpath(path) if path else getattr(obj, "__module__", None), getattr(obj, "__qualname__", None),
+            code.co_firstlineno if code else None)
+
+
+def same_definition(a, b) -> bool:
+    """True when two registered entries are one definition (a plugin module imported twice)."""
+    if a is b:
+        return True
+    if dataclasses.is_dataclass(a) and type(a) is type(b):
+        return all(same_definition(getattr(a, f.name), getattr(b, f.name)) for f in dataclasses.fields(a))
+    if hasattr(a, "__qualname__") and hasattr(b, "__qualname__"):
+        cells = [[c.cell_contents for c in getattr(f, "__closure__", None) or ()] for f in (a, b)]
+        return _origin(a) == _origin(b) and len(cells[0]) == len(cells[1]) and \
+            all(same_definition(x, y) for x, y in zip(*cells))
+    return a == b
 
 
 class Registry(Generic[T]):
@@ -22,7 +56,10 @@ class Registry(Generic[T]):
         self._entries: dict[str, T] = {}
 
     def add(self, name: str, entry: T, replace: bool = False) -> T:
-        if not replace and name in self._entries:
+        """Register `entry` as `name`; the same definition again is a no-op (the first one stays)."""
+        if name in self._entries and not replace:
+            if same_definition(self._entries[name], entry):
+                return self._entries[name]
             raise ValueError(f"{self.key} {name!r} is registered already (pass replace=True to override it)")
         self._entries[name] = entry
         return entry
@@ -30,6 +67,9 @@ class Registry(Generic[T]):
     def get(self, name: str) -> T:
         """The entry, or a one-line ConfigError naming the key and every registered name."""
         if name not in self._entries:
+            if not self._entries:   # a program that never called load_builtins()
+                raise ConfigError(self.key, f"{name!r}: no {self.key} is registered; call "
+                                  "fedlase.catalog.load_builtins() first (the CLI and fedlase.make_config do)")
             raise ConfigError(self.key, f"{name!r} is not one of {', '.join(self._entries)}")
         return self._entries[name]
 
@@ -52,21 +92,31 @@ class Registry(Generic[T]):
 @dataclass(frozen=True)
 class DatasetEntry:
     """load(cfg) -> fedlase.data.Dataset. `num_classes` is known before loading (config checks use it);
-    `kind` ('image' or 'text') must match the model's."""
+    `kind` ('image' or 'text') must match the model's.
+
+    `check(cfg)`, optional, runs at config validation, before anything is loaded: it raises ConfigError on a
+    value this dataset cannot take, and may return what it knows of the data without loading it, a dict with
+    any of `train`/`test` (sample counts) and `bytes` (what loading it will hold in memory)."""
     load: Callable[[Any], Any]
     num_classes: int
     kind: str = "image"
     help: str = ""
     needs_data_dir: bool = False
     shape: tuple[int, ...] | None = None   # one input's shape, known before loading (for checks); None: varies
+    check: Callable[[Any], dict | None] | None = None
 
 
 @dataclass(frozen=True)
 class ModelEntry:
-    """build(cfg, dataset) -> nn.Module (dataset: the loaded fedlase.data.Dataset)."""
+    """build(cfg, dataset) -> nn.Module (dataset: the loaded fedlase.data.Dataset).
+
+    `check(cfg)`, optional, runs at config validation, before the model is built: it raises ConfigError on a
+    value this model cannot take (max_length beyond its positions) and may return a dict with
+    `eval_sample_bytes`, the memory one sample takes in an evaluation forward (for the eval_batch_size check)."""
     build: Callable[[Any, Any], Any]
     kind: str = "image"
     help: str = ""
+    check: Callable[[Any], dict | None] | None = None
 
 
 @dataclass(frozen=True)
@@ -84,17 +134,24 @@ METHODS: Registry[type] = Registry("method")     # Method subclasses
 TRACKERS: Registry[type] = Registry("analysis")  # Tracker subclasses
 
 
+def _check_kind(kind: str) -> str:
+    if kind not in KINDS:
+        raise ValueError(f"kind must be one of {', '.join(KINDS)}, got {kind!r}")
+    return kind
+
+
 def register_dataset(name: str, load: Callable, num_classes: int, kind: str = "image", help: str = "",
                      needs_data_dir: bool = False, replace: bool = False,
-                     shape: tuple[int, ...] | None = None) -> DatasetEntry:
+                     shape: tuple[int, ...] | None = None, check: Callable | None = None) -> DatasetEntry:
     """Make `dataset=name` valid everywhere: load(cfg) returns a fedlase.data.Dataset."""
-    return DATASETS.add(name, DatasetEntry(load, num_classes, kind, help, needs_data_dir, shape), replace)
+    return DATASETS.add(name, DatasetEntry(load, num_classes, _check_kind(kind), help, needs_data_dir, shape,
+                                           check), replace)
 
 
 def register_model(name: str, build: Callable, kind: str = "image", help: str = "",
-                   replace: bool = False) -> ModelEntry:
+                   replace: bool = False, check: Callable | None = None) -> ModelEntry:
     """Make `model=name` valid everywhere: build(cfg, dataset) returns an nn.Module."""
-    return MODELS.add(name, ModelEntry(build, kind, help), replace)
+    return MODELS.add(name, ModelEntry(build, _check_kind(kind), help, check), replace)
 
 
 def register_partition(name: str, split: Callable, help: str = "", options: tuple[str, ...] = (),

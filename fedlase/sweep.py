@@ -1,6 +1,6 @@
 """Experiment sweeps: a base config, a grid and/or a list of named variants, one folder per run.
 
-    base: configs/fmnist.yaml        # a config mapping, or a path to a config YAML
+    base: configs/reference.yaml     # a config mapping, or a path to a config YAML
     out: runs/ablation               # the sweep folder
     grid: {seed: [0, 1, 2], method_args.score: [mean, max]}   # cartesian product
     runs:                            # optional variants, each combined with every grid point
@@ -114,8 +114,9 @@ def _check_method(cfg: Config, data: dict) -> None:
     """Build the model and the method as the run will, so that a method that cannot work on the model (say a
     level too small for what it keeps whole) fails now, not hours into the sweep. `data` caches the loaded
     datasets; one that cannot be loaded is left to the run, which records the failure when it starts."""
-    from .engine import build_model_for
-    from .registry import DATASETS, METHODS
+    import torch
+
+    from .registry import DATASETS, METHODS, MODELS
     key = json.dumps(cfg.to_dict(), sort_keys=True, default=str) if DATASETS.get(cfg.dataset).kind != "image" \
         else (cfg.dataset, cfg.data_dir)   # an image dataset depends only on these; others: on the whole config
     if key not in data:
@@ -124,7 +125,9 @@ def _check_method(cfg: Config, data: dict) -> None:
         except Exception:
             data[key] = None
     if data[key] is not None:
-        METHODS.get(cfg.method)(build_model_for(cfg, data[key]), cfg.levels, **cfg.method_args)
+        with torch.random.fork_rng(devices=[]):   # the sweep's own process: leave torch's stream as it was
+            model = MODELS.get(cfg.model).build(cfg, data[key])
+        METHODS.get(cfg.method)(model, cfg.levels, **cfg.method_args)
 
 
 def _plain(d: dict) -> dict:
@@ -297,11 +300,12 @@ def _run_in_process(out: Path, todo: list[PlannedRun], result: dict, bar, progre
 
 
 def _run_one(run: PlannedRun, progress: bool) -> str | None:
-    """Run (or resume) one run in this process; None, or the first line of its error (then in error.txt)."""
-    from .engine import run_experiment
+    """Run (or resume) one run in this process on its engine; None, or the first line of its error (then in
+    error.txt)."""
+    from .runner import run_config
     err = run.out / "error.txt"
     try:
-        run_experiment(run.cfg, resume=True, progress=progress)
+        run_config(run.cfg, resume=True, progress=progress)
     except Exception as e:   # one failed run must not stop the sweep: record it and go on
         run.out.mkdir(parents=True, exist_ok=True)
         err.write_text(traceback.format_exc())
@@ -316,6 +320,7 @@ _CHILD = "import sys; from fedlase.sweep import _child_main; sys.exit(_child_mai
 def _child_main() -> int:
     """A subprocess of a parallel sweep: read one run's config (JSON) from stdin, run it, and print one JSON
     line {"error": null or the first line of the error} to stdout. Exits when the sweep process goes away."""
+    from .catalog import load_builtins
     from .config import config_from_dict
     parent = int(os.environ.get("FEDLASE_SWEEP_PARENT", os.getppid()))
 
@@ -330,6 +335,7 @@ def _child_main() -> int:
     sys.stdout = sys.stderr
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     spec = json.loads(sys.stdin.read())
+    load_builtins()   # a fresh process: register the built-in choices before the config is checked
     run = PlannedRun(spec["name"], {}, config_from_dict(spec["config"]))
     error = _run_one(run, progress=False)
     report.write(json.dumps({"error": error}) + "\n")

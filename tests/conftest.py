@@ -7,7 +7,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from fedlase.catalog import load_builtins
 from fedlase.config import load_config
+
+load_builtins()   # the tests build configs directly, as a program's start-up would after registering these
 
 # A run that takes well under a second a round on one CPU thread: digits (8x8), a quarter-width CNN,
 # 4 clients at two levels, 2 sampled per round, 2 local steps.

@@ -251,13 +251,26 @@ def test_override_without_equals_is_an_error():
     ("system={1,1/4}_{1,2}", ("system", "{1,1/4}_{1,2}")),      # raw string, not YAML
     ("participation={0.1,0.15,0.2}", ("participation", "{0.1,0.15,0.2}")),
     ("out=runs/a b", ("out", "runs/a b")),
-    ("data_dir=", ("data_dir", "")),
-    ("local_epochs=", ("local_epochs", None)),
     ("betas=[0.9, 0.95]", ("betas", [0.9, 0.95])),
     ("dataset=digits", ("dataset", "digits")),
 ])
 def test_parse_override(item, expected):
     assert parse_override(item) == expected
+
+
+@pytest.mark.parametrize("item", ["data_dir=", "local_epochs=", "coverage=", "coverage= ", "system="])
+def test_an_empty_override_is_an_error(item):
+    """`key=` never means "unset": it names the key (leave the key out for its default)."""
+    with pytest.raises(ConfigError) as e:
+        parse_override(item)
+    assert e.value.key == item.split("=")[0] and "empty value" in str(e.value)
+
+
+@pytest.mark.parametrize("key", ["out", "data_dir", "superlink", "method"])
+def test_an_empty_string_is_an_error(key):
+    with pytest.raises(ConfigError) as e:
+        config_from_dict({key: "  "})
+    assert e.value.key == key
 
 
 def test_overrides_are_typed_and_nested():
@@ -290,6 +303,9 @@ def _partner(key: str, value: str) -> list[str]:
     if key == "model":
         kind = MODELS.get(value).kind
         data = next(n for n, d in DATASETS.items() if d.kind == kind and not d.needs_data_dir)
+        if value == "hf":   # checked at validation: a local Hugging Face folder (the packaged MiniLM's)
+            from fedlase.models.transformer import minilm_path
+            return [f"dataset={data}", f"model_path={minilm_path()}"]
         return [f"dataset={data}"]
     if key == "head_norm" and value != "none":   # a text model's option
         return ["dataset=bbc_news", "model=minilm"]

