@@ -10,13 +10,36 @@ import math
 from typing import ClassVar
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ..levels import System, as_system
 from ..masks import Submodel, kth_largest, maskable_names
 from ..options import Option, check_options
 
-__all__ = ["Method", "Option", "ThresholdMethod"]
+__all__ = ["LocalObjective", "Method", "Option", "ThresholdMethod"]
+
+
+class LocalObjective:
+    """A method's own local training, for methods that need more than the cross-entropy of one forward of the
+    submodel (FjORD: a width drawn per batch, self-distillation; DepthFL: every exit's loss and mutual
+    distillation; FedDSE: each client's own mask, chosen on its data). A method attaches one to the Submodel
+    it returns (`Submodel.local`); `fedlase.train.local_train` then calls `start` once when the client begins
+    and `loss` on every batch. This base class is the plain path: it keeps the submodel and returns the
+    cross-entropy of one forward. Its draws (FjORD's widths) come from torch's global stream, which the
+    client seeds per round and client, so a resumed run repeats them. Not taken by the batched path."""
+
+    def start(self, model: nn.Module, sub: Submodel, params: dict[str, torch.Tensor],
+              buffers: dict[str, torch.Tensor], x: torch.Tensor, batches: list[torch.Tensor]) -> Submodel:
+        """The submodel this client trains (its masks also cut its delta). `params`: the tensors it trains,
+        still equal to the global model's (gathered when the submodel is a slice); x[batches[i]]: its data."""
+        return sub
+
+    def loss(self, forward, weights: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor],
+             xb: torch.Tensor, yb: torch.Tensor) -> torch.Tensor:
+        """One batch's loss. `weights`: the submodel's effective weights (`Submodel.apply`, differentiable);
+        `forward(weights, buffers, *args, **kwargs)`: the model called on them."""
+        return F.cross_entropy(forward(weights, buffers, xb), yb)
 
 
 class Method:
@@ -35,6 +58,13 @@ class Method:
     def check_args(cls, options: dict) -> dict:
         """Check method_args without building the method (config validation)."""
         return check_options("method_args", cls.options, options, cls.name)
+
+    @classmethod
+    def prepare_model(cls, model: nn.Module, options: dict) -> nn.Module:
+        """The model this method trains, from the one the config names, before its parameters are read: the
+        model itself unless a method adds parts of its own (DepthFL's exit classifiers). Called by the model
+        builders with the run's method_args; must be deterministic (it runs after the run's seed is set)."""
+        return model
 
     @property
     def aggregation(self) -> str:

@@ -2,7 +2,7 @@
 `channel_groups()` so structured (width-slice) methods can cut it."""
 from torch import nn
 
-from ..registry import register_model
+from ..registry import METHODS, register_model
 from .cnn import SmallCNN
 from .resnet import BN_MODES, ResNet18
 
@@ -16,7 +16,10 @@ def build_model(name: str, in_channels: int, num_classes: int, width: float = 1.
 
 
 def _builder(name: str):
-    return lambda cfg, data: build_model(name, data.in_channels, data.num_classes, cfg.width, cfg.bn, data.image_size)
+    def build(cfg, data):   # the run's method may add parts of its own (DepthFL's exits; Method.prepare_model)
+        model = build_model(name, data.in_channels, data.num_classes, cfg.width, cfg.bn, data.image_size)
+        return METHODS.get(cfg.method).prepare_model(model, cfg.method_args)
+    return build
 
 
 register_model("cnn", _builder("cnn"), "image", "small CNN for 28x28 images, first and last layers fit 1/64")
