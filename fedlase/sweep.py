@@ -127,7 +127,7 @@ def _check_method(cfg: Config, data: dict) -> None:
     if data[key] is not None:
         with torch.random.fork_rng(devices=[]):   # the sweep's own process: leave torch's stream as it was
             model = MODELS.get(cfg.model).build(cfg, data[key])
-        METHODS.get(cfg.method)(model, cfg.levels, **cfg.method_args)
+        METHODS.get(cfg.method)(model, cfg.levels, run_seed=cfg.seed, **cfg.method_args)
 
 
 def _plain(d: dict) -> dict:

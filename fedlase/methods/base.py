@@ -42,17 +42,37 @@ class LocalObjective:
         return F.cross_entropy(forward(weights, buffers, xb), yb)
 
 
+METHOD_STREAM = 3   # the stream tag of a method's draws, after fedlase/sampling.py's sampling, batches, dropout
+
+
 class Method:
     """Base class. Subclasses set `name`, `options` and implement `submodel`."""
     name: ClassVar[str] = ""
     options: ClassVar[dict[str, Option]] = {}
     coverage: ClassVar[str] = "mask"   # the aggregation's coverage rule unless the config sets one
 
-    def __init__(self, model: nn.Module, system: System | list = (1.0,), **options):
+    def __init__(self, model: nn.Module, system: System | list = (1.0,), *, run_seed: int | None = None,
+                 **options):
         self.model = model
         self.system = as_system(system)
         self.maskable = maskable_names(model)
         self.args = check_options("method_args", self.options, options, self.name)
+        # the run's seed; without `run_seed`, the seed torch was last seeded with (the engine seeds it with
+        # the run's seed just before it builds the model and this method)
+        self.seed = torch.initial_seed() if run_seed is None else int(run_seed)
+
+    def generator(self, level, round: int) -> torch.Generator:
+        """A method's only source of randomness: a fresh CPU generator seeded from (run seed, round, level), so
+        a submodel is a function of (params, level, round, seed). Training and evaluation of a round then get
+        the same submodel, and a resumed run the same as an uninterrupted one (docs/library.md)."""
+        from ..sampling import derive_seed
+        index = getattr(level, "index", None)
+        if index is None:   # a bare fraction (library calls): its level in this method's system
+            found = self.system.find(level)
+            if found is None:
+                raise ValueError(f"level {level} is not one of the system's levels")
+            index = found.index
+        return torch.Generator().manual_seed(derive_seed(self.seed, round, METHOD_STREAM, int(index)))
 
     @classmethod
     def check_args(cls, options: dict) -> dict:
