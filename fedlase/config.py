@@ -66,7 +66,8 @@ class Config:
     classes_per_client: int = _f(2, "classes per client for pathological, 1..number of classes", low=1)
     local_test_ratio: float | None = _f(None, "local test split size / local train size (default: test/train of the "
                                         "data)", kind=float, **_positive())
-    participation: Any = _f(0.1, "fraction of clients sampled per round, or a set drawn per round, e.g. {0.1,0.15,0.2}")
+    participation: Any = _f(0.1, "fraction of clients sampled per round, or a set drawn per round, e.g. {0.1,0.15,0.2}",
+                            kind=object, low=0, low_open=True, high=1)   # a number or a set: parse_participation
     local_steps: int | None = _f(20, "local SGD steps per round (set local_epochs instead to train by epochs)",
                                  kind=int, low=1)
     local_epochs: float | None = _f(None, "local epochs per round; overrides local_steps when set", kind=float,
