@@ -12,11 +12,15 @@ coverage (which clients are credited with a coordinate, i.e. the denominator of 
     nonzero: every client whose returned delta there is nonzero (exactly FIARSE's official server,
         `fiarse/server.py`: `tot_mask += (grad != 0)` on the state-dict difference; a coordinate nobody moved
         gets 0/0, turned into a step of 0 by `nan_to_num`).
-    kept: structural credit. Weights are credited by mask. A per-channel parameter (a conv/linear bias entry,
-        a BatchNorm weight or bias) is credited only when the output channel it belongs to keeps at least one
-        weight of its layer in the client's mask (and, for a masked bias, its own mask holds it). A channel
-        whose whole weight row was dropped is not part of the client's network: what its BN shift or bias
-        learned (a constant fed to the next layer) is dropped with it, from the sum as well as the count.
+    kept: structural credit. Weights are credited by mask. A per-channel parameter is credited only on the
+        output channels that are part of the client's network: a conv/linear bias entry where its own layer
+        keeps at least one weight of that channel (and, for a masked bias, its own mask holds it); a BatchNorm
+        weight or bias entry where some layer producing its channel group (the model's `channel_groups()`)
+        keeps one. A channel nobody keeps a weight of carries only constants: what its BN shift or bias
+        learned (a constant fed to the next layer) is dropped with it, from the sum as well as the count. In a
+        residual stage one group has several producers (the stem or block outputs and the shortcuts, added
+        together): a block's BN channel counts while the stage's channel is alive, since its shift then adds
+        to a live signal.
 """
 from __future__ import annotations
 
@@ -29,38 +33,47 @@ AGGREGATIONS = ("coverage", "mean")
 COVERAGES = ("mask", "nonzero", "kept")
 
 
-def channel_owners(model: nn.Module) -> dict[str, str]:
-    """Per-channel parameter name -> the conv/linear weight whose output channels it follows.
+def channel_owners(model: nn.Module) -> dict[str, list[str]]:
+    """Per-channel parameter name -> the conv/linear weights whose output channels decide its `kept` credit.
 
-    A conv/linear bias follows its own layer's weight. A BatchNorm's weight and bias follow the last conv or
-    linear layer registered before it, when that layer's output channels match the BN's features (true of the
-    bundled CNN and ResNet-18, whose modules are registered in forward order: conv, bn, ..., shortcut conv,
-    shortcut bn). Anything else (LayerNorm, embeddings) has no owner and is credited by its mask."""
-    owners: dict[str, str] = {}
-    last: tuple[str, int] | None = None   # (weight name, output channels) of the last conv/linear seen
+    A conv/linear bias follows its own layer's weight. A BatchNorm's weight and bias follow every weight
+    (a parameter of two or more dims) that the model's `channel_groups()` puts in the same output group; a
+    model without `channel_groups()` names no BN owner. Anything else (LayerNorm, embeddings) has no owner
+    and is credited by its mask."""
+    owners: dict[str, list[str]] = {}
     for mod_name, mod in model.named_modules():
-        prefix = f"{mod_name}." if mod_name else ""
-        if isinstance(mod, (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Linear)):
-            weight = f"{prefix}weight"
-            if mod.bias is not None:
-                owners[f"{prefix}bias"] = weight
-            last = (weight, mod.weight.shape[0])
-        elif isinstance(mod, nn.modules.batchnorm._BatchNorm) and mod.affine and last is not None \
-                and last[1] == mod.num_features:
-            owners[f"{prefix}weight"] = owners[f"{prefix}bias"] = last[0]
+        if isinstance(mod, (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Linear)) and mod.bias is not None:
+            prefix = f"{mod_name}." if mod_name else ""
+            owners[f"{prefix}bias"] = [f"{prefix}weight"]
+    if not hasattr(model, "channel_groups"):
+        return owners
+    shapes = {n: p.dim() for n, p in model.named_parameters()}
+    groups = model.channel_groups()
+    producers: dict[str, list[str]] = {}
+    for name, (out_g, _) in groups.items():
+        if out_g is not None and shapes.get(name, 0) > 1:
+            producers.setdefault(out_g, []).append(name)
+    bn = {f"{m}.{p}" for m, mod in model.named_modules() if isinstance(mod, nn.modules.batchnorm._BatchNorm)
+          for p, _ in mod.named_parameters(recurse=False)}
+    for name, (out_g, _) in groups.items():
+        if name in bn and out_g in producers:
+            owners[name] = producers[out_g]
     return owners
 
 
-def kept_credit(sub: Submodel, names, owners: dict[str, str]) -> dict[str, torch.Tensor]:
+def kept_credit(sub: Submodel, names, owners: dict[str, list[str]]) -> dict[str, torch.Tensor]:
     """The `kept` coverage rule's credit masks of one submodel, for the named parameters that have a mask or
     an owner (the others are credited whole)."""
     out = {}
     for n in names:
         base = sub.masks.get(n)
-        owner = owners.get(n)
-        if owner is not None and owner in sub.masks:
-            w = sub.masks[owner]
-            alive = w.reshape(w.shape[0], -1).any(1)   # channel keeps at least one weight of its layer
+        weights = owners.get(n, [])
+        if weights and all(w in sub.masks for w in weights):   # an owner kept whole keeps every channel alive
+            alive = None
+            for w in weights:   # a channel is alive when some owner keeps at least one weight of it
+                m = sub.masks[w]
+                rows = m.reshape(m.shape[0], -1).any(1)
+                alive = rows if alive is None else alive | rows
             base = alive if base is None else base & alive
         if base is not None:
             out[n] = base
@@ -74,11 +87,12 @@ class Aggregator:
         'mean' (sum of the deltas divided by the number of clients, |A|: the rebuttal's "w/o overlap").
     coverage: 'mask' (default), 'nonzero' or 'kept'; see the module docstring. Under `mean` mode only `kept`
         matters (it drops the deltas of uncredited channels); the other two give the same result there.
-    owners: for `kept`, the map from per-channel parameters to their layer's weight (`channel_owners(model)`).
+    owners: for `kept`, the map from per-channel parameters to the weights owning their channels
+        (`channel_owners(model)`).
     """
 
     def __init__(self, global_params: dict[str, torch.Tensor], mode: str = "coverage", coverage: str = "mask",
-                 owners: dict[str, str] | None = None):
+                 owners: dict[str, list[str]] | None = None):
         if mode not in AGGREGATIONS:
             raise ValueError(f"aggregation must be one of {AGGREGATIONS}, got {mode!r}")
         if coverage not in COVERAGES:
@@ -144,7 +158,7 @@ class Aggregator:
 
 
 def aggregate(global_params: dict[str, torch.Tensor], updates: list[tuple[dict, Submodel]],
-              mode: str = "coverage", coverage: str = "mask", owners: dict[str, str] | None = None
+              mode: str = "coverage", coverage: str = "mask", owners: dict[str, list[str]] | None = None
               ) -> dict[str, torch.Tensor]:
     """New global parameters from (delta, submodel) pairs."""
     agg = Aggregator(global_params, mode, coverage, owners)

@@ -83,13 +83,23 @@ def test_coverage_changes_nothing_when_every_credited_delta_is_nonzero(name, mod
         assert all(torch.equal(results[0][n], other[n]) for n in glob)
 
 
+class ConvBN(nn.Sequential):
+    """A conv (2 out channels, with bias) and its BN, declaring their channel group as the bundled models do."""
+
+    def __init__(self):
+        super().__init__(nn.Conv2d(1, 2, 1), nn.BatchNorm2d(2))
+
+    def channel_groups(self):
+        return {"0.weight": ("g", None), "0.bias": ("g", None), "1.weight": ("g", None), "1.bias": ("g", None)}
+
+
 def test_kept_credits_a_channel_only_when_it_keeps_a_weight():
     # Prepare: conv (2 out channels) with bias, then its BN. Client A keeps only channel 0's weights, client B
     # both channels. Every returned delta is nonzero, also A's on channel 1's bias/BN (a dead channel still
     # moves its BN shift).
-    model = nn.Sequential(nn.Conv2d(1, 2, 1), nn.BatchNorm2d(2))
+    model = ConvBN()
     owners = channel_owners(model)
-    assert owners == {"0.bias": "0.weight", "1.weight": "0.weight", "1.bias": "0.weight"}
+    assert owners == {"0.bias": ["0.weight"], "1.weight": ["0.weight"], "1.bias": ["0.weight"]}
     glob = {n: torch.zeros_like(p) for n, p in model.named_parameters()}
     a_mask = {"0.weight": T([True, False]).view(2, 1, 1, 1)}
     b_mask = {"0.weight": T([True, True]).view(2, 1, 1, 1)}
@@ -107,22 +117,51 @@ def test_kept_credits_a_channel_only_when_it_keeps_a_weight():
     assert torch.equal(aggregate(glob, [a, b], coverage="mask")["1.bias"], T([2.0, 3.5]))
 
 
+def test_kept_credits_a_residual_bn_while_its_stage_channel_lives():
+    # A residual stage: two producers of group "s" (a block conv and a shortcut conv), each followed by its BN.
+    # The client drops the block conv's channel 1 but the shortcut keeps it: the stage's channel 1 is alive, so
+    # the block BN's shift there (a constant added to a live signal) is credited; channel 1 of neither: not.
+    class Stage(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv, self.bn = nn.Conv2d(1, 2, 1, bias=False), nn.BatchNorm2d(2)
+            self.short, self.sbn = nn.Conv2d(1, 2, 1, bias=False), nn.BatchNorm2d(2)
+
+        def channel_groups(self):
+            return {n: ("s", None) for n in ("conv.weight", "bn.weight", "bn.bias", "short.weight", "sbn.weight",
+                                             "sbn.bias")}
+    owners = channel_owners(Stage())
+    assert owners["bn.bias"] == owners["sbn.weight"] == ["conv.weight", "short.weight"]
+    conv = T([True, False]).view(2, 1, 1, 1)
+    live = kept_credit(Submodel({"conv.weight": conv, "short.weight": T([True, True]).view(2, 1, 1, 1)}),
+                       ["bn.bias"], owners)
+    dead = kept_credit(Submodel({"conv.weight": conv, "short.weight": conv}), ["bn.bias"], owners)
+    assert torch.equal(live["bn.bias"], T([True, True])) and torch.equal(dead["bn.bias"], T([True, False]))
+    # an owner kept whole (no mask) keeps every channel: no credit mask at all
+    assert kept_credit(Submodel({"conv.weight": conv}), ["bn.bias"], owners) == {}
+
+
 def test_kept_credit_ands_a_masked_bias_with_its_channel():
     sub = Submodel({"l.weight": T([[True, False], [False, False], [True, True]]), "l.bias": T([False, True, True])})
-    credit = kept_credit(sub, ["l.weight", "l.bias"], {"l.bias": "l.weight"})
+    credit = kept_credit(sub, ["l.weight", "l.bias"], {"l.bias": ["l.weight"]})
     assert torch.equal(credit["l.bias"], T([False, False, True]))
     assert torch.equal(credit["l.weight"], sub.masks["l.weight"])
 
 
 def test_channel_owners_of_the_bundled_models():
+    # from the models' channel_groups(): a BN follows every weight of its output group
     cnn = channel_owners(build_model("cnn", in_channels=1, num_classes=10, width=0.25, image_size=28))
-    assert cnn["features.1.weight"] == cnn["features.1.bias"] == "features.0.weight"
-    assert cnn["classifier.bias"] == "classifier.weight"
+    assert cnn["features.1.weight"] == cnn["features.1.bias"] == ["features.0.weight"]
+    assert cnn["classifier.bias"] == ["classifier.weight"]
     res = channel_owners(build_model("resnet18", in_channels=3, num_classes=10, width=0.0625, image_size=32))
-    assert res["bn1.weight"] == "conv1.weight"
-    assert res["layer1.0.bn2.bias"] == "layer1.0.conv2.weight"
-    assert res["layer2.0.shortcut.1.weight"] == "layer2.0.shortcut.0.weight"
-    assert res["linear.bias"] == "linear.weight"
+    assert res["bn1.weight"] == ["conv1.weight", "layer1.0.conv2.weight", "layer1.1.conv2.weight"]
+    assert res["layer1.0.bn1.bias"] == ["layer1.0.conv1.weight"]   # a block's inner group: its first conv only
+    assert res["layer1.0.bn2.bias"] == res["bn1.weight"]           # stage 1 shares the stem's channels
+    assert res["layer2.0.shortcut.1.weight"] == ["layer2.0.conv2.weight", "layer2.0.shortcut.0.weight",
+                                                 "layer2.1.conv2.weight"]
+    assert res["linear.bias"] == ["linear.weight"]
+    # a model that declares no channel groups: its BN has no owner (credited by its mask), its bias has its layer
+    assert channel_owners(nn.Sequential(nn.Conv2d(1, 2, 1), nn.BatchNorm2d(2))) == {"0.bias": ["0.weight"]}
 
 
 def test_bad_coverage_arguments():

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from ..masks import Submodel
 from .base import Method
-from .slicing import SliceCache, slice_key, width_rate, width_slices
+from .slicing import WidthSlicer
 
 
 class FedAvg(Method):
@@ -16,17 +16,13 @@ class FedAvg(Method):
 
 
 class FedAvgSmall(Method):
-    """Every client trains the width slice of the system's smallest level, whatever its own level."""
+    """Every client trains the width slice of the system's smallest level, whatever its own level: HeteroFL's
+    slice of that level without the scaler."""
     name = "fedavg_small"
 
     def __init__(self, model, system=(1.0,), **options):
         super().__init__(model, system, **options)
-        self._slices = SliceCache()
+        self.slicer = WidthSlicer(model, method=self.name)
 
     def submodel(self, params, level, round):
-        rate = width_rate(float(self.system.smallest))
-        return self._slices("smallest", slice_key(params, rate), lambda: self._slice(params, rate))
-
-    def _slice(self, params, rate: float) -> Submodel:
-        masks, slices = width_slices(self.model, params, rate)
-        return Submodel(masks, slices=slices)
+        return self.slicer(params, self.system.smallest)

@@ -10,6 +10,9 @@ import math
 import torch
 from torch import nn
 
+from ..errors import ConfigError
+from ..masks import Submodel
+
 
 def width_rate(level: float) -> float:
     """Parameter level -> width rate: a width rate r keeps about r^2 of a conv's parameters."""
@@ -22,20 +25,14 @@ def channel_window(size: int, rate: float, roll: int = 0) -> torch.Tensor:
     return (torch.arange(keep) - roll) % size
 
 
-def width_masks(model: nn.Module, params: dict[str, torch.Tensor], rate: float, roll: int = 0) -> dict[str, torch.Tensor]:
-    """Masks of the width slice at `rate`, window rolled by `roll` channels (0: the first channels).
+def group_keep(model: nn.Module, groups: dict, params: dict[str, torch.Tensor], rate: float,
+               roll: int = 0) -> dict[str, torch.Tensor]:
+    """Channel group -> bool vector of its kept channels at `rate`, the window rolled by `roll` channels (0: the
+    first channels); `groups` is `model.channel_groups()`.
 
     A model may declare `group_units()` -> {group: unit size}: such a group is cut in whole units of that
     many consecutive channels (a transformer's attention heads: unit = head size), the window counting and
     rolling in units. Groups it does not name have unit 1 (single channels)."""
-    groups = model.channel_groups()
-    return _masks(groups, params, group_keep(model, groups, params, rate, roll))
-
-
-def group_keep(model: nn.Module, groups: dict, params: dict[str, torch.Tensor], rate: float,
-               roll: int = 0) -> dict[str, torch.Tensor]:
-    """Channel group -> bool vector of its kept channels (see `width_masks`); `groups` is
-    `model.channel_groups()`."""
     units = model.group_units() if hasattr(model, "group_units") else {}
     sizes: dict[str, int] = {}
     for name, (out_g, in_g) in groups.items():
@@ -71,7 +68,7 @@ def _masks(groups, params, keep) -> dict[str, torch.Tensor]:
 
 def width_slices(model: nn.Module, params: dict[str, torch.Tensor], rate: float,
                  roll: int = 0) -> tuple[dict[str, torch.Tensor], dict[str, tuple]]:
-    """(masks, slices) of the width slice: `width_masks`, and per sliced parameter (and BN running statistic
+    """(masks, slices) of the width slice: the masks of the kept channels (`group_keep`), and per sliced parameter (and BN running statistic
     of a sliced BN) the kept indices of its output and input dims, for `Submodel.slices`. Indices are sorted:
     a permutation applied to every tensor of a group alike leaves the network's function unchanged.
 
@@ -102,29 +99,33 @@ def width_slices(model: nn.Module, params: dict[str, torch.Tensor], rate: float,
     return masks, slices
 
 
-class SliceCache:
-    """The last submodel built per level, reused while its key holds. A width slice depends on the rate, the
-    window's roll, the weights' shapes and device, never on their values: keyed on those, HeteroFL and
-    FedAvg-small build each level's submodel once per run (and its `inner()` once), while FedRolex, whose window
-    moves every round, rebuilds. One entry per level, so memory stays one submodel per level."""
+class WidthSlicer:
+    """The width-slice submodels of one model (HeteroFL, FedRolex, FedAvg on the small model): the one place
+    they are built. A slice depends on the rate, the window's roll and the weights' device, never on the
+    weights' values, so the last submodel built per level is reused while those hold: HeteroFL and FedAvg-small
+    build each level's submodel once per run (and its `inner()` once), FedRolex, whose window moves every
+    round, rebuilds. Memory: one submodel per level.
 
-    def __init__(self):
+    `scaled`: the parameters HeteroFL's scaler multiplies in training (the model's `scaler_names()`); a slice
+    at rate r carries them as `Submodel.scales` of 1/r."""
+
+    def __init__(self, model: nn.Module, scaled: list[str] = (), method: str = "width slices"):
+        if not hasattr(model, "channel_groups"):
+            raise ConfigError("method", f"{method} slices channels; model {type(model).__name__} declares no "
+                              "channel_groups()")
+        self.model, self.scaled = model, list(scaled)
         self._last: dict = {}
 
-    def snapshot(self) -> dict:
-        """What the cache holds now (`fedlase bench` replays a round from the state a run reaches it in)."""
-        return dict(self._last)
-
-    def restore(self, snapshot: dict) -> None:
-        self._last = dict(snapshot)
-
-    def __call__(self, level, key: tuple, build):
-        hit = self._last.get(level)
+    def __call__(self, params: dict[str, torch.Tensor], level, roll: int = 0) -> Submodel:
+        """The submodel of `level` (a fraction of the parameters: width rate sqrt(level)), window rolled by
+        `roll`; the whole model at level 1."""
+        rate = width_rate(float(level))
+        if rate >= 1:
+            return Submodel()   # the whole model: no masks to apply or count
+        key = (rate, roll, next(iter(params.values())).device)
+        hit = self._last.get(float(level))
         if hit is None or hit[0] != key:
-            hit = self._last[level] = (key, build())
+            masks, slices = width_slices(self.model, params, rate, roll)
+            hit = self._last[float(level)] = (key, Submodel(masks, slices=slices,
+                                                            scales={n: 1.0 / rate for n in self.scaled}))
         return hit[1]
-
-
-def slice_key(params: dict[str, torch.Tensor], rate: float, roll: int = 0) -> tuple:
-    """What a width slice depends on (see SliceCache)."""
-    return rate, roll, next(iter(params.values())).device
