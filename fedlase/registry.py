@@ -96,7 +96,8 @@ class DatasetEntry:
 
     `check(cfg)`, optional, runs at config validation, before anything is loaded: it raises ConfigError on a
     value this dataset cannot take, and may return what it knows of the data without loading it, a dict with
-    any of `train`/`test` (sample counts) and `bytes` (what loading it will hold in memory)."""
+    any of `train`/`test` (sample counts), `bytes` (what loading it will hold in memory) and `key` (the config
+    key `bytes` scales with; default `dataset`)."""
     load: Callable[[Any], Any]
     num_classes: int
     kind: str = "image"

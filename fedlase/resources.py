@@ -6,13 +6,15 @@ Checked at config validation (fedlase/config.py), in this order:
   the model's positions, read from its config.json; the text datasets' sample counts and tokenized size;
 - counts against the data, where the dataset knows its sizes before loading: clients (`system`) and
   `batch_size` at most the training samples;
-- memory against what this process may still allocate (`available_memory`): the loaded dataset; the round's
+- memory against what this process may still allocate (`available_memory`): the per-client bookkeeping
+  (`system`); the loaded dataset (`dataset`, or `max_length` for a text dataset: its own check); the round's
   updates (`participation`: one full-size delta per sampled client, plus a few copies of the global model);
-  the activations of a training batch (`batch_size`) and of an evaluation batch (`eval_batch_size`);
-  the per-client bookkeeping (`system`).
+  the activations of a training batch (`batch_size`) and of an evaluation batch (`eval_batch_size`).
 
-The estimates are rough on purpose (within a small factor): they exist to stop what cannot possibly run,
-never a run that would fit. A model's parameters and activation sizes come from building it on torch's
+The estimates are rough upper bounds, meant to stop what cannot run, not to plan one: an update is counted
+at full model size (a width slice's is smaller), and the batch estimates are made only for a dataset that
+reports its sample counts before loading (the text datasets; an image dataset's `check` may add them), since
+a batch is never larger than the data it is cut from. A model's parameters and activation sizes come from building it on torch's
 `meta` device (no memory, no weights read) and one forward of a single sample there; a model that cannot be
 built or run on `meta` (the text models: their forward trims batches by value) gives its sizes through its
 registry entry's `check`, or is not estimated."""
@@ -111,16 +113,19 @@ def model_sizes(build, cfg, data_entry) -> dict:
     try:
         with torch.random.fork_rng(devices=[]), torch.device("meta"):
             model = build(cfg, fake)
-            params = sum(p.numel() for p in model.parameters())
-            handles = [m.register_forward_hook(hook) for m in model.modules() if not list(m.children())]
-            model.eval()
-            with torch.no_grad():
-                model(torch.empty((1, *shape)))
-            for h in handles:
-                h.remove()
-    except Exception:   # noqa: BLE001 -- a model that cannot run on meta is simply not estimated
+    except Exception:   # noqa: BLE001 -- a model that cannot be built on meta is simply not estimated
         return {}
-    return {"params": params, "sample_bytes": sum(outputs), "largest_bytes": max(outputs, default=0)}
+    sizes = {"params": sum(p.numel() for p in model.parameters())}
+    handles = [m.register_forward_hook(hook) for m in model.modules() if not list(m.children())]
+    try:   # two samples: batch-statistics BN needs more than one value per channel
+        with torch.no_grad(), torch.device("meta"):
+            model.eval()(torch.empty((2, *shape)))
+        sizes.update(sample_bytes=sum(outputs) // 2, largest_bytes=max(outputs, default=0) // 2)
+    except Exception:   # noqa: BLE001 -- a forward that cannot run on meta: parameters only
+        pass
+    for h in handles:
+        h.remove()
+    return sizes
 
 
 def check_run(cfg, data_entry, model_entry) -> None:
@@ -140,18 +145,21 @@ def check_run(cfg, data_entry, model_entry) -> None:
         return
     require("system", clients * PER_CLIENT_BYTES, f"the bookkeeping of {clients} clients",
             "use fewer clients", available)
-    require("dataset", data_info.get("bytes", 0), f"{cfg.dataset} in memory", "use a smaller dataset", available)
+    key = data_info.get("key", "dataset")   # the key the loaded size scales with (text: max_length)
+    require(key, data_info.get("bytes", 0), f"{cfg.dataset} in memory", f"lower {key}", available)
     sizes = {**model_sizes(model_entry.build, cfg, data_entry), **model_info}
     if "params" in sizes:
         sampled = math.ceil(max(cfg.participation) * clients)
         require("participation", (sampled + GLOBAL_COPIES) * sizes["params"] * 4,
                 f"a round of {sampled} clients, each update {sizes['params']} parameters,",
                 "lower participation or the client counts in system", available)
+    if n_train is None:
+        return
     if "sample_bytes" in sizes:   # training keeps every activation (and its gradient) of the batch
-        batch = min(cfg.batch_size, n_train or cfg.batch_size)
+        batch = min(cfg.batch_size, n_train)
         require("batch_size", 2 * batch * sizes["sample_bytes"], f"a training batch of {batch}",
                 "lower batch_size", available)
-    if "largest_bytes" in sizes:
-        batch = min(cfg.eval_batch_size, max(n_test or 0, n_train or 0) or cfg.eval_batch_size)
+    if "largest_bytes" in sizes:   # evaluation batches cut the test set and the BN-recompute samples
+        batch = min(cfg.eval_batch_size, max(n_test or 0, n_train))
         require("eval_batch_size", LIVE_ACTIVATIONS * batch * sizes["largest_bytes"],
                 f"an evaluation batch of {batch}", "lower eval_batch_size", available)

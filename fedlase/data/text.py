@@ -226,7 +226,8 @@ _BYTES_PER_TOKEN = 24
 
 
 def _sizes(n_train: int, n_test: int, cfg) -> dict:
-    return {"train": n_train, "test": n_test, "bytes": (n_train + n_test) * max_length_of(cfg) * _BYTES_PER_TOKEN}
+    return {"train": n_train, "test": n_test, "bytes": (n_train + n_test) * max_length_of(cfg) * _BYTES_PER_TOKEN,
+            "key": "max_length"}
 
 
 def check_bbc_news(cfg) -> dict:
