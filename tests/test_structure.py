@@ -91,3 +91,44 @@ def test_no_private_flower_module():
             bad += [f"{p.name}: {m}" for m in mods
                     if m.startswith("flwr") and any(part.startswith("_") for part in m.split("."))]
     assert not bad, bad
+
+
+# ---- the config is a plain record low in the graph (issue 22) -------------------------------------------------
+
+HEAVY = ("fedlase.methods", "fedlase.models", "fedlase.data", "fedlase.analysis", "fedlase.catalog")
+
+
+def _loaded_by(module: str) -> list[str]:
+    """fedlase modules a fresh interpreter holds after importing `module`."""
+    import subprocess
+    import sys
+    code = f"import sys, {module}; print(' '.join(m for m in sys.modules if m.startswith('fedlase')))"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout.split()
+
+
+def test_importing_the_config_loads_no_method_model_or_dataset():
+    loaded = _loaded_by("fedlase.config")
+    assert "fedlase.config" in loaded
+    assert not [m for m in loaded if m.startswith(HEAVY)], loaded
+
+
+def test_the_config_imports_nothing_above_it():
+    """Its imports (and theirs) are the low layer: errors, levels, options, registry, resources."""
+    g, seen, todo = graph(), set(), ["fedlase.config"]
+    while todo:
+        for n in g.get(todo.pop(), ()):
+            if n not in seen:
+                seen.add(n)
+                todo.append(n)
+    assert seen <= {"fedlase", "fedlase.errors", "fedlase.levels", "fedlase.options", "fedlase.registry",
+                    "fedlase.resources"}, seen
+    assert not any(m.startswith(HEAVY) for m in seen)
+
+
+def test_only_the_edges_register_the_built_ins():
+    """catalog (which imports every built-in) is imported by the programs' entry points only."""
+    importers = {m for m, names in graph().items() if "fedlase.catalog" in names}
+    assert importers <= {"fedlase", "fedlase.cli", "fedlase.api", "fedlase.runner", "fedlase.sweep",
+                         "fedlase.flower.server_app", "fedlase.flower.client_app"}, importers
