@@ -9,6 +9,8 @@ bulky arrays go to `<out>/analysis/<name>.npz`, rewritten at every evaluation (s
   standard deviation over the last N rounds (`ratio_std`).
 - updates: how many times each coordinate was part of a trained submodel; per-layer summaries, Gini
   coefficient and histogram.
+- tensorboard: the per-round and per-level scalars (training loss, each level's clients and kept share, and at
+  every evaluation each level's accuracies), written for TensorBoard (needs the `tensorboard` extra).
 """
 from __future__ import annotations
 
@@ -48,6 +50,10 @@ class Tracker:
 
     def on_eval(self, rnd: int) -> dict | None:
         return None
+
+    def on_metrics(self, rnd: int, line: dict) -> None:
+        """The round's metrics as the engine has them: every round the training figures (`train_loss`,
+        `clients`, ...), and at an evaluation the whole metrics line, as written to metrics.jsonl."""
 
     def state_dict(self) -> dict:
         return {}
@@ -272,3 +278,73 @@ class Updates(Tracker):
     def load_state_dict(self, state):
         self.counts = {n: c.to(self.exp.device) for n, c in state["counts"].items()}
         self.clients = state["clients"]
+
+
+def scalars(line: dict) -> dict[str, float]:
+    """A metrics line's numbers as TensorBoard tags: `global_acc`; per level `global_acc/level 1/4`;
+    other nested numbers joined by '/' (`updates/gini`). Strings and the round itself are left out."""
+    out = {}
+
+    def walk(value, tag: str) -> None:
+        if isinstance(value, dict):
+            for k, v in value.items():
+                walk(v, f"{tag}/{k}" if tag else str(k))
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            out[tag] = float(value)
+
+    for key, value in line.items():
+        if key == "levels":
+            for lvl, metrics in value.items():
+                for name, v in metrics.items():
+                    walk(v, f"{name}/level {lvl}")
+        elif key != "round":
+            walk(value, key)
+    return out
+
+
+@register_tracker
+class TensorBoard(Tracker):
+    """The run's scalars for TensorBoard (torch.utils.tensorboard; `pip install 'fedlase[tensorboard]'`):
+    every round the training loss and, per level trained, its clients (`trained_clients`) and the share of
+    the budgeted parameters its submodel keeps (`trained_kept_share`); at every evaluation each level's and the overall accuracies and fairness, and what the other
+    analyses put in the metrics line. The value is the folder (`analysis.tensorboard=DIR`), or true for
+    `<out>/tensorboard`. A resumed run drops the events after its checkpoint (TensorBoard's purge_step)."""
+    key = "tensorboard"
+    options_spec = {"dir": Option(None, "folder of the event files (default: <out>/tensorboard)", kind=str)}
+
+    @classmethod
+    def parse_options(cls, value) -> dict:
+        return super().parse_options({"dir": value} if isinstance(value, str) else value)
+
+    def __init__(self, exp, options=None):
+        super().__init__(exp, options)
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError:
+            raise ConfigError("analysis.tensorboard", "needs the tensorboard package: pip install "
+                              "'fedlase[tensorboard]'") from None
+        self._writer_class = SummaryWriter
+        self.dir = Path(self.options.get("dir") or Path(exp.cfg.out) / "tensorboard")
+        self.writer = None
+        sizes = {n: exp.params[n].numel() for n in self.layers}
+        self._budget = sum(sizes.values())
+
+    def _write(self, rnd: int, values: dict[str, float]) -> None:
+        if self.writer is None:   # opened at the first round written: a resumed run purges what came later
+            self.writer = self._writer_class(str(self.dir), purge_step=rnd)
+        for tag, v in values.items():
+            self.writer.add_scalar(tag, v, rnd)
+
+    def on_round(self, rnd, picked, submodels, old_params, new_params):
+        counts: dict = {}
+        for _, lvl in picked:
+            counts[lvl] = counts.get(lvl, 0) + 1
+        values = {}
+        for lvl, sub in submodels.items():
+            values[f"trained_clients/level {lvl.name}"] = float(counts.get(lvl, 0))
+            values[f"trained_kept_share/level {lvl.name}"] = sub.kept(self.layers, old_params) / self._budget
+        self._write(rnd, values)
+
+    def on_metrics(self, rnd, line):
+        self._write(rnd, scalars(line))
+        self.writer.flush()

@@ -277,12 +277,16 @@ def run_experiment(cfg: Config, resume: bool = False, progress: bool = True, run
             stats = exp.run_round(rnd)
             exp.state.train_time += time.perf_counter() - t0
             exp.state.round = rnd
+            line = {"round": rnd, **stats, "train_time": exp.state.train_time}
             if rnd % cfg.eval_every == 0 or rnd == cfg.rounds:
                 t1 = time.perf_counter()
-                last = {"round": rnd, **stats, "train_time": exp.state.train_time, **exp.evaluate(rnd)}
-                last["eval_time"] = time.perf_counter() - t1
-                mf.write(json.dumps(last) + "\n")
+                line.update(exp.evaluate(rnd))
+                line["eval_time"] = time.perf_counter() - t1
+                mf.write(json.dumps(line) + "\n")
                 mf.flush()
+                last = line
+            for t in exp.trackers:
+                t.on_metrics(rnd, line)
             if cfg.checkpoint_every and (rnd % cfg.checkpoint_every == 0 or rnd == cfg.rounds):
                 save_checkpoint()
             if bar is not None:

@@ -199,3 +199,49 @@ def test_engine_builds_registered_trackers_with_their_options(tiny_cfg):
     finally:
         TRACKERS._entries.pop("counter_test", None)
     assert "counter_test" not in TRACKERS
+
+
+# ---- TensorBoard ------------------------------------------------------------------------------------------------
+def _events(folder) -> dict[str, list[tuple[int, float]]]:
+    """Every scalar in the event files of a folder, read back with TensorBoard's own reader."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    acc = EventAccumulator(str(folder))
+    acc.Reload()
+    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
+def test_tensorboard_writes_the_metrics_per_round_and_level(tiny_cfg, tmp_path):
+    pytest.importorskip("tensorboard")
+    # Prepare: 3 rounds, evaluated at rounds 2 and 3; the folder given as the analysis' value
+    tb = tmp_path / "tb"
+    cfg = tiny_cfg("rounds=3", "eval_every=2", f"analysis.tensorboard={tb}", out=str(tmp_path / "run"))
+    assert check_analysis(cfg.analysis) == {"tensorboard": {"dir": str(tb)}}
+    # Execute
+    summary = run_experiment(cfg, progress=False)
+    ev = _events(tb)
+    # Assert: what metrics.jsonl holds, at the rounds it was written (float32 in the event files)
+    lines = [json.loads(ln) for ln in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]
+    assert [ln["round"] for ln in lines] == [2, 3]
+    for ln in lines:
+        for lvl, m in ln["levels"].items():
+            for name in ("global_acc", "local_acc", "kept"):
+                assert dict(ev[f"{name}/level {lvl}"])[ln["round"]] == pytest.approx(m[name], rel=1e-6)
+        assert dict(ev["global_acc"])[ln["round"]] == pytest.approx(ln["global_acc"], rel=1e-6)
+    assert [s for s, _ in ev["global_acc"]] == [2, 3]
+    # every round: the training loss, and per level trained its clients and kept share
+    assert [s for s, _ in ev["train_loss"]] == [1, 2, 3]
+    assert dict(ev["train_loss"])[3] == pytest.approx(summary["final"]["train_loss"], rel=1e-6)
+    assert ev["trained_kept_share/level 1"] and all(v == 1.0 for _, v in ev["trained_kept_share/level 1"])
+    shares = [v for _, v in ev.get("trained_kept_share/level 1/4", [])]
+    assert shares and all(0 < v < 1 for v in shares)
+    assert sum(v for tag, pts in ev.items() if tag.startswith("trained_clients/") for s, v in pts if s == 1) == 2
+
+
+def test_tensorboard_default_folder_and_a_resumed_run_continues(tiny_cfg, tmp_path):
+    pytest.importorskip("tensorboard")
+    out = tmp_path / "run"
+    run_experiment(tiny_cfg("rounds=2", "analysis.tensorboard=true", out=str(out)), progress=False)
+    run_experiment(tiny_cfg("rounds=3", "analysis.tensorboard=true", out=str(out)), resume=True, progress=False)
+    ev = _events(out / "tensorboard")
+    assert [s for s, _ in ev["train_loss"]] == [1, 2, 3]   # the resumed run continues, no round twice
+    assert [s for s, _ in ev["global_acc"]] == [1, 2, 3]

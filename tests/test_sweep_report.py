@@ -272,11 +272,11 @@ def test_bad_jobs_is_a_one_line_error(tmp_path, capsys, jobs):
 
 def test_paired_t_matches_the_closed_form_and_a_hand_case():
     import math
-    from fedlase.report import _betainc, paired_t
+    from fedlase.report import paired_t
     mean, t, p = paired_t([1.0, 2.0, 3.0])             # n = 3: df = 2, p = 1 - |t| / sqrt(2 + t^2)
     assert mean == 2.0 and math.isclose(t, 2 * math.sqrt(3)) and math.isclose(p, 1 - t / math.sqrt(2 + t * t))
-    assert math.isclose(_betainc(0.5, 0.5, 0.5), 0.5, abs_tol=1e-9)   # symmetric
-    assert math.isclose(_betainc(1.0, 1.0, 0.3), 0.3, abs_tol=1e-9)   # uniform
+    mean, t, p = paired_t([-1.0, -3.0])                # n = 2: df = 1 (Cauchy), p = 1 - 2 atan(|t|) / pi
+    assert mean == -2.0 and math.isclose(t, -2.0) and math.isclose(p, 1 - 2 * math.atan(2.0) / math.pi)
     assert math.isnan(paired_t([1.0, 1.0])[2])                        # no spread: no test
 
 
@@ -317,3 +317,26 @@ def test_a_key_added_after_a_run_reads_as_its_default(tmp_path):
     groups = group_runs(find_runs([str(tmp_path)]))
     assert sorted((g.label, len(g.runs)) for g in groups) == [("word_embeddings=budget", 2),
                                                               ("word_embeddings=whole", 1)]
+
+
+# ---- one run path: a sweep runs each run on the engine its config names ----------------------------------
+
+@pytest.mark.flower
+@pytest.mark.parametrize("jobs", [1, 2])
+def test_a_flower_sim_sweep_runs_flower(tmp_path, jobs):
+    """In process (jobs=1) and in a child process (--jobs): Flower's app folder is written for the run and
+    its summary names the engine that ran; the embedded run next to it has no app folder."""
+    pytest.importorskip("flwr")
+    path = write_sweep(tmp_path, grid={"engine": ["flower-sim", "embedded"]},
+                       runs=[{"name": "r", "rounds": 1, "analysis": {}}])
+    res = run_sweep(path, progress=False, jobs=jobs)
+    assert sorted(res["done"]) == ["r,engine=embedded", "r,engine=flower-sim"] and not res["failed"]
+    out = tmp_path / "out"
+    flower, embedded = out / "r,engine=flower-sim", out / "r,engine=embedded"
+    assert (flower / "flower-app" / "pyproject.toml").is_file()
+    assert not (embedded / "flower-app").exists()
+    for run, engine in ((flower, "flower-sim"), (embedded, "embedded")):
+        assert json.loads((run / "summary.json").read_text())["config"]["engine"] == engine
+    # the same run on either engine: the same final evaluation
+    finals = [json.loads((r / "summary.json").read_text())["final"] for r in (flower, embedded)]
+    assert finals[0]["levels"] == finals[1]["levels"]
