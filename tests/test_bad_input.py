@@ -61,7 +61,7 @@ def cases() -> list[tuple[str, object, dict]]:
         for key, opt in cls.options.items():
             out += [(f"method_args.{key}", v, {"method": name}) for v in bad_values(opt)]
     for name, cls in TRACKERS.items():
-        out.append((f"analysis.{name}", "abc", {}))
+        out.append((f"analysis.{name}", 5, {}))   # an analysis is true, false or its options (a list, a text)
         for key, opt in cls.options_spec.items():
             out += [(f"analysis.{name}.{key}", v, {}) for v in bad_values(opt)]
     return out
