@@ -5,13 +5,16 @@ from torch import nn
 
 from ..registry import METHODS, register_method
 from .base import Method, Option, ThresholdMethod
+from .depthfl import DepthFL
 from .fedavg import FedAvg, FedAvgSmall
+from .feddse import FedDSE
 from .fedlase import FedLASE
 from .fedrolex import FedRolex
 from .fiarse import FIARSE
+from .fjord import FjORD
 from .heterofl import HeteroFL
 
-for _cls in (FedLASE, FIARSE, HeteroFL, FedRolex, FedAvg, FedAvgSmall):
+for _cls in (FedLASE, FIARSE, HeteroFL, FedRolex, FedAvg, FedAvgSmall, FjORD, DepthFL, FedDSE):
     if _cls.name not in METHODS:
         register_method(_cls)
 

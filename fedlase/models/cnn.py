@@ -2,6 +2,7 @@
 import torch
 from torch import nn
 
+from .exits import exits_forward
 from .resnet import make_bn
 
 
@@ -28,14 +29,38 @@ class SmallCNN(nn.Module):
             prev = c
         self.features = nn.Sequential(*layers)
         self.classifier = nn.Linear(prev, num_classes)
+        self.chans, self.num_classes, self.bn_mode = chans, num_classes, bn
+        self.exit_heads = None   # DepthFL's exits, once attached (fedlase/models/exits.py)
 
     # every shape comes from the tensors (global pooling feeds the classifier): a width slice can train as
     # the gathered smaller tensors on this same module
     sliceable = True
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, depth: int | None = None, all_exits: bool = False) -> torch.Tensor:
+        if self.exit_heads is not None:   # a depth-scaled network with exits (DepthFL)
+            return exits_forward(self, x, depth, all_exits)
         x = self.features(x)                          # (B, 8c, h, w)
         return self.classifier(torch.flatten(nn.functional.adaptive_avg_pool2d(x, 1), 1))
+
+    # ---- exits (fedlase/models/exits.py): a stage is one conv block, with its max-pool ----------------------
+    def _stage_bounds(self) -> list[tuple[int, int]]:
+        starts = [i for i, m in enumerate(self.features) if isinstance(m, nn.Conv2d)]
+        return list(zip(starts, starts[1:] + [len(self.features)]))
+
+    def stages(self) -> list:
+        return [self.features[a:b] for a, b in self._stage_bounds()]
+
+    def stage_widths(self) -> list[int]:
+        return list(self.chans)
+
+    def stage_prefixes(self) -> list[list[str]]:
+        return [[f"features.{i}." for i in range(a, b)] for a, b in self._stage_bounds()]
+
+    def final_exit(self, x: torch.Tensor) -> torch.Tensor:
+        return self.classifier(torch.flatten(nn.functional.adaptive_avg_pool2d(x, 1), 1))
+
+    def final_prefixes(self) -> list[str]:
+        return ["classifier."]
 
     def scaler_names(self) -> list[str]:
         """The parameters of the layers whose outputs HeteroFL's scaler multiplies (every conv, before its BN,

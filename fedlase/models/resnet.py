@@ -4,6 +4,8 @@ All convolutions are bias-free."""
 import torch
 from torch import nn
 
+from .exits import exits_forward
+
 BN_MODES = ("batch", "static")
 
 
@@ -50,17 +52,37 @@ class ResNet18(nn.Module):
             cin = cout
         self.layer1, self.layer2, self.layer3, self.layer4 = stages
         self.linear = nn.Linear(w[3], num_classes)
+        self.widths, self.num_classes, self.bn_mode = w, num_classes, bn
+        self.exit_heads = None   # DepthFL's exits, once attached (fedlase/models/exits.py)
 
     # every shape comes from the tensors (residual adds within one channel group, global pooling feeds the
     # classifier): a width slice can train as the gathered smaller tensors on this same module
     sliceable = True
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, depth: int | None = None, all_exits: bool = False) -> torch.Tensor:
+        if self.exit_heads is not None:   # a depth-scaled network with exits (DepthFL)
+            return exits_forward(self, x, depth, all_exits)
         out = torch.relu(self.bn1(self.conv1(x)))
         for stage in (self.layer1, self.layer2, self.layer3, self.layer4):
             for block in stage:
                 out = block(out)                                         # last: (B, 8w, H/8, W/8)
         return self.linear(torch.flatten(nn.functional.adaptive_avg_pool2d(out, 1), 1))
+
+    # ---- exits (fedlase/models/exits.py): stage 1 is the stem and layer1, stages 2-4 are layer2-layer4 ----------
+    def stages(self) -> list:
+        return [lambda x: self.layer1(torch.relu(self.bn1(self.conv1(x)))), self.layer2, self.layer3, self.layer4]
+
+    def stage_widths(self) -> list[int]:
+        return list(self.widths)
+
+    def stage_prefixes(self) -> list[list[str]]:
+        return [["conv1.", "bn1.", "layer1."], ["layer2."], ["layer3."], ["layer4."]]
+
+    def final_exit(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(torch.flatten(nn.functional.adaptive_avg_pool2d(x, 1), 1))
+
+    def final_prefixes(self) -> list[str]:
+        return ["linear."]
 
     def scaler_names(self) -> list[str]:
         """The parameters of the layers whose outputs HeteroFL's scaler multiplies: every conv (stem, block

@@ -1,0 +1,135 @@
+"""FedDSE (WWW 2024): distribution-aware submodel extraction. Each client extracts, from the current global
+model, the neurons most activated on its own data, within its budget (see docs/methods.md, "FedDSE").
+
+The paper's code is not public and only its abstract could be read, so everything below past "most activated
+on its own data, within its budget" is this implementation's reading; each choice that could matter is an
+option. A neuron is a channel of a channel group (the groups width slices cut: a residual stage is one group).
+A client of level l keeps, in every group of size K, the ceil(sqrt(l) K) channels that score highest on its
+first `samples` training samples of the round under the global model (`score`), ties to the lower index; the
+image channels and the classes are never cut. Its mask then trains as masks over the full model (the kept
+channels are scattered, so no smaller dense model). The server knows a client's mask from its update's
+support: each coordinate is averaged over the clients whose delta there is nonzero (coverage `nonzero`). A level
+is evaluated with the channels its clients selected most often in the latest round they trained (`eval`)."""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..errors import ConfigError
+from ..masks import Submodel
+from .base import LocalObjective, Method, Option
+from .slicing import _masks, group_keep, width_rate
+
+
+def top_channels(score: torch.Tensor, keep: int) -> torch.Tensor:
+    """Bool vector: the `keep` highest scores, ties to the lower index."""
+    order = torch.sort(-score, stable=True).indices[:keep]
+    out = torch.zeros(score.numel(), dtype=torch.bool, device=score.device)
+    out[order] = True
+    return out
+
+
+class ActivationExtraction(LocalObjective):
+    """At the client's start: score every channel on its data with the global model, keep the best of each
+    group; the rest of training is the plain cross-entropy on that mask."""
+
+    def __init__(self, method: "FedDSE", level, round: int):
+        self.method, self.level, self.round = method, level, round
+
+    def start(self, model, sub, params, buffers, x, batches):
+        m = self.method
+        idx = torch.cat(list(batches))[: m.args["samples"]]
+        scores = m.channel_scores(params, buffers, x[idx])
+        rate = width_rate(float(self.level))
+        keep = {g: top_channels(s, min(s.numel(), max(1, math.ceil(rate * s.numel() - 1e-9))))
+                for g, s in scores.items()}
+        m.record(self.level, self.round, keep)
+        return Submodel(_masks(m.groups, params, keep))
+
+
+class FedDSE(Method):
+    """FedDSE: each client keeps, per layer, the channels most activated on its own data (within its budget)."""
+    name = "feddse"
+    coverage = "nonzero"   # the client's mask is known from its update's support
+    options = {
+        "score": Option("mean", "a channel's score on the client's data (a guess): mean (its mean activation "
+                        "after BN and ReLU) or rate (how often that activation is positive)", choices=("mean", "rate")),
+        "samples": Option(128, "how many of the client's samples (its first batches of the round) score the "
+                          "channels (a guess)", low=1),
+        "eval": Option("selected", "the channels a level is evaluated with (a guess): selected (those its clients "
+                       "selected most often in the latest round it trained) or first (the first channels, "
+                       "HeteroFL's slice)", choices=("selected", "first")),
+    }
+
+    def __init__(self, model, system=(1.0,), **options):
+        super().__init__(model, system, **options)
+        if not hasattr(model, "channel_groups"):
+            raise ConfigError("method", f"feddse selects channels; model {type(model).__name__} declares no "
+                              "channel_groups()")
+        self.groups = model.channel_groups()
+        # which BN layer scores which group: the group of its weight (a residual stage: the mean of its BNs)
+        self.scored = {name: self.groups[f"{name}.weight"][0] for name, mod in model.named_modules()
+                       if isinstance(mod, nn.modules.batchnorm._BatchNorm) and f"{name}.weight" in self.groups}
+        self.counts: dict[int, tuple[int, dict[str, torch.Tensor]]] = {}   # level index -> (round, selections)
+
+    def submodel(self, params, level, round):
+        if float(level) >= 1:
+            return Submodel()   # the whole model: nothing to select
+        return Submodel(local=ActivationExtraction(self, level, round))
+
+    @torch.no_grad()
+    def channel_scores(self, params, buffers, x) -> dict[str, torch.Tensor]:
+        """Group -> per-channel score of the global model on x (batch statistics in BN, as in training)."""
+        sums: dict[str, torch.Tensor] = {}
+        seen: dict[str, int] = {}
+        modules = dict(self.model.named_modules())
+
+        def hook(name):
+            def record(_mod, _inp, out):
+                a = F.relu(out).transpose(0, 1).flatten(1)                 # (channels, samples x positions)
+                s = a.mean(1) if self.args["score"] == "mean" else (a > 0).float().mean(1)
+                g = self.scored[name]
+                sums[g] = sums[g] + s if g in sums else s
+                seen[g] = seen.get(g, 0) + 1
+            return record
+
+        handles = [modules[n].register_forward_hook(hook(n)) for n in self.scored]
+        try:
+            self.model.train()
+            torch.func.functional_call(self.model, (params, buffers), (x,))
+        finally:
+            for h in handles:
+                h.remove()
+        scores = {g: s / seen[g] for g, s in sums.items()}
+        # a group no BN follows (none in the bundled models) keeps its first channels
+        first = group_keep(self.model, self.groups, params, 1.0)
+        return {g: scores.get(g, torch.zeros(k.numel(), device=k.device)) for g, k in first.items()}
+
+    def record(self, level, round: int, keep: dict[str, torch.Tensor]) -> None:
+        """Count a client's selection toward its level's evaluation submodel (the latest round only)."""
+        r, counts = self.counts.get(level.index, (None, {}))
+        if r != round:
+            counts = {}
+        for g, k in keep.items():
+            counts[g] = counts[g] + k.long().cpu() if g in counts else k.long().cpu()
+        self.counts[level.index] = (round, counts)
+
+    def eval_submodel(self, params, level, round):
+        if float(level) >= 1:
+            return Submodel()
+        rate = width_rate(float(level))
+        keep = group_keep(self.model, self.groups, params, rate)   # first channels
+        _, counts = self.counts.get(level.index, (None, {}))
+        if self.args["eval"] == "selected" and counts:
+            keep = {g: top_channels(counts[g].float(), int(k.sum())).to(k.device) if g in counts else k
+                    for g, k in keep.items()}
+        return Submodel(_masks(self.groups, params, keep))
+
+    def state_dict(self) -> dict:
+        return {"counts": self.counts}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.counts = dict(state.get("counts", {}))
