@@ -123,6 +123,9 @@ def train_clients_batched(trainer, params: dict[str, torch.Tensor], buffers: dic
     if any(isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0 for m in trainer.model.modules()):
         raise ConfigError("batched_clients", "the model uses dropout, whose random draws under vmap cannot "
                           "match the sequential ones; set batched_clients=false")
+    if any(s.local is not None for s in subs.values()):   # a method's own local objective is sequential only
+        raise ConfigError("batched_clients", "this method trains with its own local objective (Submodel.local), "
+                          "which the vmapped step does not run; set batched_clients=false")
     jobs = [trainer.job(client, rnd) for client, _ in picked]
     subs = {lvl: trainer.trained(s) for lvl, s in subs.items()}   # sliced=false: masks over the full model
     groups: dict[tuple, list[int]] = {}

@@ -227,3 +227,8 @@ def test_fedlase_methods_lists_the_new_methods(capsys):
         assert f"\n{name}: " in out
         block = out.split(f"\n{name}: ")[1].split("\n")[1:]
         assert all(any(f"method_args.{o} " in line for line in block) for o in opts), name
+
+
+def test_batched_clients_refuse_a_local_objective(tiny_cfg):
+    with pytest.raises(ConfigError, match="^batched_clients: this method trains with its own local objective"):
+        run_experiment(tiny_cfg("method=fjord", "batched_clients=true"), progress=False)
