@@ -31,7 +31,7 @@ test: setup data
 	$(BIN)/python -m pytest -q
 
 bench: setup
-	$(BIN)/fedlase bench
+	$(BIN)/python -m tools.bench
 
 clean:
 	rm -rf $(VENV) runs/demo

@@ -136,18 +136,20 @@ def test_kth_largest_is_exact(kind):
 
 
 def test_bench_sections_run(capsys, tmp_path):
-    # the cheap sections end to end through the CLI, and a bad section name is one line, not a traceback
-    from fedlase.cli import main
+    # the cheap sections end to end through the tool's command, and a bad section name is one line, not a
+    # traceback
+    from tools.bench import main
     out = tmp_path / "bench.md"
-    assert main(["bench", "--quick", "--only", "comm", "--out", str(out)]) == 0
+    assert main(["--quick", "--only", "comm", "--out", str(out)]) == 0
     text = out.read_text()
-    assert "values + bit mask" in text and "fiarse" in text and "Command: `fedlase bench --quick --only comm" in text
-    assert main(["bench", "--only", "nope"]) == 2
+    assert "values + bit mask" in text and "fiarse" in text
+    assert "Command: `python -m tools.bench --quick --only comm" in text
+    assert main(["--only", "nope"]) == 2
     assert "not a section" in capsys.readouterr().err
 
 
 def test_submodel_bytes_by_hand():
-    from fedlase.bench import submodel_bytes
+    from tools.bench import submodel_bytes
     params = {"w": torch.zeros(10, 2), "b": torch.zeros(3)}
     mask = torch.zeros(10, 2, dtype=torch.bool)
     mask[:5] = True                                   # 10 of 20 kept

@@ -1,4 +1,6 @@
-"""`fedlase bench`: where a run's time and memory go, measured against the limit.
+"""`python -m tools.bench` (run from a checkout; `make bench`): where a run's time and memory go, measured
+against the limit. It drives fedlase through its public API only: a config, an `Experiment`, its round
+loop, state and registries.
 
 Sections (each prints one Markdown table; `--only` picks some):
   overhead  N rounds of the embedded engine against the plainest SGD loop doing exactly the same local steps
@@ -14,8 +16,10 @@ Sections (each prints one Markdown table; `--only` picks some):
   sliced    width-slice methods (heterofl, fedrolex, fedavg_small): sliced training against the masked
             full-size path (`sliced=false`), per round, and how far their results differ.
 
-Timings follow one warm-up round; each measured round is repeated from the same start (rounds are
-deterministic), engine and tight loop alternating, and the fastest of each is kept. On a CPU the clock is the
+Timings follow one warm-up round; the measured rounds are then replayed `repeats` times from the state after
+the warm-up (a run is deterministic, and a replay passes each round exactly as the run does: FedRolex's window
+moves and its slices are rebuilt, HeteroFL's stay cached), engine and tight loop alternating round by round, and
+the fastest of each round is kept. On a CPU the clock is the
 process's CPU time (other processes stretch wall time, not the work done), on a GPU wall time after
 synchronising. Synthetic data (random pixels) stands in where real data is absent: the figures are about
 speed, not accuracy."""
@@ -40,11 +44,14 @@ import torch
 import torch.nn.functional as F
 from torch.func import functional_call
 
-from .report import markdown_table
+from fedlase.levels import System
+from fedlase.report import markdown_table
 
+CHECKOUT = Path(__file__).resolve().parents[1]   # the folder holding fedlase/ and tools/
 SECTIONS = ("overhead", "sliced", "masks", "memory", "comm", "batched")
 MEMORY_CLIENTS = (100, 1000, 10000)
 LEVELS = (1.0, 0.25, 0.0625, 0.015625)
+SYSTEM_LEVELS = System.of(list(LEVELS))   # methods take Levels (fedlase/levels.py)
 SYSTEM = "{1,1/4,1/16,1/64}_{%d,%d,%d,%d}"
 
 
@@ -52,8 +59,8 @@ SYSTEM = "{1,1/4,1/16,1/64}_{%d,%d,%d,%d}"
 def data_overrides(folder: Path, n_cifar: int = 5000) -> dict[str, list[str]]:
     """Config overrides for the bench's datasets: real Fashion-MNIST when installed, else files of its shape
     with random pixels; CIFAR-10-shaped pickles with random pixels (CIFAR is not obtainable here)."""
-    from .data import DEFAULT_DATA_DIRS
-    from .data.sources import idx_bytes
+    from fedlase.data import DEFAULT_DATA_DIRS
+    from fedlase.data.sources import idx_bytes
     rng = np.random.default_rng(0)
     out = {"digits": ["dataset=digits"]}
     fm = Path(DEFAULT_DATA_DIRS["fashion_mnist"])
@@ -128,164 +135,119 @@ def _max_diff(a: dict, b: dict) -> float:
 
 
 # ---- overhead: the engine against a tight loop ------------------------------------------------------------
-def tight_round(exp, model, picked, subs, jobs, rnd: int) -> tuple[list[dict], float]:
-    """The round's local steps as the plainest loop: one module, a torch optimizer, masked (or, for a width
-    slice, gathered) weights written inline (|w| >= tau for threshold clients, as the official code computes
-    it; HeteroFL's scaler as weight x factor), no engine code. Returns each client's full-size delta and the
-    time spent (the steps and the deltas; batches are drawn beforehand)."""
+def tight_round(exp, model, picked, subs, jobs, rnd: int, params: dict) -> tuple[list[dict], float]:
+    """The round's local steps as the plainest loop: one module, a torch optimizer, the weights of each step
+    from the library's one masked forward (`Submodel.apply`: masks, |w| >= tau for threshold clients, HeteroFL's
+    scaler as weight x factor; a width slice's gathered smaller tensors), no engine code. Returns each client's
+    full-size delta from the global `params` and the time spent (the steps and the deltas; batches are drawn
+    beforehand)."""
+    from fedlase.sampling import dropout_seed
+    from fedlase.train import make_optimizer
     x, y, work = exp.trainer.x, exp.trainer.y, exp.trainer.work
-    from .masks import slice_block, threshold_mask
-    from .sampling import dropout_seed
-    from .train import make_optimizer
-    params, buffers = exp.state.params, exp.state.buffers
+    buffers = exp.state.buffers
     own = dict(model.named_parameters())
     model.train()
     deltas, seconds = [], np.zeros(2)
     for (client, lvl), (batches, augment) in zip(picked, jobs):
-        sub = subs[lvl]
-        sliced = bool(sub.slices) and exp.cfg.sliced
+        sub = exp.trainer.trained(subs[lvl])   # sliced=false: masks over the full model, as the engine trains
         t0 = _now(exp.device)
-        if sliced:   # the physically smaller model: gathered copies of the kept rows/columns
-            blocks = {n: slice_block(sl) for n, sl in sub.slices.items()}   # w[rows[:, None], cols[None, :]]
-            train = {n: (p[blocks[n]] if n in blocks else p).clone().requires_grad_(True) for n, p in params.items()}
-            bufs = {n: b[blocks[n]] if n in blocks else b.clone() for n, b in buffers.items()}
-            masks = {}
+        if sub.slices:   # the physically smaller model: gathered copies of the kept rows/columns
+            train = {n: p.detach().clone().requires_grad_(True) for n, p in sub.gather(params).items()}
+            bufs = {n: b.clone() for n, b in sub.gather({**buffers, **sub.buffers}).items()}
+            inner = sub.inner()
         else:
             with torch.no_grad():
                 for n, p in own.items():
                     p.copy_(params[n])
-            train, bufs, masks = own, {n: b.clone() for n, b in {**buffers, **sub.buffers}.items()}, sub.masks
+            train, bufs, inner = own, {n: b.clone() for n, b in {**buffers, **sub.buffers}.items()}, sub
         torch.manual_seed(dropout_seed(exp.cfg.seed, rnd, client))   # a text model's dropout: the engine's draws
         opt = make_optimizer(list(train.values()), work)
-        plain = not sliced and not sub.masks and not sub.thresholds and not sub.buffers and not sub.scales
+        plain = not sub.slices and not sub.masks and not sub.thresholds and not sub.buffers and not sub.scales
         for idx in batches:
             xb = x[idx] if augment is None else augment(x[idx])
-            if plain:
-                out = model(xb)
-            else:
-                w = {}
-                for n, p in train.items():
-                    if sub.thresholds and n in sub.thresholds:
-                        tau = sub.thresholds[n]
-                        w[n] = p * (p.abs() >= tau) if sub.ste == "official" else threshold_mask(p, tau, sub.ste)
-                    else:
-                        w[n] = p * masks[n] if n in masks else p
-                    if n in sub.scales:
-                        w[n] = w[n] * sub.scales[n]
-                out = functional_call(model, (w, bufs), (xb,))
+            out = model(xb) if plain else functional_call(model, (inner.apply(train, train=True), bufs), (xb,))
             loss = F.cross_entropy(out, y[idx])
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
         with torch.no_grad():   # the update a client must return is part of its work
-            if sliced:
-                d = {}
-                for n, p in train.items():
-                    if n in blocks:
-                        d[n] = torch.zeros_like(params[n])
-                        d[n][blocks[n]] = p - params[n][blocks[n]]
-                    else:
-                        d[n] = p - params[n]
-            else:
-                d = {n: (p - params[n]) * masks[n] if n in masks else p - params[n] for n, p in own.items()}
-            deltas.append(d)
+            small = {n: (p - params[n] if not sub.slices else p - sub.gather({n: params[n]})[n]) for n, p in train.items()}
+            small = {n: d * inner.masks[n] if n in inner.masks else d for n, d in small.items()}
+            deltas.append(sub.scatter(small, params) if sub.slices else small)
         seconds += _now(exp.device) - t0
     return deltas, seconds
 
 
-class _Counted:
-    """The run's method, counting its submodel extractions (the engine must extract once per level a round)."""
-
-    def __init__(self, method):
-        self.inner, self.calls = method, []
-
-    def submodel(self, params, level, round):
-        self.calls.append(level)
-        return self.inner.submodel(params, level, round)
-
-    def __getattr__(self, name):
-        return getattr(self.inner, name)
-
-    def cache_state(self) -> list:
-        """What the method's slice caches hold (HeteroFL, FedRolex, FedAvg-small), to replay a round from."""
-        from .methods.slicing import SliceCache
-        return [(c, c.snapshot()) for c in vars(self.inner).values() if isinstance(c, SliceCache)]
-
-    @staticmethod
-    def restore(state: list) -> None:
-        for cache, snapshot in state:
-            cache.restore(snapshot)
-
-
 def measure_overhead(overrides: list[str], method: str, rounds: int, repeats: int, evaluate: bool = False) -> dict:
-    """Engine rounds against the tight loop of the same round. Each round is measured `repeats` times from the
-    same start (a round is deterministic), engine and tight loop alternating; the minimum of each is kept, the
-    usual estimate of a time without interference from other processes. Times are per round."""
-    from .aggregate import Aggregator
-    from .config import load_config
-    from .engine import Experiment
+    """Engine rounds against the tight loop of the same rounds. After one warm-up round the measured rounds are
+    replayed `repeats` times from the state the warm-up left (`Experiment.state_dict`/`load_state_dict`), each
+    round run by the engine, then by the tight loop from the same start; the fastest time of each round is kept,
+    the usual estimate of a time without interference from other processes. Mask extraction is timed on a
+    second instance of the run's method driven through the same rounds (so its slice cache holds what the
+    run's holds); aggregation of the tight loop's deltas with the engine's aggregator. Times are per round."""
+    from fedlase.aggregate import Aggregator
+    from fedlase.config import load_config
+    from fedlase.engine import Experiment
+    from fedlase.registry import METHODS
     exp = Experiment(load_config(None, [*overrides, f"method={method}"]))
-    exp.method = counted = _Counted(exp.method)
+    cfg = exp.cfg
+    probe = METHODS.get(cfg.method)(exp.model, cfg.levels, **cfg.method_args)
     model = deepcopy(exp.model)   # the tight loop's own module; the engine's stays untouched
     exp.run_round(1)              # warm-up: allocator, lazy initialisation
-    t = {k: np.zeros(2) for k in ("engine", "tight", "masks", "agg")}
-    diff, calls_ok = 0.0, True
-    for rnd in range(2, 2 + rounds):
-        start = exp.state.params
-        best = {k: np.full(2, math.inf) for k in t}
-        caches = counted.cache_state()   # as a run reaches this round: FedRolex's window has moved, so it rebuilds
-        for _ in range(repeats):
-            exp.state.params = start
-            counted.calls.clear()
-            counted.restore(caches)
+    exp.state.round = 1
+    warm = exp.state_dict()       # what each replay starts from
+    for lvl in {lvl for _, lvl in exp.sample(1)}:
+        probe.submodel(warm["params"], lvl, 1)
+    best = {k: np.full((rounds, 2), math.inf) for k in ("engine", "tight", "masks", "agg")}
+    diff = 0.0
+    for _ in range(repeats):
+        exp.load_state_dict(warm)
+        for i, rnd in enumerate(range(2, 2 + rounds)):
+            start = exp.state.params
             t0 = _now(exp.device)
             exp.run_round(rnd)
-            best["engine"] = np.minimum(best["engine"], _now(exp.device) - t0)
-            after, exp.state.params = exp.state.params, start
+            best["engine"][i] = np.minimum(best["engine"][i], _now(exp.device) - t0)
+            exp.state.round = rnd
             picked = exp.sample(rnd)
-            calls_ok &= sorted(lv.index for lv in counted.calls) == sorted({lvl.index for _, lvl in picked})
-            counted.restore(caches)
             t0 = _now(exp.device)
-            subs = exp.submodels([lvl for _, lvl in picked], rnd)
-            best["masks"] = np.minimum(best["masks"], _now(exp.device) - t0)
+            subs = {lvl: probe.submodel(start, lvl, rnd).to(exp.device)
+                    for lvl in sorted({lvl for _, lvl in picked}, key=lambda lv: lv.index)}
+            best["masks"][i] = np.minimum(best["masks"][i], _now(exp.device) - t0)
             jobs = [exp.trainer.job(client, rnd) for client, _ in picked]
-            deltas, secs = tight_round(exp, model, picked, subs, jobs, rnd)
-            best["tight"] = np.minimum(best["tight"], secs)
+            deltas, secs = tight_round(exp, model, picked, subs, jobs, rnd, start)
+            best["tight"][i] = np.minimum(best["tight"][i], secs)
             t0 = _now(exp.device)
-            agg = Aggregator(start, exp.method.aggregation, exp.coverage, exp.owners)
+            agg = Aggregator(start, probe.aggregation, exp.coverage, exp.owners)
             for d, (_, lvl) in zip(deltas, picked):
                 agg.add(d, subs[lvl])
             mine = agg.result()
-            best["agg"] = np.minimum(best["agg"], _now(exp.device) - t0)
-            diff = max(diff, _max_diff(mine, after))
-            exp.state.params = after
-        for k in t:
-            t[k] += best[k] / rounds
-    out = {**{k: _main(v, exp.device) for k, v in t.items()}, "diff": diff, "calls_ok": calls_ok,
+            best["agg"][i] = np.minimum(best["agg"][i], _now(exp.device) - t0)
+            diff = max(diff, _max_diff(mine, exp.state.params))
+    t = {k: v.mean(axis=0) for k, v in best.items()}
+    out = {**{k: _main(v, exp.device) for k, v in t.items()}, "diff": diff,
            "wall_ratio": t["engine"][0] / t["tight"][0]}
     if evaluate:
         t0 = _now(exp.device)
         exp.evaluate(1 + rounds)
         out["eval"] = _main(_now(exp.device) - t0, exp.device)
-        out["eval_what"] = f"{len(exp.y_test):,} test samples, {exp.cfg.num_clients} local splits"
+        out["eval_what"] = f"{len(exp.y_test):,} test samples, {cfg.num_clients} local splits"
     return out
 
 
 def section_overhead(args, scen: dict) -> str:
-    from .errors import UserError
-    from .methods import METHODS
+    from fedlase.errors import UserError
+    from fedlase.registry import METHODS
     rows, evals = [], []
     for name, overrides in scen.items():
         for method in METHODS:
             try:
                 r = measure_overhead(overrides, method, args.rounds, args.repeats, evaluate=method == "fiarse")
             except UserError as e:   # a method that refuses this model (e.g. budget too small): say so
-                rows.append([name, method, f"not run: {e}"] + [""] * 7)
+                rows.append([name, method, f"not run: {e}"] + [""] * 6)
                 continue
             rows.append([name, method, f"{r['engine']:.3f}", f"{r['tight']:.3f}", f"{r['engine'] / r['tight']:.3f}x",
                          f"{r['wall_ratio']:.3f}x",
                          f"{r['masks'] * 1e3:.1f} ({100 * r['masks'] / r['engine']:.1f}%)", f"{r['agg'] * 1e3:.1f}",
-                         "yes" if r["calls_ok"] else "NO",
                          "bit-identical" if r["diff"] == 0 else f"max diff {r['diff']:.1e}"])
             if "eval" in r:
                 evals.append([name, f"{r['eval']:.2f}", r["eval_what"]])
@@ -293,7 +255,7 @@ def section_overhead(args, scen: dict) -> str:
     what = "wall" if args.device == "cuda" else "CPU"
     return (f"### Engine against a tight loop of the same local steps ({what} s per round)\n\n" + markdown_table(
         ["scenario", "method", "engine", "tight loop", "overhead", "overhead (wall)", "masks ms (share)",
-         "aggregation ms", "one extraction per level", "same result"], rows) +
+         "aggregation ms", "same result"], rows) +
         f"\n\n### Evaluation ({what} s; fiarse, all four levels: whole test set and every client's local split)\n\n" +
         markdown_table(["scenario", "s per evaluation", "data"], evals))
 
@@ -305,7 +267,7 @@ def wanted_models(args) -> list[str] | None:
 
 
 def _full_models(args):
-    from .models import build_model
+    from fedlase.models import build_model
     wanted = wanted_models(args)
     models = {}
     if wanted is None or "cnn" in wanted:
@@ -314,24 +276,30 @@ def _full_models(args):
         models["resnet18 (32x32x3)"] = build_model("resnet18", 3, 10, 1.0, "batch", 32)
     if _text_available() and (wanted is None or "minilm" in wanted):
         from types import SimpleNamespace
-        from .models.transformer import build_minilm
+        from fedlase.models.transformer import build_minilm
         models["minilm (5 classes)"] = build_minilm(SimpleNamespace(model="minilm", max_length=128, seed=0),
                                                     SimpleNamespace(num_classes=5))
     return models
 
 
 def section_masks(args) -> str:
-    from .methods import METHODS, build_method
+    from fedlase.errors import UserError
+    from fedlase.methods import METHODS, build_method
     rows = []
     for mname, model in _full_models(args).items():
         model = model.to(args.device)
         params = {n: p.detach() for n, p in model.named_parameters()}
         size = sum(p.numel() for p in params.values())
         for method in METHODS:
-            m = build_method(method, model, {}, list(LEVELS))
-            m.submodel(params, LEVELS[-1], 1)   # warm-up
+            try:
+                m = build_method(method, deepcopy(model), {}, SYSTEM_LEVELS)
+            except UserError as e:   # a method that refuses this model or system: say so
+                rows.append([f"{mname}, {size / 1e6:.2f}M", method, f"not run: {e}"] + [""] * 4)
+                continue
+            params = {n: p.detach() for n, p in m.model.named_parameters()}   # with any parts it adds
+            m.submodel(params, SYSTEM_LEVELS.smallest, 1)   # warm-up
             per, dev = [], torch.device(args.device)
-            for lvl in LEVELS:
+            for lvl in SYSTEM_LEVELS:
                 t0 = _now(dev)
                 m.submodel(params, lvl, 1)
                 per.append(_main(_now(dev) - t0, dev))
@@ -344,8 +312,8 @@ def section_masks(args) -> str:
 # ---- memory against the number of clients ---------------------------------------------------------------------
 def memory_child(spec: dict) -> dict:
     """Run in a fresh process: build the experiment, run the rounds, report the RSS high-water mark."""
-    from .config import load_config
-    from .engine import Experiment
+    from fedlase.config import load_config
+    from fedlase.engine import Experiment
     t0 = time.process_time()
     exp = Experiment(load_config(None, spec["overrides"]))
     init = time.process_time() - t0
@@ -369,8 +337,8 @@ def section_memory(args, data: dict) -> str:
                      "system=" + SYSTEM % ((n // 4,) * 4), f"participation={10 / n}", "local_steps=5",
                      "batch_size=5", "checkpoint_every=0"]
         spec = json.dumps({"overrides": overrides, "rounds": 2 if args.quick else 3})
-        proc = subprocess.run([sys.executable, "-m", "fedlase.bench", "--memory-child", spec],
-                              capture_output=True, text=True)
+        proc = subprocess.run([sys.executable, "-m", "tools.bench", "--memory-child", spec],
+                              capture_output=True, text=True, cwd=CHECKOUT)
         if proc.returncode != 0:
             rows.append([f"{n:,}", "failed: " + (proc.stderr.strip().splitlines() or ["?"])[-1]] + [""] * 5)
             continue
@@ -399,17 +367,23 @@ def submodel_bytes(sub, params: dict, value_bytes: int = 4) -> tuple[int, int, i
 
 
 def section_comm(args) -> str:
-    from .methods import METHODS, build_method
+    from fedlase.errors import UserError
+    from fedlase.methods import METHODS, build_method
     rows = []
     for mname, model in _full_models(args).items():
         params = {n: p.detach() for n, p in model.named_parameters()}
         for method in METHODS:
-            m = build_method(method, model, {}, list(LEVELS))
-            for lvl in LEVELS:
+            try:
+                m = build_method(method, deepcopy(model), {}, SYSTEM_LEVELS)
+            except UserError as e:   # a method that refuses this model or system: say so
+                rows.append([mname, method, f"not run: {e}"] + [""] * 5)
+                continue
+            params = {n: p.detach() for n, p in m.model.named_parameters()}   # with any parts it adds
+            for lvl in SYSTEM_LEVELS:
                 sub = m.submodel(params, lvl, 1)
                 dense, sparse, values = submodel_bytes(sub, params)
                 kept = sub.kept(m.maskable, params) / sum(params[n].numel() for n in m.maskable)
-                rows.append([mname, method, f"{lvl:g}", f"{100 * kept:.1f}%", f"{dense / 2**20:.2f}",
+                rows.append([mname, method, lvl.name, f"{100 * kept:.1f}%", f"{dense / 2**20:.2f}",
                              f"{sparse / 2**20:.3f}", f"{values / 2**20:.3f}", f"{sparse / dense:.3f}"])
     return ("### Bytes a client receives (and sends) per round, float32, MiB\n\n" +
             markdown_table(["model", "method", "level", "kept (budgeted params)", "dense", "values + bit mask",
@@ -417,28 +391,33 @@ def section_comm(args) -> str:
 
 
 # ---- paired engine variants (batched, sliced) ---------------------------------------------------------------
-def paired_rounds(args, overrides: list[str], key: str, values: tuple[str, str]) -> tuple[float, float, float]:
-    """Two engines differing in one config key, round by round from the same start (the first's), each round
-    `repeats` times alternating, the fastest kept. Returns (seconds per round of each, max parameter difference
+def paired_rounds(opts, overrides: list[str], key: str, values: tuple[str, str]) -> tuple[float, float, float]:
+    """Two engines differing in one config key, over the same rounds: after a warm-up round each replays the
+    measured rounds `repeats` times from its state after the warm-up, the two alternating round by round, and
+    the fastest time of each round is kept. Before each round the second engine takes the first's parameters,
+    so the difference shown is that of one round. Returns (seconds per round of each, max parameter difference
     after a round)."""
-    from .config import load_config
-    from .engine import Experiment
+    from fedlase.config import load_config
+    from fedlase.engine import Experiment
     exps = [Experiment(load_config(None, [*overrides, f"{key}={v}"])) for v in values]
+    warm = []
     for e in exps:
         e.run_round(1)   # warm-up
-    t, diff = [0.0, 0.0], 0.0
-    for rnd in range(2, 2 + args.rounds):
-        start, best = exps[0].state.params, [math.inf, math.inf]
-        for _ in range(args.repeats):
-            for i, e in enumerate(exps):
-                e.state.params = start
+        e.state.round = 1
+        warm.append(e.state_dict())
+    best, diff = np.full((opts.rounds, 2), math.inf), 0.0
+    for _ in range(opts.repeats):
+        for e, state in zip(exps, warm):
+            e.load_state_dict(state)
+        for i, rnd in enumerate(range(2, 2 + opts.rounds)):
+            exps[1].state.params = exps[0].state.params
+            for j, e in enumerate(exps):
                 t0 = _now(e.device)
                 e.run_round(rnd)
-                best[i] = min(best[i], _main(_now(e.device) - t0, e.device))
-        diff = max(diff, _max_diff(exps[0].state.params, exps[1].state.params))
-        t = [a + b for a, b in zip(t, best)]
-        exps[1].state.params = exps[0].state.params
-    return t[0] / args.rounds, t[1] / args.rounds, diff
+                best[i, j] = min(best[i, j], _main(_now(e.device) - t0, e.device))
+                e.state.round = rnd
+            diff = max(diff, _max_diff(exps[0].state.params, exps[1].state.params))
+    return float(best[:, 0].mean()), float(best[:, 1].mean()), diff
 
 
 def section_batched(args, scen: dict) -> str:
@@ -483,6 +462,8 @@ def machine() -> str:
 
 
 def run(args) -> str:
+    """The report of the sections `args` asks for (the command line's arguments, left as they are)."""
+    args = argparse.Namespace(**vars(args))
     args.rounds, args.repeats = (1, 2) if args.quick else (2, 2)
     only = SECTIONS if not args.only else [s.strip() for s in args.only.split(",")]
     torch.set_num_threads(args.threads)
@@ -492,7 +473,7 @@ def run(args) -> str:
             *([f"--device {args.device}"] if args.device != "cpu" else []),
             *([f"--threads {args.threads}"] if args.threads != 1 else []), *([f"--models {args.models}"] if args.models else []),
             *([f"--out {args.out}"] if args.out else [])]
-    parts = [f"Machine: {machine()}", f"Command: `{' '.join(['fedlase bench', *opts])}`",
+    parts = [f"Machine: {machine()}", f"Command: `{' '.join(['python -m tools.bench', *opts])}`",
              f"Torch threads: {args.threads}; device: {args.device}; load average at start: "
              f"{load[0]:.2f} {load[1]:.2f} {load[2]:.2f}"]
     with tempfile.TemporaryDirectory(prefix="fedlase-bench-") as tmp:
@@ -522,7 +503,7 @@ def run(args) -> str:
 
 
 def check_arguments(args) -> None:
-    from .errors import UserError
+    from fedlase.errors import UserError
     if args.only:
         bad = [s for s in args.only.split(",") if s.strip() not in SECTIONS]
         if bad:
@@ -538,5 +519,47 @@ def check_arguments(args) -> None:
         raise UserError(f"--out: folder {Path(args.out).parent} does not exist")
 
 
-if __name__ == "__main__" and len(sys.argv) == 3 and sys.argv[1] == "--memory-child":
-    print(json.dumps(memory_child(json.loads(sys.argv[2]))))
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m tools.bench",
+                                description="Benchmark fedlase's engine: overhead against a tight SGD loop, mask "
+                                            "extraction, memory against the number of clients, bytes per client, "
+                                            "batched clients, width slices. Prints Markdown tables "
+                                            "(docs/benchmarks.md).")
+    p.add_argument("--quick", action="store_true", help="fewer rounds and steps")
+    p.add_argument("--out", metavar="FILE", help="also write the Markdown report to FILE")
+    p.add_argument("--only", metavar="SECTIONS", help=f"comma-separated subset of: {', '.join(SECTIONS)} "
+                   "[default: all]")
+    p.add_argument("--models", metavar="MODELS", help="comma-separated subset of the scenarios' models: cnn, "
+                   "resnet18, minilm (minilm needs the text extras) [default: all]")
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="[default: cpu]")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch CPU threads; 1 keeps figures steadier on a shared machine [default: 1]")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The command: the report on stdout (and in --out); a bad argument is one line on stderr, exit 2."""
+    from fedlase.catalog import load_builtins
+    from fedlase.errors import UserError
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) == 2 and argv[0] == "--memory-child":   # one run of the memory section, in its own process
+        load_builtins()
+        print(json.dumps(memory_child(json.loads(argv[1]))))
+        return 0
+    args = parser().parse_args(argv)
+    try:
+        check_arguments(args)
+        load_builtins()
+        report = run(args)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(report)
+    if args.out:
+        Path(args.out).write_text(report)
+        print(f"written to {args.out}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
