@@ -11,8 +11,11 @@ import sys
 import torch
 from torch import nn
 
+from fedlase.catalog import load_builtins
 from fedlase.config import load_config
 from fedlase.engine import Experiment
+
+load_builtins()
 
 
 def conv_macs(model, x):

@@ -16,8 +16,11 @@ sys.path.insert(0, sys.argv[1])
 
 import torch  # noqa: E402
 
+from fedlase.catalog import load_builtins  # noqa: E402
 from fedlase.config import load_config  # noqa: E402
 from fedlase.engine import Experiment  # noqa: E402
+
+load_builtins()
 
 torch.set_num_threads(1)
 out = {}
