@@ -19,6 +19,7 @@ import numpy as np
 import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, RecordDict
 
+from ..errors import UserError
 from ..masks import Submodel
 
 NPY_HEADER_SLACK = 256   # bytes an .npy header may add to an array's raw data (np.save writes 128 for ours)
@@ -56,6 +57,9 @@ def support(sub: Submodel, name: str, w: torch.Tensor) -> torch.Tensor:
 
 
 def encode_submodel(params: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor], sub: Submodel) -> RecordDict:
+    if sub.local is not None:   # FjORD, DepthFL, FedDSE: their local objective is not sent (yet)
+        raise UserError("engine: this method trains with its own local objective (Submodel.local), which a Flower "
+                        "ClientApp cannot receive; use engine=embedded")
     values, bits, credit = ArrayRecord(), ArrayRecord(), ArrayRecord()
     for n, w in params.items():
         if n in sub.masks:
