@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Generic, TypeVar
 
 from .errors import ConfigError
@@ -122,10 +122,10 @@ class ModelEntry:
 
 @dataclass(frozen=True)
 class PartitionEntry:
-    """split(labels, num_clients, rng_seed, cfg) -> list of index arrays, one per client."""
+    """split(labels, num_clients, cfg) -> list of index arrays, one per client (cfg: the validated Config:
+    seed, alpha, classes_per_client, ...)."""
     split: Callable[..., Any]
     help: str = ""
-    options: tuple[str, ...] = field(default=())   # config keys it reads (alpha, classes_per_client)
 
 
 DATASETS: Registry[DatasetEntry] = Registry("dataset")
@@ -155,9 +155,9 @@ def register_model(name: str, build: Callable, kind: str = "image", help: str = 
     return MODELS.add(name, ModelEntry(build, _check_kind(kind), help, check), replace)
 
 
-def register_partition(name: str, split: Callable, help: str = "", options: tuple[str, ...] = (),
-                       replace: bool = False) -> PartitionEntry:
-    return PARTITIONS.add(name, PartitionEntry(split, help, options), replace)
+def register_partition(name: str, split: Callable, help: str = "", replace: bool = False) -> PartitionEntry:
+    """Make `partition=name` valid everywhere: split(labels, num_clients, cfg) returns each client's indices."""
+    return PARTITIONS.add(name, PartitionEntry(split, help), replace)
 
 
 def register_method(cls: type, replace: bool = False) -> type:
