@@ -104,8 +104,8 @@ def local_train(model: nn.Module, global_params: dict[str, torch.Tensor], buffer
     `scatter=False` (then the small tensors come back; `Aggregator.add` takes them as they are).
 
     A submodel with `local` (a method's `LocalObjective`, fedlase/methods/base.py) trains the method's way:
-    `local.start` may replace the submodel for this client (its own mask) and `local.loss` turns each batch into
-    the loss; without one, the loss is the cross-entropy of one forward (the path every other method takes)."""
+    `local.start` may replace the submodel for this client (its own mask, or its own slice, which then trains
+    as any slice, with a full-size delta) and `local.loss` turns each batch into the loss; without one, the loss is the cross-entropy of one forward (the path every other method takes)."""
     if sub.slices:
         small, loss = local_train(model, sub.gather(global_params), sub.gather({**buffers, **sub.buffers}),
                                   sub.inner(), x, y, batches, work, augment, classes)
@@ -116,7 +116,10 @@ def local_train(model: nn.Module, global_params: dict[str, torch.Tensor], buffer
     if local is not None:
         if classes is not None:
             raise ValueError("label_split is not supported with a method's own local objective")
-        sub = local.start(model, sub, params, bufs, x, batches)
+        own = local.start(model, sub, params, bufs, x, batches)
+        if own.slices:   # the client's own slice (FedDSE): it trains as any slice, its delta comes back full-size
+            return local_train(model, global_params, buffers, own, x, y, batches, work, augment, None, True)
+        sub = own
     plist = list(params.values())
     opt = make_optimizer(plist, work)
     model.train()

@@ -16,6 +16,7 @@ from fedlase.methods.depthfl import DepthFL, DepthObjective, kd_weight
 from fedlase.methods.feddse import FedDSE, top_channels
 from fedlase.methods.fjord import FjORD
 from fedlase.models import build_model
+from fedlase.train import LocalWork, local_train
 
 # the quarter-width CNN on 8x8 digits: channels 8, 16, 32, 64; features = conv bn relu pool, conv bn relu pool,
 # conv bn relu, conv bn relu (conv indices 0, 4, 8, 11)
@@ -193,6 +194,25 @@ def test_feddse_selects_most_activated_channels_by_hand():
     # the level is evaluated with its clients' most frequent choice (one client: its own)
     ev = m.eval_submodel(params, system.levels[1], 3)
     assert all(torch.equal(ev.masks[n], own.masks[n]) for n in own.masks)
+
+
+def test_feddse_own_slice_trains_as_its_masks():
+    model = cnn()
+    params, buffers = params_of(model), dict(model.named_buffers())
+    m = FedDSE(model, System.parse("{1,1/4}_{1,1}"))
+    sub = m.submodel(params, m.system.levels[1], 1)
+    torch.manual_seed(1)
+    x, y = torch.randn(64, 1, 8, 8), torch.randint(0, 10, (64,))
+    batches = [torch.arange(i, i + 16) for i in range(0, 64, 16)]
+    work = LocalWork(steps=4, batch_size=16, lr=0.1)
+    sliced, _ = local_train(model, params, buffers, sub, x, y, batches, work)
+    own = sub.local.start(model, sub, params, buffers, x, batches)
+    assert own.slices
+    masked, _ = local_train(model, params, buffers, own.masked(), x, y, batches, work)
+    for n in params:
+        assert torch.allclose(sliced[n], masked[n], atol=1e-5), n
+        if n in own.masks:
+            assert not bool(sliced[n][~own.masks[n]].any()), n
 
 
 @pytest.mark.parametrize("method", ["fjord", "depthfl", "feddse"])

@@ -31,8 +31,9 @@ class LocalObjective:
 
     def start(self, model: nn.Module, sub: Submodel, params: dict[str, torch.Tensor],
               buffers: dict[str, torch.Tensor], x: torch.Tensor, batches: list[torch.Tensor]) -> Submodel:
-        """The submodel this client trains (its masks also cut its delta). `params`: the tensors it trains,
-        still equal to the global model's (gathered when the submodel is a slice); x[batches[i]]: its data."""
+        """The submodel this client trains (its masks also cut its delta; a new one with slices trains as any
+        slice). `params`: the tensors it trains, still equal to the global model's (gathered when the submodel
+        is a slice); x[batches[i]]: its data."""
         return sub
 
     def loss(self, forward, weights: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor],

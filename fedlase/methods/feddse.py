@@ -6,8 +6,8 @@ on its own data, within its budget" is this implementation's reading; each choic
 option. A neuron is a channel of a channel group (the groups width slices cut: a residual stage is one group).
 A client of level l keeps, in every group of size K, the ceil(sqrt(l) K) channels that score highest on its
 first `samples` training samples of the round under the global model (`score`), ties to the lower index; the
-image channels and the classes are never cut. Its mask then trains as masks over the full model (the kept
-channels are scattered, so no smaller dense model). The server knows a client's mask from its update's
+image channels and the classes are never cut. Its kept channels train as a smaller dense model (as a
+width slice, where the model can slice; else as masks). The server knows a client's mask from its update's
 support: each coordinate is averaged over the clients whose delta there is nonzero (coverage `nonzero`). A level
 is evaluated with the channels its clients selected most often in the latest round they trained (`eval`)."""
 from __future__ import annotations
@@ -21,7 +21,7 @@ from torch import nn
 from ..errors import ConfigError
 from ..masks import Submodel
 from .base import LocalObjective, Method, Option
-from .slicing import _masks, group_keep, width_rate
+from .slicing import group_keep, width_rate, width_slices
 
 
 def top_channels(score: torch.Tensor, keep: int) -> torch.Tensor:
@@ -47,7 +47,7 @@ class ActivationExtraction(LocalObjective):
         keep = {g: top_channels(s, min(s.numel(), max(1, math.ceil(rate * s.numel() - 1e-9))))
                 for g, s in scores.items()}
         m.record(self.level, self.round, keep)
-        return Submodel(_masks(m.groups, params, keep))
+        return m.own_slice(params, keep)
 
 
 class FedDSE(Method):
@@ -126,7 +126,14 @@ class FedDSE(Method):
         if self.args["eval"] == "selected" and counts:
             keep = {g: top_channels(counts[g].float(), int(k.sum())).to(k.device) if g in counts else k
                     for g, k in keep.items()}
-        return Submodel(_masks(self.groups, params, keep))
+        return self.own_slice(params, keep)
+
+    def own_slice(self, params, keep: dict[str, torch.Tensor]) -> Submodel:
+        """The submodel keeping these channels: trained and evaluated as the smaller dense model where the model
+        can slice (the same network as its masks: a dropped channel's conv, BN and next-layer inputs are all
+        zero under the masks), else as masks."""
+        masks, slices = width_slices(self.model, params, 0.0, keep=keep)
+        return Submodel(masks, slices=slices)
 
     def state_dict(self) -> dict:
         return {"counts": self.counts}

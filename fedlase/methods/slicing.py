@@ -66,16 +66,17 @@ def _masks(groups, params, keep) -> dict[str, torch.Tensor]:
     return masks
 
 
-def width_slices(model: nn.Module, params: dict[str, torch.Tensor], rate: float,
-                 roll: int = 0) -> tuple[dict[str, torch.Tensor], dict[str, tuple]]:
+def width_slices(model: nn.Module, params: dict[str, torch.Tensor], rate: float, roll: int = 0,
+                 keep: dict[str, torch.Tensor] | None = None) -> tuple[dict[str, torch.Tensor], dict[str, tuple]]:
     """(masks, slices) of the width slice: the masks of the kept channels (`group_keep`), and per sliced parameter (and BN running statistic
     of a sliced BN) the kept indices of its output and input dims, for `Submodel.slices`. Indices are sorted:
     a permutation applied to every tensor of a group alike leaves the network's function unchanged.
 
     Slices only for a model that declares `sliceable = True` (its forward takes every shape from the
-    tensors, e.g. global pooling before the classifier); otherwise no slices and the masks train."""
+    tensors, e.g. global pooling before the classifier); otherwise no slices and the masks train. `keep`: the
+    kept channels of every group (bool vectors, FedDSE's own choice) in place of the window."""
     groups = model.channel_groups()
-    keep = group_keep(model, groups, params, rate, roll)
+    keep = group_keep(model, groups, params, rate, roll) if keep is None else keep
     masks = _masks(groups, params, keep)
     if not getattr(model, "sliceable", False):
         return masks, {}
