@@ -23,6 +23,23 @@ def _max_diff(a, b):
     return max(float((a[n] - b[n]).abs().max()) for n in a)
 
 
+def _update_gap(a, b, start):
+    """||a - b|| / ||b - start|| over all tensors: how far two trainings from `start` ended apart, relative to
+    how far they moved."""
+    gap = sum(float(((a[n] - b[n]).double() ** 2).sum()) for n in start)
+    moved = sum(float(((b[n] - start[n]).double() ** 2).sum()) for n in start)
+    return (gap / moved) ** 0.5
+
+
+# Sliced against masked is the same arithmetic in another order and on other tensor shapes, so the kernels
+# round differently. Measured (2026-12-01, an AVX-512 Xeon, ATEN_CPU_CAPABILITY=default / avx2 / avx512, the 12
+# cases below): update gap 5.6e-7..3.6e-6, except HeteroFL on ResNet-18 under avx512: 1.0e-4 (one 3x3 conv of
+# layer2 whose batch-statistics BN sees a 1x1 map; its largest coordinate gap 4.4e-5). Bound: 10x that worst case.
+# A one-line change fails it by far: the sliced path training its gathered slice without HeteroFL's scaler
+# (Submodel.inner built without `scales`) fails all four HeteroFL cases, with a gap of 0.61 on the CNN.
+UPDATE_GAP = 1e-3
+
+
 def _two_rounds(tiny_cfg, *overrides):
     exp = Experiment(tiny_cfg(*ALL_LEVELS, *overrides))
     for r in (1, 2):
@@ -40,7 +57,7 @@ def test_sliced_equals_masked_after_two_rounds(tiny_cfg, method, arch, bn):
     assert sub.slices and not masked.cfg.sliced   # the two paths really differ
     start = Experiment(tiny_cfg(*ALL_LEVELS, *args)).params
     assert _max_diff(sliced.params, start) > 1e-3   # training moved the model
-    assert _max_diff(sliced.params, masked.params) < 1e-5
+    assert _update_gap(sliced.params, masked.params, start) < UPDATE_GAP
     ev_s, ev_m = sliced.evaluate(2), masked.evaluate(2)   # each level: the sliced model vs the masked one
     for lvl in ev_s["levels"]:
         for k in ("global_acc", "local_acc", "kept"):
