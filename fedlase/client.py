@@ -15,7 +15,7 @@ from .data import local_test_split
 from .errors import UserError
 from .masks import Submodel
 from .registry import MODELS, PARTITIONS
-from .sampling import client_job, dropout_seed
+from .sampling import client_job, dropout_seed, seed_global_stream
 from .train import LocalWork, class_keep, classifier_names, label_split_masks, local_train, restrict_submodel
 
 if TYPE_CHECKING:
@@ -91,8 +91,9 @@ class ClientTrainer:
         """The client's delta (zero outside its submodel; a width slice's as its small tensors unless
         `scatter`) and mean training loss for this round."""
         batches, augment = self.job(client, rnd)
-        with torch.random.fork_rng(devices=[]):   # dropout draws from the client's own stream
-            torch.manual_seed(dropout_seed(self.settings.seed, rnd, client))
+        devices = [self.x.device] if self.x.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices):   # dropout draws from the client's own stream
+            seed_global_stream(dropout_seed(self.settings.seed, rnd, client), self.x.device)
             return local_train(self.model, params, buffers, self.trained(sub), self.x, self.y, batches, self.work,
                                augment, self.classes[client] if self.classes is not None else None, scatter)
 

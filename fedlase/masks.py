@@ -71,6 +71,10 @@ class Submodel:
                 out[name] = out[name] * self.scales[name]
         return out
 
+    def is_whole(self, train: bool = False) -> bool:
+        """Whether `apply` returns the parameters unchanged (no mask, threshold, or, in training, scale)."""
+        return not self.masks and not self.thresholds and not (train and self.scales)
+
     @classmethod
     def stack(cls, subs: list["Submodel"], params: dict[str, torch.Tensor]) -> "Submodel":
         """One submodel over C clients' parameters stacked as (C, *shape) (fedlase/batched.py): `apply` on the

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import weakref
+from copy import deepcopy
 from dataclasses import dataclass
 from typing import Callable
 
@@ -110,9 +112,11 @@ def local_train(model: nn.Module, global_params: dict[str, torch.Tensor], buffer
         small, loss = local_train(model, sub.gather(global_params), sub.gather({**buffers, **sub.buffers}),
                                   sub.inner(), x, y, batches, work, augment, classes)
         return (sub.scatter(small, global_params) if scatter else small), loss
+    local = sub.local
+    if local is None and sub.is_whole(train=True) and _fits(model, global_params, {**buffers, **sub.buffers}):
+        return _train_whole(model, global_params, {**buffers, **sub.buffers}, x, y, batches, work, augment, classes)
     params = {n: p.detach().clone().requires_grad_(True) for n, p in global_params.items()}
     bufs = {**{n: b.clone() for n, b in buffers.items()}, **sub.buffers}
-    local = sub.local
     if local is not None:
         if classes is not None:
             raise ValueError("label_split is not supported with a method's own local objective")
@@ -148,6 +152,57 @@ def local_train(model: nn.Module, global_params: dict[str, torch.Tensor], buffer
         for n, p in params.items():
             d = p - global_params[n]
             delta[n] = d * sub.masks[n] if n in sub.masks else d
+    return delta, float(total) / max(len(batches), 1)
+
+
+_TRAINING_MODULES: "weakref.WeakKeyDictionary[nn.Module, nn.Module]" = weakref.WeakKeyDictionary()
+
+
+def _fits(model: nn.Module, params: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor]) -> bool:
+    """Whether `params` and `buffers` are all of the model's own, by name and shape (not a width slice's
+    smaller tensors)."""
+    own = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+    given = {**params, **buffers}
+    return own.keys() == given.keys() and all(own[n].shape == t.shape for n, t in given.items())
+
+
+def _train_whole(model: nn.Module, global_params: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor],
+                 x: torch.Tensor, y: torch.Tensor, batches: list[torch.Tensor], work: LocalWork,
+                 augment: Callable | None, classes: torch.Tensor | None) -> tuple[dict[str, torch.Tensor], float]:
+    """`local_train` of a submodel that is the whole model (FedAvg, level 1): the same steps on a private copy of
+    the module whose own parameters are set to the global ones, called directly. `functional_call` would swap
+    every tensor into the module twice a step, ~10% of a small CNN's step (docs/benchmarks.md); the values
+    and operations are the same, so the delta is bit-identical. The caller's module is never written."""
+    if model not in _TRAINING_MODULES:
+        _TRAINING_MODULES[model] = deepcopy(model)
+    net = _TRAINING_MODULES[model]
+    own, own_buffers = dict(net.named_parameters()), dict(net.named_buffers())
+    with torch.no_grad():
+        for n, p in global_params.items():
+            own[n].copy_(p)
+        for n, b in buffers.items():
+            own_buffers[n].copy_(b)
+    params = {n: own[n] for n in global_params}   # the caller's order: gradient clipping sums in it
+    plist = list(params.values())
+    opt = make_optimizer(plist, work)
+    net.train()
+    total = torch.zeros((), dtype=torch.float64, device=x.device)
+    for idx in batches:
+        xb, yb = x[idx], y[idx]
+        if augment is not None:
+            xb = augment(xb)
+        logits = net(xb)
+        if classes is not None:
+            logits = label_mask_logits(logits, classes)
+        loss = F.cross_entropy(logits, yb)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        if work.clip_norm is not None:
+            torch.nn.utils.clip_grad_norm_(plist, work.clip_norm)
+        opt.step()
+        total += loss.detach().double()
+    with torch.no_grad():
+        delta = {n: p - global_params[n] for n, p in params.items()}
     return delta, float(total) / max(len(batches), 1)
 
 

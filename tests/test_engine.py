@@ -88,6 +88,29 @@ def test_delta_is_zero_outside_the_mask(kind, optimizer):
     assert all(torch.equal(params[k], before[k]) for k in params)   # the global model is not modified
 
 
+@pytest.mark.parametrize("bn", ["batch", "static"])
+@pytest.mark.parametrize("clip", [None, 0.5])
+def test_whole_model_training_equals_the_masked_forward(bn, clip):
+    # Prepare: the whole model (FedAvg, level 1) trains on a copy of the module, called directly; a mask of all
+    # ones takes the functional masked forward (w * 1 == w) and must give the very same delta and loss
+    torch.manual_seed(0)
+    model = build_model("cnn", in_channels=1, num_classes=10, width=0.25, bn=bn, image_size=8)
+    params = {k: v.detach().clone() for k, v in model.named_parameters()}
+    buffers = {k: v.detach().clone() for k, v in model.named_buffers()}
+    x, y = torch.randn(24, 1, 8, 8), torch.randint(0, 10, (24,))
+    work = LocalWork(steps=4, batch_size=8, lr=0.1, momentum=0.9, weight_decay=0.1, clip_norm=clip)
+    batches = client_batches(len(y), work, torch.Generator().manual_seed(2))
+    ones = Submodel({n: torch.ones_like(p, dtype=torch.bool) for n, p in params.items()})
+    own = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    # Execute: twice on the whole path (the copy is reused), once masked
+    runs = [local_train(model, params, buffers, sub, x, y, batches, work) for sub in (Submodel(), Submodel(), ones)]
+    # Assert
+    assert Submodel().is_whole(train=True) and not ones.is_whole()
+    for delta, loss in runs[1:]:
+        assert loss == runs[0][1] and all(torch.equal(delta[n], runs[0][0][n]) for n in params)
+    assert all(torch.equal(v, own[k]) for k, v in model.state_dict().items())   # the caller's module untouched
+
+
 def _linear_case(sub: Submodel, steps: int):
     """Linear(2 -> 2, no bias) with W = [[-0.6, 0.9], [0.55, 0.9]], one sample x = (1, 0), label 0, SGD lr 0.1.
 

@@ -141,7 +141,7 @@ def tight_round(exp, model, picked, subs, jobs, rnd: int, params: dict) -> tuple
     scaler as weight x factor; a width slice's gathered smaller tensors), no engine code. Returns each client's
     full-size delta from the global `params` and the time spent (the steps and the deltas; batches are drawn
     beforehand)."""
-    from fedlase.sampling import dropout_seed
+    from fedlase.sampling import dropout_seed, seed_global_stream
     from fedlase.train import make_optimizer
     x, y, work = exp.trainer.x, exp.trainer.y, exp.trainer.work
     buffers = exp.state.buffers
@@ -160,7 +160,7 @@ def tight_round(exp, model, picked, subs, jobs, rnd: int, params: dict) -> tuple
                 for n, p in own.items():
                     p.copy_(params[n])
             train, bufs, inner = own, {n: b.clone() for n, b in {**buffers, **sub.buffers}.items()}, sub
-        torch.manual_seed(dropout_seed(exp.cfg.seed, rnd, client))   # a text model's dropout: the engine's draws
+        seed_global_stream(dropout_seed(exp.cfg.seed, rnd, client), exp.device)   # dropout: the engine's draws
         opt = make_optimizer(list(train.values()), work)
         plain = not sub.slices and not sub.masks and not sub.thresholds and not sub.buffers and not sub.scales
         for idx in batches:
