@@ -98,7 +98,8 @@ def require(key: str, need: float, what: str, fix: str, available: int | None = 
 
 def model_sizes(build, cfg, data_entry) -> dict:
     """{'params', 'sample_bytes' (all activations of one sample), 'largest_bytes' (its largest activation)}
-    of a model built on torch's meta device and run on one meta sample; {} when that cannot be done."""
+    of a model built on torch's meta device and run on meta samples; {} when it cannot be built there, only
+    `params` when its forward cannot run there."""
     if data_entry.shape is None:
         return {}
     import torch
@@ -147,7 +148,7 @@ def check_run(cfg, data_entry, model_entry) -> None:
             "use fewer clients", available)
     key = data_info.get("key", "dataset")   # the key the loaded size scales with (text: max_length)
     require(key, data_info.get("bytes", 0), f"{cfg.dataset} in memory", f"lower {key}", available)
-    sizes = {**model_sizes(model_entry.build, cfg, data_entry), **model_info}
+    sizes = model_info or model_sizes(model_entry.build, cfg, data_entry)   # a model's own figures first
     if "params" in sizes:
         sampled = math.ceil(max(cfg.participation) * clients)
         require("participation", (sampled + GLOBAL_COPIES) * sizes["params"] * 4,
@@ -156,8 +157,7 @@ def check_run(cfg, data_entry, model_entry) -> None:
     if n_train is None:
         return
     if "sample_bytes" in sizes:   # training keeps every activation (and its gradient) of the batch
-        batch = min(cfg.batch_size, n_train)
-        require("batch_size", 2 * batch * sizes["sample_bytes"], f"a training batch of {batch}",
+        require("batch_size", 2 * cfg.batch_size * sizes["sample_bytes"], f"a training batch of {cfg.batch_size}",
                 "lower batch_size", available)
     if "largest_bytes" in sizes:   # evaluation batches cut the test set and the BN-recompute samples
         batch = min(cfg.eval_batch_size, max(n_test or 0, n_train))
