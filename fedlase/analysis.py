@@ -66,6 +66,10 @@ class Tracker:
     def layers(self) -> list[str]:
         return self.exp.method.maskable
 
+    def index(self) -> dict:
+        """What the arrays' last axis runs over, saved beside them: the maskable layers."""
+        return {"layers": np.array(self.layers)}
+
     def save_npz(self, **arrays) -> Path:
         """Write <out>/analysis/<key>.npz atomically (a crash never leaves half a file)."""
         folder = Path(self.exp.cfg.out) / "analysis"
@@ -73,7 +77,7 @@ class Tracker:
         path = folder / f"{self.key}.npz"
         tmp = path.with_name(path.name + ".tmp")
         with open(tmp, "wb") as f:   # a file object: np.savez would append ".npz" to a tmp name
-            np.savez(f, layers=np.array(self.layers), **arrays)
+            np.savez(f, **self.index(), **arrays)
         os.replace(tmp, path)
         return path
 
@@ -348,3 +352,84 @@ class TensorBoard(Tracker):
     def on_metrics(self, rnd, line):
         self._write(rnd, scalars(line))
         self.writer.flush()
+
+
+def row_macs(model: torch.nn.Module, x: torch.Tensor) -> dict[str, int]:
+    """Weight name of each conv / linear -> multiply-adds one of its output channels (rows) costs per input."""
+    out, hooks = {}, []
+    for name, m in model.named_modules():
+        if isinstance(m, (torch.nn.Conv2d, torch.nn.Linear)):
+            def hook(mod, inputs, o, name=name):
+                out[f"{name}.weight"] = o[0].numel() // o.shape[1] * mod.weight[0].numel()
+            hooks.append(m.register_forward_hook(hook))
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            model(x)
+    finally:
+        model.train(was_training)
+        for h in hooks:
+            h.remove()
+    return out
+
+
+def empty_rows(sub, macs: dict[str, int]) -> tuple[int, int, float]:
+    """(empty rows, rows, share of the dense model's multiply-adds in empty rows) of a submodel's masks: conv
+    output channels and linear rows whose mask keeps nothing. A dense kernel still computes them (a conv channel
+    still emits its BN bias), which is the cost of a threshold that breaks a layer's structure."""
+    empty = rows = 0
+    wasted = dense = 0
+    for name, mask in sub.masks.items():
+        if mask.dim() < 2:
+            continue
+        dead = int((~mask.reshape(mask.shape[0], -1).any(1)).sum())
+        empty, rows = empty + dead, rows + mask.shape[0]
+        wasted, dense = wasted + macs.get(name, 0) * dead, dense + macs.get(name, 0) * mask.shape[0]
+    return empty, rows, wasted / max(dense, 1)
+
+
+@register_tracker
+class EmptyChannels(Tracker):
+    """At every evaluation, per level: conv output channels and linear rows the evaluated submodel leaves
+    entirely empty, and the share of the dense model's multiply-adds they cost (`empty_rows`). Written as
+    `rounds` (R,), `empty` (R, levels), `rows` (R, levels), `macs_share` (R, levels), and in metrics.jsonl as
+    `empty_channels` {level: share of multiply-adds}."""
+    key = "channels"
+
+    def __init__(self, exp, options=None):
+        super().__init__(exp, options)
+        self.rounds: list[int] = []
+        self.empty: list[list[int]] = []
+        self.rows: list[list[int]] = []
+        self.share: list[list[float]] = []
+        self._macs = None
+
+    def on_eval(self, rnd):
+        if self._macs is None:   # one test input through the model: each row's cost, once per run
+            self._macs = row_macs(self.exp.model, self.exp.x_test[:1])
+        figures = [empty_rows(self.exp.method.eval_submodel(self.exp.params, lvl, max(rnd, 1)), self._macs)
+                   for lvl in self.exp.levels]
+        if rnd not in self.rounds:   # the engine may evaluate a round twice (final evaluation after a resume)
+            self.rounds.append(rnd)
+            self.empty.append([f[0] for f in figures])
+            self.rows.append([f[1] for f in figures])
+            self.share.append([f[2] for f in figures])
+            self.save_npz(**self._arrays())
+        return {"empty_channels": dict(zip(_level_names(self.exp.levels), (round(f[2], 6) for f in figures)))}
+
+    def index(self):
+        return {"levels": np.array(_level_names(self.exp.levels))}
+
+    def _arrays(self) -> dict:
+        n = len(self.exp.levels)
+        return {"rounds": np.array(self.rounds, dtype=np.int64), "empty": np.array(self.empty).reshape(-1, n),
+                "rows": np.array(self.rows).reshape(-1, n), "macs_share": np.array(self.share).reshape(-1, n)}
+
+    def state_dict(self):
+        return self._arrays()
+
+    def load_state_dict(self, state):
+        self.rounds = [int(r) for r in state["rounds"]]
+        self.empty, self.rows = [list(r) for r in state["empty"]], [list(r) for r in state["rows"]]
+        self.share = [list(r) for r in state["macs_share"]]
