@@ -47,7 +47,9 @@ def client_job(seed: int, work: LocalWork, train_idx: torch.Tensor, rnd: int, cl
     """The client's local batches (index tensors into the training set) and augmentation for this round,
     from its own seeded stream; every training path (sequential, batched, Flower, bench) draws them here."""
     gen = torch.Generator().manual_seed(derive_seed(seed, rnd, BATCHES, client))
-    batches = [train_idx[b.to(train_idx.device)] for b in client_batches(len(train_idx), work, gen)]
+    positions = client_batches(len(train_idx), work, gen)
+    # one gather for the whole round's batches, then cut (the same indices as batch by batch)
+    batches = list(train_idx[torch.cat(positions).to(train_idx.device)].split([len(b) for b in positions]))
     return batches, (lambda xb: augment_batch(xb, gen)) if augment else None
 
 

@@ -155,15 +155,25 @@ def local_train(model: nn.Module, global_params: dict[str, torch.Tensor], buffer
     return delta, float(total) / max(len(batches), 1)
 
 
-_TRAINING_MODULES: "weakref.WeakKeyDictionary[nn.Module, nn.Module]" = weakref.WeakKeyDictionary()
+_TRAINING_MODULES: "weakref.WeakKeyDictionary[nn.Module, tuple]" = weakref.WeakKeyDictionary()
+
+
+def _training_module(model: nn.Module) -> tuple[nn.Module, dict, dict, dict]:
+    """A private copy of `model` in training mode, its parameters and buffers by name, and the shapes of both
+    (the model's own, for `_fits`); made once per model."""
+    if model not in _TRAINING_MODULES:
+        net = deepcopy(model).train()
+        own, bufs = dict(net.named_parameters()), dict(net.named_buffers())
+        _TRAINING_MODULES[model] = (net, own, bufs, {n: t.shape for n, t in {**own, **bufs}.items()})
+    return _TRAINING_MODULES[model]
 
 
 def _fits(model: nn.Module, params: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor]) -> bool:
     """Whether `params` and `buffers` are all of the model's own, by name and shape (not a width slice's
     smaller tensors)."""
-    own = {**dict(model.named_parameters()), **dict(model.named_buffers())}
-    given = {**params, **buffers}
-    return own.keys() == given.keys() and all(own[n].shape == t.shape for n, t in given.items())
+    shapes = _training_module(model)[3]
+    return len(params) + len(buffers) == len(shapes) and all(
+        shapes.get(n) == t.shape for d in (params, buffers) for n, t in d.items())
 
 
 def _train_whole(model: nn.Module, global_params: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor],
@@ -173,10 +183,7 @@ def _train_whole(model: nn.Module, global_params: dict[str, torch.Tensor], buffe
     the module whose own parameters are set to the global ones, called directly. `functional_call` would swap
     every tensor into the module twice a step, ~10% of a small CNN's step (docs/benchmarks.md); the values
     and operations are the same, so the delta is bit-identical. The caller's module is never written."""
-    if model not in _TRAINING_MODULES:
-        _TRAINING_MODULES[model] = deepcopy(model)
-    net = _TRAINING_MODULES[model]
-    own, own_buffers = dict(net.named_parameters()), dict(net.named_buffers())
+    net, own, own_buffers, _ = _training_module(model)
     with torch.no_grad():
         for n, p in global_params.items():
             own[n].copy_(p)
@@ -185,7 +192,6 @@ def _train_whole(model: nn.Module, global_params: dict[str, torch.Tensor], buffe
     params = {n: own[n] for n in global_params}   # the caller's order: gradient clipping sums in it
     plist = list(params.values())
     opt = make_optimizer(plist, work)
-    net.train()
     total = torch.zeros((), dtype=torch.float64, device=x.device)
     for idx in batches:
         xb, yb = x[idx], y[idx]
