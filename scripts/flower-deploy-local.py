@@ -3,12 +3,16 @@
 
     python scripts/flower-deploy-local.py [CONFIG] key=value ...       (the same arguments as `fedlase run`)
 
-Secure as a real federation: the SuperLink (127.0.0.1, a free port) serves TLS and admits only registered
-SuperNodes. Unless the config names its own files (`tls_ca`, `tls_cert`, `tls_key`, `node_keys`), a throwaway
-CA, SuperLink certificate and one key pair per client are made in <out>/flower-tls/. Each node's public key is
-registered (`flwr supernode register`), then one SuperNode per client starts with
-`--node-config "partition-id=<i> level='<its level>'"`, and the run is submitted with
-`fedlase run engine=flower-deploy tls_ca=...`. `insecure=true` turns TLS and authentication off (with a warning).
+Laid out as a real federation (tools/flower_local.py): the SuperLink listens on 127.0.0.1 only (TLS, only
+registered SuperNodes); nginx in front of it is the one address nodes reach (mutual TLS with the federation's
+CA, the Fleet API only); each SuperNode reaches it through its own nginx sidecar holding the node's client
+certificate. Unless the config names its own files (`tls_ca`, `tls_cert`, `tls_key`, `node_keys`), a throwaway
+CA, SuperLink certificate and, per client, a key pair and a client certificate are made in <out>/flower-tls/.
+Each node's public key is registered (`flwr supernode register`), one SuperNode per client starts with
+`--node-config "partition-id=<i> level='<its level>'"`, and the run is submitted on the SuperLink's host with
+`fedlase run engine=flower-deploy tls_ca=... node_keys=...` (partition i pinned to node-<i>.key.pub).
+<out>/deployment.json says where the proxy, the SuperLink and each node's sidecar listen. Without nginx: a
+one-line error. `insecure=true` turns TLS, authentication and the proxy off (with a warning).
 Whatever happens, every process started here is stopped (each in its own process group). Logs go to
 <out>/flower-logs/."""
 from __future__ import annotations
@@ -18,10 +22,13 @@ import subprocess
 import sys
 from pathlib import Path
 
-from fedlase.config import load_config
-from fedlase.errors import UserError
-from fedlase.flower.launch import LocalFederation
-from fedlase.flower.security import Credentials, check_node_keys, node_key
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # tools/ beside fedlase/
+
+from fedlase.catalog import load_builtins  # noqa: E402
+from fedlase.config import load_config  # noqa: E402
+from fedlase.errors import UserError  # noqa: E402
+from fedlase.flower.security import Credentials, check_node_keys, node_key  # noqa: E402
+from tools.flower_local import LocalFederation  # noqa: E402
 
 
 def credentials(cfg) -> Credentials | None:
@@ -46,17 +53,19 @@ def main(argv: list[str]) -> int:
     args = [a for a in argv if a != "--quiet"]
     config = args.pop(0) if args and "=" not in args[0] else None
     try:
+        load_builtins()
         cfg = load_config(config, args)
         creds = credentials(cfg)
         out = Path(cfg.out).resolve()
-        with LocalFederation(out / "flower-logs", creds, insecure=cfg.insecure, nodes=cfg.num_clients) as fed:
+        with LocalFederation(out, creds, insecure=cfg.insecure, nodes=cfg.num_clients) as fed:
             fed.start_superlink()
             if not fed.insecure:
                 for path in fed.creds.nodes:
                     fed.register(Path(f"{path}.pub"))
             for pid in range(cfg.num_clients):
                 fed.start_node(pid, node_level(cfg, pid))
-            security = ["insecure=true"] if fed.insecure else [f"tls_ca={fed.creds.ca}"]
+            security = (["insecure=true"] if fed.insecure
+                        else [f"tls_ca={fed.creds.ca}", f"node_keys={fed.creds.folder}"])
             cmd = [sys.executable, "-m", "fedlase", "run", *([config] if config else []), *args,
                    "engine=flower-deploy", f"superlink={fed.address}", *security, "--quiet"]
             return subprocess.run(cmd, env=fed.env).returncode

@@ -53,7 +53,7 @@ def flower_processes() -> set[int]:
     """Pids of processes that look like Flower or Ray ones."""
     out = subprocess.run(["ps", "-eo", "pid=,args="], capture_output=True, text=True).stdout
     keys = ("flower-superlink", "flower-supernode", "flower-superexec", "flwr-serverapp", "flwr-clientapp",
-            "raylet", "gcs_server", "ray::", "ray/_private", "default_worker.py")
+            "raylet", "gcs_server", "ray::", "ray/_private", "default_worker.py", "nginx: ")
     return {int(line.split(None, 1)[0]) for line in out.splitlines() if any(k in line for k in keys)}
 
 
@@ -256,6 +256,50 @@ def test_missing_reply_dead_node_and_min_replies(tmp_path, task_identity):
     assert stats.get("skipped") and same_params(params, Experiment(cfg).params)
 
 
+def test_partitions_are_pinned_to_node_keys(tmp_path, task_identity):
+    """With pins, a node whose key is pinned to no partition is refused unasked; a node whose key is pinned to
+    partition 2 but claims 1 is refused after its answer; neither gets a model, both refusals are in the round's
+    line. A legitimate node re-registered under a new node id is followed, and the move is in the next line."""
+    from cryptography.hazmat.primitives import serialization
+    from flwr.proto.node_pb2 import NodeInfo
+    from fedlase.flower.security import make_node_key, node_key, partition_keys
+    cfg = small_cfg(tmp_path, "system={1,1/4}_{1,2}")
+    for i in range(4):
+        make_node_key(node_key(tmp_path / "keys", i))
+    pins = partition_keys(tmp_path / "keys", 3)
+
+    def pem(i):   # how Flower's NodeInfo holds a registered key
+        key = serialization.load_ssh_public_key(Path(f"{node_key(tmp_path / 'keys', i)}.pub").read_bytes())
+        return key.public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
+
+    grid = LocalGrid(cfg)
+    grid.nodes = {100: 0, 101: 1, 103: 0, 104: 1}      # node id -> the partition it claims
+    keys = {100: 0, 101: 1, 103: 3, 104: 2}            # node id -> whose key it was registered with
+    sent = []
+
+    def deliver(msgs, timeout=None):
+        sent.extend(msgs)
+        return grid.send_and_receive(msgs)
+    wire = type("Wire", (), {"send_and_receive": staticmethod(deliver), "get_node_ids": grid.get_node_ids,
+                             "get_nodes": staticmethod(lambda: [NodeInfo(node_id=n, public_key=pem(k)) for n, k in keys.items()])})
+    runner = NodeRounds(wire(), reply_timeout=2, pins=pins)   # partition 2 has no node: wait 2 s for one
+    exp = Experiment(cfg, runner)
+    stats = {**exp.run_round(1), **runner.last}
+    assert runner.nodes == {0: 100, 1: 101}
+    assert stats["refused"]["103"]["partition"] is None and "pinned to no partition" in stats["refused"]["103"]["reason"]
+    assert stats["refused"]["104"]["partition"] == 1 and "pinned to partition 2" in stats["refused"]["104"]["reason"]
+    assert 103 not in {m.metadata.dst_node_id for m in sent}                   # never even asked
+    assert {m.metadata.dst_node_id for m in sent if m.metadata.message_type == "train"} == {100, 101}
+    assert stats["failed"] == [2] and stats["moved"] == {}
+    assert same_params(exp.params, _embedded(cfg, without={2}))
+    # Partition 1's node comes back under a new node id, with its own key: followed, and the move recorded.
+    del grid.nodes[101], keys[101]
+    grid.nodes[105], keys[105] = 1, 1
+    stats = {**exp.run_round(2), **runner.last}
+    assert stats["moved"] == {"1": {"from": 101, "to": 105}} and stats["refused"] == {}
+    assert runner.nodes == {0: 100, 1: 105}
+
+
 # ---- real Flower runs (subprocesses) ---------------------------------------------------------------------------
 def _env():
     return {**os.environ, **QUIET_ENV, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
@@ -331,16 +375,17 @@ def test_a_killed_client_does_not_stop_the_run(tmp_path, no_leftovers):
     assert same_params(_params(tmp_path / "sim"), _embedded(cfg, without=set(line["failed"])))
 
 
-# ---- the Deployment Engine on loopback: TLS, node authentication, faults ------------------------------------
+# ---- the Deployment Engine on loopback: faults ----------------------------------------------------------------
 @pytest.fixture
 def federation():
-    """federation(out, nodes) -> a LocalFederation (TLS, node authentication) whose processes, and those of
-    every `fedlase run` started with `submit`, are stopped when the test ends, pass or fail."""
-    from fedlase.flower.launch import LocalFederation
+    """federation(out, nodes) -> a LocalFederation (tools/flower_local.py: the SuperLink on loopback, the mutual-TLS
+    proxy, a sidecar per node, node authentication) whose processes, and those of every `fedlase run` started
+    with `submit`, are stopped when the test ends, pass or fail."""
+    from tools.flower_local import LocalFederation
     started, runs = [], []
 
     def make(out: Path, nodes: int) -> LocalFederation:
-        fed = LocalFederation(out / "flower-logs", nodes=nodes)
+        fed = LocalFederation(out, nodes=nodes)
         fed.env["PYTHONPATH"] = _env()["PYTHONPATH"]
         started.append(fed)
         fed.runs = runs
@@ -367,10 +412,12 @@ def _start_federation(fed, levels: list[str], register: int | None = None):
 
 
 def _submit(fed, args: list[str], out: Path) -> subprocess.Popen:
-    """`fedlase run engine=flower-deploy` against the federation, verifying it with its CA."""
+    """`fedlase run engine=flower-deploy` on the SuperLink's host, verifying it with the CA and pinning partition
+    i to node-<i>.key.pub."""
     log = open(out.parent / f"{out.name}-run.log", "w")
     p = subprocess.Popen([sys.executable, "-m", "fedlase", "run", *args, f"out={out}", "engine=flower-deploy",
-                          f"superlink={fed.address}", f"tls_ca={fed.creds.ca}", "--quiet"],
+                          f"superlink={fed.address}", f"tls_ca={fed.creds.ca}", f"node_keys={fed.creds.folder}",
+                          "--quiet"],
                          env=fed.env, stdout=log, stderr=subprocess.STDOUT)
     fed.runs.append(p)
     return p
@@ -394,26 +441,8 @@ def _metrics(out: Path) -> list[dict]:
     return [json.loads(x) for x in f.read_text().splitlines()] if f.exists() else []
 
 
-def test_tls_authenticated_deployment_matches_embedded_and_refuses_an_unregistered_node(
-        tmp_path, no_leftovers, federation):
-    args = [*SMALL, "system={1,1/4}_{1,1}", "rounds=1", "reply_timeout=150"]
-    out = tmp_path / "dep"
-    fed = federation(out, nodes=3)   # key pairs for partitions 0, 1 and an intruder's
-    _start_federation(fed, ["1", "1/4"])
-    # The intruder holds a key the SuperLink never registered, and claims partition 0.
-    intruder = fed.start_node(0, "1", key=fed.creds.nodes[2], name="intruder")
-    run = _submit(fed, args, out)
-    _wait(run, 300, out)
-    run_experiment(load_config(None, [*args, f"out={tmp_path / 'emb'}"]), progress=False)
-    assert same_params(_params(out), _params(tmp_path / "emb"))
-    line = _metrics(out)[-1]
-    assert line["clients"] == 2 and not line["failed"] and set(line["bytes"]["levels"]) == {"1", "1/4"}
-    # The intruder was turned away at activation and exited; it never pulled a message.
-    assert intruder.wait(timeout=30) != 0
-    log = (out / "flower-logs" / "intruder.log").read_text()
-    assert "Failed to activate SuperNode" in log and "Receiving:" not in log, log
-    listed = fed.flwr("supernode", "list", "fedlase", "--format", "json")
-    assert listed.returncode == 0 and len(json.loads(listed.stdout[listed.stdout.index("{"):])["nodes"]) == 2
+# The deployment's security (TLS, the proxy, node authentication, pinned partitions) and its bit-identity with
+# the embedded engine: tests/test_flower_security.py, on one federation.
 
 
 def _node_is_training(node: subprocess.Popen) -> bool:
@@ -498,6 +527,9 @@ def test_security_keys_are_checked(tmp_path):
     with pytest.raises(ConfigError) as e:   # secure by default: a deployment without tls_ca is refused
         require_tls(small_cfg(tmp_path, "engine=flower-deploy"))
     assert e.value.key == "tls_ca"
+    with pytest.raises(ConfigError) as e:   # nor without the node keys its partitions are pinned to
+        require_tls(small_cfg(tmp_path, "engine=flower-deploy", f"tls_ca={creds.ca}"))
+    assert e.value.key == "node_keys"
     require_tls(small_cfg(tmp_path, "engine=flower-deploy", "insecure=true"))   # asked for: allowed
 
 
@@ -505,7 +537,8 @@ def test_made_credentials_verify(tmp_path):
     from cryptography import x509
     from cryptography.hazmat.primitives import serialization
     from cryptography.hazmat.primitives.asymmetric import ec
-    from fedlase.flower.security import make_credentials
+    from cryptography.x509.oid import ExtendedKeyUsageOID
+    from fedlase.flower.security import fingerprint, make_credentials, node_cert, partition_keys
     creds = make_credentials(tmp_path, ["10.0.0.5", "link.example"], nodes=2)
     ca = x509.load_pem_x509_certificate(creds.ca.read_bytes())
     srv = x509.load_pem_x509_certificate(creds.cert.read_bytes())
@@ -518,3 +551,15 @@ def test_made_credentials_verify(tmp_path):
         assert isinstance(serialization.load_ssh_public_key(Path(f"{key}.pub").read_bytes()),
                           ec.EllipticCurvePublicKey)
         assert key.stat().st_mode & 0o077 == 0   # private keys readable by their owner only
+    for i in range(2):   # each node's client certificate: signed by the CA, for client authentication only
+        crt, crt_key = node_cert(tmp_path, i)
+        cert = x509.load_pem_x509_certificate(crt.read_bytes())
+        cert.verify_directly_issued_by(ca)
+        assert list(cert.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value) == [
+            ExtendedKeyUsageOID.CLIENT_AUTH]
+        assert serialization.load_pem_private_key(crt_key.read_bytes(), None).public_key() == cert.public_key()
+        assert crt_key.stat().st_mode & 0o077 == 0
+    # A key's fingerprint is the same read from its .pub file or as the PEM Flower stores.
+    pub = serialization.load_ssh_public_key(Path(f"{creds.nodes[1]}.pub").read_bytes())
+    pem = pub.public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
+    assert partition_keys(tmp_path, 2)[1] == fingerprint(pem) != partition_keys(tmp_path, 2)[0]

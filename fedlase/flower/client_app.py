@@ -16,6 +16,7 @@ import time
 from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
+from ..catalog import load_builtins
 from ..config import config_from_dict
 from ..client import pick_device
 from .codec import decode_submodel, encode_delta
@@ -32,6 +33,7 @@ _CACHE: dict = {}
 def _config(context: Context):
     text = str(context.run_config["fedlase-config"])
     if _CACHE.get("text") != text:
+        load_builtins()   # a program's edge: the config names registered choices
         _CACHE.clear()
         _CACHE.update(text=text, cfg=config_from_dict(json.loads(text)), trainers={})
     return _CACHE["cfg"]

@@ -1,7 +1,7 @@
 """Starting a run on Flower: `engine=flower-sim` (the Simulation Engine, in this process, through Flower's
 public `flwr.simulation.run_simulation`) and `engine=flower-deploy` (submitted with `flwr run` to a running
-SuperLink, over TLS unless `insecure=true`), and `LocalFederation`, a SuperLink and SuperNodes on loopback
-(TLS and node authentication on) for scripts/flower-deploy-local.py and the tests.
+SuperLink, over TLS unless `insecure=true`, with each partition pinned to its node's key from `node_keys`).
+The loopback deployment that tests and scripts/flower-deploy-local.py start is tools/flower_local.py.
 
 Both go through a Flower app folder written into the run's `out` folder: a pyproject.toml naming the
 ServerApp and ClientApp and carrying the whole fedlase config as the run config, so the server and every
@@ -15,23 +15,16 @@ import json
 import logging
 import os
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import threading
-import time
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import psutil
 
 from ..config import Config
 from ..errors import ConfigError, UserError
-
-if TYPE_CHECKING:
-    from .security import Credentials
 
 log = logging.getLogger("fedlase")
 
@@ -55,8 +48,9 @@ def app_config(cfg: Config) -> dict:
     return {**cfg.to_dict(), **{k: None for k in LOCAL_FILES}}
 
 
-def write_app(folder: Path, cfg: Config, resume: bool, progress: bool) -> Path:
-    """A Flower app folder whose run config is this experiment's config."""
+def write_app(folder: Path, cfg: Config, resume: bool, progress: bool, pins: dict[int, str] | None = None) -> Path:
+    """A Flower app folder whose run config is this experiment's config (and `pins`: partition id -> the
+    fingerprint of the node key that alone may serve it)."""
     folder.mkdir(parents=True, exist_ok=True)
     text = f"""# Written by fedlase for one run; `flwr run {folder} <superlink>` submits it.
 [build-system]
@@ -82,6 +76,7 @@ clientapp = "fedlase.flower.client_app:app"
 fedlase-config = {json.dumps(json.dumps(app_config(cfg), default=str))}
 resume = {str(bool(resume)).lower()}
 progress = {str(bool(progress)).lower()}
+partition-keys = {json.dumps(json.dumps({str(k): v for k, v in (pins or {}).items()}))}
 """
     (folder / "pyproject.toml").write_text(text)
     return folder
@@ -95,12 +90,25 @@ def _check_out(cfg: Config, resume: bool) -> Path:
 
 
 def require_tls(cfg: Config) -> None:
-    """Secure by default: a deployment verifies its SuperLink with tls_ca unless the user asked for insecure=true.
-    Checked where a run is submitted, not in the config (the apps on other machines get the config without the
-    submitter's file paths)."""
-    if cfg.engine == "flower-deploy" and not cfg.insecure and cfg.tls_ca is None:
+    """Secure by default: a deployment verifies its SuperLink with tls_ca and pins each partition to its node's
+    key from node_keys, unless the user asked for insecure=true. Checked where a run is submitted, not in the
+    config (the apps on other machines get the config without the submitter's file paths)."""
+    if cfg.engine != "flower-deploy" or cfg.insecure:
+        return
+    if cfg.tls_ca is None:
         raise ConfigError("tls_ca", "engine=flower-deploy verifies the SuperLink with this CA certificate: give "
                                     "tls_ca=FILE (or insecure=true, loopback or a trusted network only)")
+    if cfg.node_keys is None:
+        raise ConfigError("node_keys", "engine=flower-deploy pins partition i to the node key node-<i>.key.pub: "
+                                       "give node_keys=FOLDER (python -m fedlase.flower.security makes it)")
+
+
+def partition_pins(cfg: Config) -> dict[int, str]:
+    """Partition id -> fingerprint of the node key allowed to serve it (none with insecure=true)."""
+    if cfg.insecure or cfg.node_keys is None:
+        return {}
+    from .security import partition_keys
+    return partition_keys(Path(cfg.node_keys).expanduser(), cfg.num_clients)
 
 
 def run_flower(cfg: Config, resume: bool = False, progress: bool = True) -> dict:
@@ -112,7 +120,8 @@ def run_flower(cfg: Config, resume: bool = False, progress: bool = True) -> dict
             raise UserError(f"engine={cfg.engine} needs {mod}: pip install 'fedlase[flower]'")
     cfg.out = str(Path(cfg.out).resolve())   # the ServerApp may run in another working directory
     out = _check_out(cfg, resume)
-    app_dir = write_app(out / "flower-app", cfg, resume, progress and cfg.engine == "flower-sim")
+    pins = partition_pins(cfg) if cfg.engine == "flower-deploy" else {}
+    app_dir = write_app(out / "flower-app", cfg, resume, progress and cfg.engine == "flower-sim", pins)
     if cfg.engine == "flower-sim":
         simulate(cfg, app_dir)
     else:
@@ -306,135 +315,3 @@ def submit(cfg: Config, app_dir: Path) -> None:
     if res.returncode != 0:
         raise UserError(f"flwr run exited with status {res.returncode}; is a SuperLink running at {cfg.superlink}"
                         f"{'' if cfg.insecure else ' and does tls_ca hold the CA that signed its certificate'}?")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class LocalFederation:
-    """A SuperLink and SuperNodes on loopback, each a process group of its own, logs in `logs/`. Secure by
-    default: the SuperLink serves TLS with `creds` (made in `logs/../flower-tls` when not given) and admits
-    only registered nodes; `insecure=True` turns both off. Use as a context manager: `stop()` ends every
-    process it started, and the processes those started, whatever happens."""
-
-    def __init__(self, logs: Path, creds: Credentials | None = None, insecure: bool = False, nodes: int = 0):
-        from .security import INSECURE_WARNING, make_credentials
-        self.logs = Path(logs)
-        self.logs.mkdir(parents=True, exist_ok=True)
-        self.insecure = insecure
-        if insecure:
-            log.warning(INSECURE_WARNING)
-        self.creds = None if insecure else creds or make_credentials(self.logs.parent / "flower-tls", nodes=nodes)
-        self.bindir = str(Path(sys.executable).parent)   # flower-superlink, flower-supernode, flwr live beside python
-        self.home = Path(tempfile.mkdtemp(prefix="fedlase-flwr-"))   # FLWR_HOME: connection, app bundles
-        self.env = {**os.environ, **QUIET_ENV, "FLWR_HOME": str(self.home),
-                    "PATH": self.bindir + os.pathsep + os.environ.get("PATH", "")}
-        self.port = free_port()
-        self.address = f"127.0.0.1:{self.port}"
-        self.procs: dict[str, subprocess.Popen] = {}
-        self.tree: set[psutil.Process] = set()
-        write_connection(self.home, self.address, self.creds and str(self.creds.ca), insecure)
-
-    def __enter__(self) -> "LocalFederation":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
-
-    def _start(self, name: str, cmd: list[str]) -> subprocess.Popen:
-        with open(self.logs / f"{name}.log", "a") as out:
-            p = subprocess.Popen(cmd, env=self.env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-        self.procs[f"{name}#{p.pid}"] = p
-        return p
-
-    def _tls_args(self) -> list[str]:
-        if self.insecure:
-            return ["--insecure"]
-        return ["--ssl-ca-certfile", str(self.creds.ca), "--ssl-certfile", str(self.creds.cert),
-                "--ssl-keyfile", str(self.creds.key), "--enable-supernode-auth"]
-
-    def start_superlink(self, timeout: float = 60.0) -> str:
-        link = self._start("superlink", [f"{self.bindir}/flower-superlink", *self._tls_args(), "--host", "127.0.0.1",
-                                         "--port", str(self.port), "--database", ":flwr-in-memory:",
-                                         "--disable-runtime-dependency-installation"])
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if link.poll() is not None:
-                raise UserError(f"the SuperLink exited with status {link.returncode}; see {self.logs}/superlink.log")
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=1):
-                    return self.address
-            except OSError:
-                time.sleep(0.3)
-        raise UserError(f"the SuperLink did not listen on port {self.port} within {timeout:.0f} s")
-
-    def flwr(self, *args: str, timeout: float = 60.0) -> subprocess.CompletedProcess:
-        """A `flwr` command against this SuperLink (connection `fedlase`)."""
-        return subprocess.run([flwr_command(), *args], env=self.env, capture_output=True, text=True,
-                              timeout=timeout)
-
-    def register(self, public_key: Path, tries: int = 10) -> None:
-        """Admit the SuperNode holding this public key's private key (`flwr supernode register`)."""
-        for _ in range(tries):   # the SuperLink's port may open before its Control API answers
-            res = self.flwr("supernode", "register", str(public_key), "fedlase")
-            if res.returncode == 0:
-                return
-            time.sleep(1.0)
-        raise UserError(f"could not register {public_key}: {(res.stdout + res.stderr).strip()[-500:]}")
-
-    def start_node(self, partition: int, level: str, key: Path | None = None, name: str | None = None
-                   ) -> subprocess.Popen:
-        """A SuperNode serving `partition` at `level`; `key`: its private key (None: the credentials' own
-        key for that partition, already registered by the caller)."""
-        if self.insecure:
-            auth = ["--insecure"]
-        else:
-            key = key or self.creds.nodes[partition]
-            auth = ["--root-certificates", str(self.creds.ca), "--auth-supernode-private-key", str(key)]
-        return self._start(name or f"supernode-{partition}",
-                           [f"{self.bindir}/flower-supernode", *auth, "--superlink", self.address,
-                            "--port", str(free_port()),
-                            "--node-config", f"partition-id={partition} level='{level}'"])
-
-    def kill(self, proc: subprocess.Popen) -> None:
-        """SIGKILL a process and everything below it at once (a node dying with its ClientApps)."""
-        tree = [*descendants(proc.pid)]
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        for p in tree:
-            try:
-                p.kill()
-            except psutil.Error:
-                pass
-        proc.wait()
-
-    def stop(self, grace: float = 10.0) -> None:
-        """SIGTERM every process group, then SIGKILL what is still there after `grace` seconds, including the
-        processes they started in other groups (the SuperLink's flwr-serverapp, Ray workers)."""
-        procs = list(self.procs.values())
-        tree = set().union(*(descendants(p.pid) for p in procs)) if procs else set()
-        for p in procs:
-            if p.poll() is None:
-                try:
-                    os.killpg(p.pid, signal.SIGTERM)
-                except ProcessLookupError:
-                    pass
-        deadline = time.monotonic() + grace
-        for p in procs:
-            try:
-                p.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                pass
-        for p in procs:   # the group too: a node's ClientApp processes may outlive it
-            try:
-                os.killpg(p.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
-            p.wait()
-        reap(tree, grace=3.0)
-        shutil.rmtree(self.home, ignore_errors=True)

@@ -3,7 +3,13 @@
 It holds no algorithm of its own: the engine samples clients, asks the method for submodels, aggregates the
 updates this runner returns and calls the trackers, exactly as in the embedded engine. What it adds is the
 wire: finding which node holds which partition (QUERY), one TRAIN message per node carrying that node's own
-submodel, checking every reply (`codec.validate_reply`) and counting bytes. It is a plain class, not a
+submodel, checking every reply (`codec.validate_reply`) and counting bytes.
+
+Partitions are pinned to nodes: given `pins` (partition id -> fingerprint of the one node key allowed to serve
+it, `security.partition_keys`), a node is admitted for a partition only if the SuperLink registered it with that
+key and it says it serves that partition. Any other node gets no model and its replies are never read; each
+refusal, and each change of node for a partition, is a warning and a field of the round's metrics line
+(`refused`, `moved`). It is a plain class, not a
 `flwr.serverapp.strategy.Strategy`: Flower's strategies own sampling, aggregation and the round loop, all of
 which fedlase keeps in its engine so that every engine computes the same thing."""
 from __future__ import annotations
@@ -24,10 +30,13 @@ log = logging.getLogger("fedlase")
 class NodeRounds:
     """Trains a round's clients on Flower nodes: prepare (messages) -> Flower delivers -> collect (updates)."""
 
-    def __init__(self, grid: Grid, reply_timeout: float = 600.0):
+    def __init__(self, grid: Grid, reply_timeout: float = 600.0, pins: dict[int, str] | None = None):
         self.grid, self.reply_timeout = grid, reply_timeout
+        self.pins = {int(k): v for k, v in (pins or {}).items()}   # partition id -> node key fingerprint
         self.nodes: dict[int, int] = {}        # partition id -> node id
-        self.queried: set[int] = set()         # node ids asked already
+        self.queried: set[int] = set()         # node ids asked (or refused) already
+        self.keyed: dict[int, int] = {}        # node id -> the partition its key is pinned to
+        self.events = {"refused": {}, "moved": {}}   # since the last metrics line
         self.pending: dict[int, tuple] = {}    # partition id -> (message, level, submodel, bytes sent)
         self.bytes_total = {"sent": 0, "received": 0}
         self._dense: tuple[int, int] | None = None
@@ -51,7 +60,7 @@ class NodeRounds:
         n, deadline = cfg.num_clients, time.monotonic() + self.reply_timeout
         told = False
         while True:
-            new = [nid for nid in self.grid.get_node_ids() if nid not in self.queried]
+            new = self._admissible([nid for nid in self.grid.get_node_ids() if nid not in self.queried])
             if new:
                 msgs = [Message(RecordDict(), dst_node_id=nid, message_type=MessageType.QUERY) for nid in new]
                 replies = self.grid.send_and_receive(msgs, timeout=max(1.0, deadline - time.monotonic()))
@@ -68,6 +77,36 @@ class NodeRounds:
             time.sleep(1.0)
         if wait and len(self.nodes) < n:
             log.warning("only %d of %d partitions have a node; the others count as failed clients", len(self.nodes), n)
+
+    def _admissible(self, new: list[int]) -> list[int]:
+        """The new nodes worth asking who they are: with pins, only those registered with a pinned key (each
+        remembered with its partition in `self.keyed`); the others are refused without being asked."""
+        if not self.pins or not new:
+            return new
+        from .security import fingerprint
+        by_key = {fp: pid for pid, fp in self.pins.items()}
+        keys = {}
+        for info in self.grid.get_nodes():
+            if info.node_id in new:
+                try:
+                    keys[info.node_id] = fingerprint(info.public_key)
+                except ValueError:
+                    keys[info.node_id] = None
+        ok = []
+        for nid in new:
+            fp = keys.get(nid)
+            if fp in by_key:
+                self.keyed[nid] = by_key[fp]
+                ok.append(nid)
+            else:
+                self.queried.add(nid)
+                self._refuse(nid, None, f"its key ({fp or 'none'}) is pinned to no partition of this run")
+        return ok
+
+    def _refuse(self, nid: int, pid: int | None, why: str) -> None:
+        log.warning("refused node %d%s: %s; it gets no model and its replies are ignored", nid,
+                    "" if pid is None else f" for partition {pid}", why)
+        self.events["refused"][str(nid)] = {"partition": pid, "reason": why}
 
     def _register(self, reply: Message, nid: int) -> None:
         if reply.has_error():
@@ -88,8 +127,12 @@ class NodeRounds:
             log.warning("node %d (partition %d) declares level %s but system %s gives that partition %s; ignored",
                         nid, pid, level, cfg.system, expected.name)
             return
+        if self.pins and self.keyed.get(nid) != pid:
+            self._refuse(nid, pid, f"it claims partition {pid} but its key is pinned to partition {self.keyed.get(nid)}")
+            return
         if pid in self.nodes and self.nodes[pid] != nid:
             log.warning("partition %d moves from node %d to node %d", pid, self.nodes[pid], nid)
+            self.events["moved"][str(pid)] = {"from": self.nodes[pid], "to": nid}
         self.nodes[pid] = nid
 
     # ---- one round -------------------------------------------------------------------------------------------
@@ -124,9 +167,14 @@ class NodeRounds:
             if pid is None:
                 log.warning("round %d: ignoring a reply that answers no message of this round", rnd)
                 continue
-            _, lvl, sub, _ = self.pending[pid]
+            sent, lvl, sub, _ = self.pending[pid]
             if reply.has_error():
                 log.warning("round %d: client %d failed: %s", rnd, pid, reply.error.reason)
+                continue
+            if reply.metadata.src_node_id != sent.metadata.dst_node_id:
+                why = f"reply from node {reply.metadata.src_node_id}, not from node {sent.metadata.dst_node_id}"
+                log.warning("round %d: rejected client %d's reply: %s", rnd, pid, why)
+                self.last["rejected"][pid] = why
                 continue
             received[pid] = record_bytes(*reply.content.array_records.values())
             try:
@@ -149,7 +197,10 @@ class NodeRounds:
         self.last.update(failed=failed, bytes=b, clients=len(good))
         stats = {"sampled": len(self.last["sampled"]), "failed": failed,
                  "rejected": {str(k): v for k, v in self.last["rejected"].items()},
+                 "refused": self.events["refused"], "moved": self.events["moved"],
                  "bytes": b, "bytes_total": dict(self.bytes_total)}
+        self.last.update(refused=self.events["refused"], moved=self.events["moved"])
+        self.events = {"refused": {}, "moved": {}}
         return RoundResult(good, stats)
 
     def _bytes(self, exp, received: dict[int, int]) -> dict:

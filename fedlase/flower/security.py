@@ -1,22 +1,26 @@
-"""TLS and SuperNode authentication for the Deployment Engine.
+"""Credentials of a Flower deployment, and the config's checks of them.
 
 - `check_security(cfg)`: the config's certificate and key files (`tls_ca`, `tls_cert`, `tls_key`,
   `node_keys`) exist and can be read, and `engine=flower-deploy` has a CA to verify the SuperLink with
   unless `insecure=true`. Called by `fedlase.config.validate`; raises `ConfigError(key, one line)`.
-- `make_credentials(folder, hosts, nodes)`: a CA, a SuperLink certificate signed by it (valid for `hosts`)
-  and one key pair per SuperNode, written as files. `scripts/flower-deploy-local.py` makes throwaway ones
-  for loopback; for a real federation run `python -m fedlase.flower.security FOLDER --host NAME --nodes N`
-  once, on a trusted machine, and hand out the files (docs/flower.md says which goes where).
+- `make_credentials(folder, hosts, nodes)`: a CA, a certificate for the SuperLink's host signed by it (valid
+  for `hosts`; the TLS proxy in front of the SuperLink and the SuperLink itself serve it), and for each
+  SuperNode a key pair (Flower's node authentication) and a client certificate with its key (the node's
+  sidecar presents it to the proxy: mutual TLS). `python -m fedlase.flower.security FOLDER --host NAME
+  --nodes N` runs it once, on a trusted machine; docs/flower.md says which file goes where.
+- `partition_keys(folder, n)`: which node key serves which partition (the public key node-<i>.key.pub serves
+  partition i), as SHA-256 fingerprints; the ServerApp refuses any other node for that partition.
 
-Flower 1.42 serves the Fleet, Control and Runtime APIs of a SuperLink on one HTTPS port
-(`--ssl-certfile/--ssl-keyfile/--ssl-ca-certfile`); SuperNodes and `flwr` verify it with the CA
-(`--root-certificates`, `root-certificates` in a connection); with `--enable-supernode-auth` only nodes
-whose public key was registered (`flwr supernode register KEY.pub`) may connect, each signing its
+Flower 1.42 serves the Fleet, Control and Runtime APIs of a SuperLink on one HTTPS port and verifies no client
+certificate, so the SuperLink listens on loopback only and nginx in front forwards the Fleet API alone to
+nodes holding a client certificate of this CA (fedlase/flower/proxy.py). With `--enable-supernode-auth` only
+nodes whose public key was registered (`flwr supernode register KEY.pub`) may activate, each signing its
 requests with its private key (`--auth-supernode-private-key`, an EC key in OpenSSH format)."""
 from __future__ import annotations
 
 import argparse
 import datetime
+import hashlib
 import ipaddress
 import logging
 import os
@@ -42,10 +46,42 @@ def node_key(folder: Path | str, partition: int) -> Path:
     return Path(folder) / f"node-{partition}.key"
 
 
+def node_cert(folder: Path | str, partition: int) -> tuple[Path, Path]:
+    """The client certificate of partition `partition`'s node and its private key (for the node's sidecar)."""
+    return Path(folder) / f"node-{partition}.crt", Path(folder) / f"node-{partition}.tls.key"
+
+
+def fingerprint(public_key: bytes) -> str:
+    """'sha256:<hex>' of an EC public key, given in OpenSSH form (a .pub file) or as PEM (as Flower's
+    `NodeInfo.public_key` holds it): the same key gives the same fingerprint in both forms."""
+    from cryptography.hazmat.primitives import serialization
+    data = public_key.strip()
+    key = (serialization.load_pem_public_key(data) if data.startswith(b"-----")
+           else serialization.load_ssh_public_key(data))
+    der = key.public_bytes(serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
+    return "sha256:" + hashlib.sha256(der).hexdigest()
+
+
+def partition_keys(folder: Path | str, partitions: int) -> dict[int, str]:
+    """Partition id -> fingerprint of the one node key allowed to serve it (node-<i>.key.pub serves i). Needs
+    only the public keys, so the SuperLink's host never holds a node's private key."""
+    out = {}
+    for pid in range(partitions):
+        pub = Path(f"{node_key(folder, pid)}.pub")
+        try:
+            out[pid] = fingerprint(pub.read_bytes())
+        except OSError as e:
+            raise ConfigError("node_keys", f"cannot read {str(pub)!r}: {e.strerror or e}") from None
+        except ValueError as e:
+            raise ConfigError("node_keys", f"{str(pub)!r} is not an OpenSSH public key: {e}") from None
+    return out
+
+
 def check_node_keys(folder: Path | str, partitions: range) -> None:
-    """Each partition has a readable key pair in the node_keys folder (for the deployment script)."""
+    """Each partition has a readable key pair and client certificate in the node_keys folder (for the loopback
+    deployment script, which plays every node)."""
     for pid in partitions:
-        for p in (node_key(folder, pid), node_key(folder, pid).with_suffix(".key.pub")):
+        for p in (node_key(folder, pid), node_key(folder, pid).with_suffix(".key.pub"), *node_cert(folder, pid)):
             try:
                 p.read_bytes()
             except OSError as e:
@@ -59,7 +95,10 @@ class Credentials:
     ca: Path
     cert: Path
     key: Path
-    nodes: list[Path]        # private keys; public ones beside them (+ ".pub")
+    nodes: list[Path]        # private keys; public ones beside them (+ ".pub"), client certificates too
+
+    def client_cert(self, partition: int) -> tuple[Path, Path]:
+        return node_cert(self.folder, partition)
 
 
 def _write(path: Path, data: bytes, private: bool) -> None:
@@ -83,7 +122,8 @@ def make_node_key(path: Path, comment: str = "") -> None:
 def make_credentials(folder: Path | str, hosts: list[str] = ("127.0.0.1", "localhost"), nodes: int = 0,
                      days: int = 365) -> Credentials:
     """Write a CA (ca.crt, ca.key), a SuperLink certificate for `hosts` (superlink.crt, superlink.key; IP
-    addresses and DNS names) signed by it, and `nodes` SuperNode key pairs (node-<i>.key, node-<i>.key.pub)."""
+    addresses and DNS names) signed by it, and for each of `nodes` SuperNodes a key pair (node-<i>.key,
+    node-<i>.key.pub) and a client certificate with its key (node-<i>.crt, node-<i>.tls.key)."""
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes, serialization
     from cryptography.hazmat.primitives.asymmetric import ec
@@ -133,24 +173,63 @@ def make_credentials(folder: Path | str, hosts: list[str] = ("127.0.0.1", "local
     _write(creds.key, pem_key(srv_key), private=True)
     for i, path in enumerate(creds.nodes):
         make_node_key(path, comment=f"fedlase-node-{i}")
+        # The node's client certificate: what its sidecar shows the proxy (clientAuth only, so it cannot
+        # pose as the SuperLink).
+        key = ec.generate_private_key(ec.SECP384R1())
+        cert = (x509.CertificateBuilder()
+                .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, f"fedlase-node-{i}")]))
+                .issuer_name(ca_name).public_key(key.public_key())
+                .serial_number(x509.random_serial_number()).not_valid_before(start).not_valid_after(end)
+                .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+                .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False)
+                .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()),
+                               critical=False)
+                .sign(ca_key, hashes.SHA384()))
+        crt, crt_key = node_cert(folder, i)
+        _write(crt, cert.public_bytes(serialization.Encoding.PEM), private=False)
+        _write(crt_key, pem_key(key), private=True)
     return creds
+
+
+def self_signed(cert_path: Path, key_path: Path, host: str = "127.0.0.1", days: int = 30) -> None:
+    """A certificate for `host` that is its own trust anchor: a node's sidecar serves it on loopback and the
+    node's SuperNode trusts exactly it (Flower's SuperNode speaks only TLS when it authenticates)."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+    now = datetime.datetime.now(datetime.timezone.utc)
+    key = ec.generate_private_key(ec.SECP384R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, f"fedlase sidecar {host}")])
+    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=days))
+            .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address(host))]), critical=False)
+            .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+            .sign(key, hashes.SHA384()))
+    _write(cert_path, cert.public_bytes(serialization.Encoding.PEM), private=False)
+    _write(key_path, key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                       serialization.NoEncryption()), private=True)
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m fedlase.flower.security",
                                  description="Make the credentials of a Flower federation: a CA, the SuperLink's "
-                                             "certificate and one key pair per SuperNode.")
+                                             "certificate, and per SuperNode a key pair and a client "
+                                             "certificate.")
     ap.add_argument("folder", help="where to write them (created; files are overwritten)")
     ap.add_argument("--host", action="append", default=[],
                     help="a name or IP address the nodes use to reach the SuperLink (repeatable; "
                          "127.0.0.1 and localhost are always added)")
-    ap.add_argument("--nodes", type=int, default=0, help="how many SuperNode key pairs (node-0.key ...)")
+    ap.add_argument("--nodes", type=int, default=0,
+                    help="how many SuperNodes: node-<i>.key(.pub) and node-<i>.crt/.tls.key serve partition i")
     ap.add_argument("--days", type=int, default=365, help="validity of the certificates in days")
     a = ap.parse_args(argv)
     hosts = list(dict.fromkeys([*a.host, "127.0.0.1", "localhost"]))
     c = make_credentials(a.folder, hosts, a.nodes, a.days)
-    print(f"wrote {c.ca} (every machine), {c.cert} and {c.key} (the SuperLink only), "
-          f"{c.folder / CA_KEY} (keep offline), {a.nodes} node key pairs node-<i>.key(.pub) in {c.folder}")
+    print(f"wrote {c.ca} (every machine), {c.cert} and {c.key} (the SuperLink's host only), "
+          f"{c.folder / CA_KEY} (keep offline), and for each of {a.nodes} nodes node-<i>.key, node-<i>.crt, "
+          f"node-<i>.tls.key (node i only) and node-<i>.key.pub (node i and the SuperLink's host) in {c.folder}")
     return 0
 
 

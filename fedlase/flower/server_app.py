@@ -1,5 +1,7 @@
 """The ServerApp: the engine's run loop (`run_experiment`: metrics.jsonl, checkpoints, resume, summary.json,
-central evaluation) with each round's clients trained on Flower nodes by the `NodeRounds` runner."""
+central evaluation) with each round's clients trained on Flower nodes by the `NodeRounds` runner, which admits
+for each partition only the node key pinned to it (`partition-keys` in the run config, written by the
+submitter from `node_keys`)."""
 from __future__ import annotations
 
 import json
@@ -7,6 +9,7 @@ import json
 from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
+from ..catalog import load_builtins
 from ..config import config_from_dict
 from ..engine import run_experiment
 from .rounds import NodeRounds
@@ -16,7 +19,9 @@ app = ServerApp()
 
 @app.main()
 def main(grid: Grid, context: Context) -> None:
+    load_builtins()   # a program's edge: the config names registered choices
     cfg = config_from_dict(json.loads(str(context.run_config["fedlase-config"])))
     run_experiment(cfg, resume=bool(context.run_config.get("resume", False)),
                    progress=bool(context.run_config.get("progress", False)),
-                   runner=NodeRounds(grid, cfg.reply_timeout))
+                   runner=NodeRounds(grid, cfg.reply_timeout,
+                                     pins=json.loads(str(context.run_config.get("partition-keys", "{}")))))

@@ -1,0 +1,210 @@
+"""The loopback deployment attacked as issue 19 did, on one federation shared by the module (tools/flower_local.py:
+the SuperLink on 127.0.0.1, nginx in front with mutual TLS and only the Fleet API, each SuperNode behind its own
+sidecar). Partitions 0 and 1 are the legitimate nodes; key pair 2 is registered and has a valid client
+certificate but is pinned to no partition; key pair 3 has a client certificate but was never registered.
+
+- an outsider holding only the CA certificate cannot list runs, register a key, submit a run or reach the
+  Fleet API;
+- a client holding a node's certificate reaches the Fleet API and nothing else (no /openapi.json, no /docs,
+  no Control or Runtime route);
+- a registered node with a valid certificate claiming partition 0 is refused, gets no message, and the refusal is
+  in metrics.jsonl and the log; an unregistered one is turned away at activation; the run finishes with the
+  embedded engine's weights bit for bit."""
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import ssl
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import psutil
+import pytest
+
+os.environ.setdefault("FEDLASE_CACHE", tempfile.mkdtemp(prefix="fedlase-cache-"))
+pytest.importorskip("flwr")
+
+from fedlase.catalog import load_builtins  # noqa: E402
+from fedlase.config import load_config  # noqa: E402
+from fedlase.engine import run_experiment  # noqa: E402
+from fedlase.flower.launch import descendants, write_app, write_connection  # noqa: E402
+from fedlase.flower.proxy import nginx_binary  # noqa: E402
+from fedlase.flower.security import fingerprint, make_node_key, node_cert  # noqa: E402
+from test_flower import SMALL, _env, _logs, _metrics, _params, _submit, _wait, same_params  # noqa: E402
+
+pytestmark = pytest.mark.flower
+ARGS = [*SMALL, "system={1,1/4}_{1,1}", "rounds=2", "reply_timeout=150"]
+
+
+@pytest.fixture(scope="module")
+def dep(tmp_path_factory):
+    """The federation: SuperLink, proxy, nodes 0 and 1 online, keys 0-2 registered. Stopped at the end of the
+    module, whatever happened; no Flower or nginx process may outlive it."""
+    try:
+        nginx_binary()
+    except Exception as e:
+        pytest.fail(str(e))   # CI must have the proxy: `make setup` installs it
+    from tools.flower_local import LocalFederation
+    load_builtins()
+    root = tmp_path_factory.mktemp("deployment")
+    out = root / "dep"
+    fed = LocalFederation(out, nodes=4)
+    fed.env["PYTHONPATH"] = _env()["PYTHONPATH"]
+    fed.runs = []
+    try:
+        fed.start_superlink()
+        for i in range(3):
+            fed.register(Path(f"{fed.creds.nodes[i]}.pub"))
+        nodes = {0: fed.start_node(0, "1"), 1: fed.start_node(1, "1/4")}
+        yield SimpleNamespace(fed=fed, out=out, root=root, nodes=nodes)
+    finally:
+        for p in fed.runs:
+            if p.poll() is None:
+                p.terminate()
+                p.wait(timeout=30)
+        ours = set().union(*(descendants(p.pid) | {psutil.Process(p.pid)} for p in fed.procs.values()
+                             if p.poll() is None))   # what it started, nginx workers and ClientApps included
+        fed.stop()
+        deadline = time.monotonic() + 20
+        while (left := _alive(ours, root)) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert not left, f"processes left behind: {left}"
+
+
+def _alive(procs, root: Path) -> list[str]:
+    """Those of `procs` still running, and any process naming the module's folder (other sessions' runs on
+    the same machine are not ours to count)."""
+    left = []
+    for p in {*procs, *psutil.process_iter()}:
+        try:
+            if p.status() == psutil.STATUS_ZOMBIE:
+                continue
+            line = " ".join(p.cmdline())
+            if p in procs or str(root) in line:
+                left.append(f"{p.pid} {line[:120]}")
+        except psutil.Error:
+            pass
+    return left
+
+
+def _https(address: str, method: str, path: str, ca: Path, cert: tuple[Path, Path] | None = None,
+           host: str = "localhost") -> tuple[int, str]:
+    """One HTTPS request (verifying the server with the CA, presenting `cert` if given): (status, body)."""
+    ctx = ssl.create_default_context(cafile=str(ca))
+    if cert:
+        ctx.load_cert_chain(*map(str, cert))
+    port = int(address.rsplit(":", 1)[1])
+    conn = http.client.HTTPSConnection(host, port, context=ctx, timeout=30)
+    try:
+        conn.request(method, path, body=b"" if method == "POST" else None)
+        res = conn.getresponse()
+        return res.status, res.read().decode(errors="replace")
+    finally:
+        conn.close()
+
+
+def _outsider(dep) -> dict:
+    """An environment whose `flwr` knows one connection, `outsider`: the proxy's address and the CA, nothing else."""
+    home = dep.root / "outsider-home"
+    home.mkdir(exist_ok=True)
+    write_connection(home, dep.fed.proxy, str(dep.fed.creds.ca), insecure=False)
+    (home / "config.toml").write_text((home / "config.toml").read_text().replace("fedlase", "outsider"))
+    return {**dep.fed.env, "FLWR_HOME": str(home)}
+
+
+def _runs(dep) -> list:
+    res = dep.fed.flwr("ls", "fedlase", "--format", "json")
+    assert res.returncode == 0, res.stdout + res.stderr
+    return json.loads(res.stdout[res.stdout.index("{"):])["runs"]
+
+
+def test_an_outsider_with_the_ca_certificate_only_gets_nothing(dep):
+    fed, env = dep.fed, _outsider(dep)
+    # The SuperLink itself listens on loopback only; the proxy is the one address a node machine reaches.
+    link = next(p for name, p in fed.procs.items() if name.startswith("superlink#"))
+    listening = {c.laddr.ip for c in psutil.Process(link.pid).net_connections("tcp") if c.status == "LISTEN"}
+    assert listening == {"127.0.0.1"}, listening
+    runs_before = _runs(dep)
+
+    listed = fed.flwr("ls", "outsider", env=env)
+    assert listed.returncode != 0 and "400" in listed.stdout + listed.stderr, listed.stdout + listed.stderr
+    attacker_key = dep.root / "attacker.key"
+    make_node_key(attacker_key)
+    reg = fed.flwr("supernode", "register", f"{attacker_key}.pub", "outsider", env=env)
+    assert reg.returncode != 0, reg.stdout
+    app = write_app(dep.root / "attacker-app", load_config(None, [*ARGS, f"out={dep.root / 'attacker-run'}"]),
+                    False, False)
+    run = fed.flwr("run", str(app), "outsider", env=env, timeout=120)
+    assert run.returncode != 0, run.stdout
+
+    # The Fleet API without a client certificate: nginx answers 400 itself, nothing reaches Flower.
+    status, body = _https(fed.proxy, "POST", "/v1/fleet/pull-messages", fed.creds.ca)
+    assert status == 400 and "No required SSL certificate" in body, (status, body)
+    # Seen from the SuperLink's host: no new key, no new run.
+    nodes = json.loads((r := fed.flwr("supernode", "list", "fedlase", "--format", "json")).stdout[
+        r.stdout.index("{"):])["nodes"]
+    assert len(nodes) == 3, nodes
+    assert len(_runs(dep)) == len(runs_before)
+
+
+def test_a_node_certificate_reaches_the_fleet_api_and_nothing_else(dep):
+    fed = dep.fed
+    cert = node_cert(fed.creds.folder, 0)
+    # Every route the SuperLink serves, read on its own host (where its OpenAPI document is).
+    status, body = _https(fed.address, "GET", "/openapi.json", fed.creds.ca)
+    assert status == 200
+    paths = sorted(json.loads(body)["paths"])
+    fleet = [p for p in paths if p.startswith("/v1/fleet/")]
+    other = [p for p in paths if not p.startswith("/v1/fleet/")] + ["/openapi.json", "/docs", "/redoc"]
+    assert fleet and any(p.startswith("/v1/control/") for p in other)
+    for path in other + ["/v1/fleet/../control/list-runs", "/v1/fleet/%2e%2e/control/list-runs"]:
+        for method in ("GET", "POST"):
+            status, _ = _https(fed.proxy, method, path, fed.creds.ca, cert)
+            assert status == 404, (method, path, status)
+    for path in fleet:   # reaches Flower, which refuses an empty body (nginx's 404 would mean not forwarded)
+        status, _ = _https(fed.proxy, "POST", path, fed.creds.ca, cert)
+        assert status != 404 and 400 <= status < 500, (path, status)
+    status, _ = _https(fed.proxy, "GET", fleet[0], fed.creds.ca, cert)
+    assert status == 403   # POST only
+
+
+def test_a_node_claiming_another_partition_is_refused_and_the_run_matches_embedded(dep):
+    fed, out = dep.fed, dep.out / "run"
+    # Key 2: registered, valid client certificate, pinned to no partition; it claims partition 0.
+    intruder = fed.start_node(0, "1", key=fed.creds.nodes[2], cert=node_cert(fed.creds.folder, 2), name="intruder")
+    # Key 3: a valid client certificate, but the SuperLink never registered the key.
+    stranger = fed.start_node(0, "1", key=fed.creds.nodes[3], cert=node_cert(fed.creds.folder, 3), name="stranger")
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:   # the intruder online before the run starts, so round 1 meets it
+        res = fed.flwr("supernode", "list", "fedlase", "--format", "json")
+        if res.returncode == 0 and sum(n["status"] == "online" for n in json.loads(
+                res.stdout[res.stdout.index("{"):])["nodes"]) == 3:
+            break
+        time.sleep(1)
+    else:
+        pytest.fail("the intruder never came online\n" + _logs(dep.out))
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "flower-logs").symlink_to(dep.out / "flower-logs")
+    run = _submit(fed, ARGS, out)
+    _wait(run, 400, out)
+
+    run_experiment(load_config(None, [*ARGS, f"out={dep.root / 'emb'}"]), progress=False)
+    assert same_params(_params(out), _params(dep.root / "emb"))
+    lines = _metrics(out)
+    assert [x["round"] for x in lines] == [1, 2] and all(x["clients"] == 2 and not x["failed"] for x in lines)
+    refused = [r for x in lines for r in x["refused"].values()]
+    key2 = fingerprint(Path(f"{fed.creds.nodes[2]}.pub").read_bytes())
+    assert len(refused) == 1 and key2 in refused[0]["reason"], refused
+    assert all(x["moved"] == {} for x in lines)
+    assert "refused node" in (out.parent / "run-run.log").read_text()
+    # The intruder never got a message (no model, no query); the stranger was turned away and exited.
+    assert "Receiving:" in (dep.out / "flower-logs" / "supernode-0.log").read_text()   # what a message leaves
+    log = (dep.out / "flower-logs" / "intruder.log").read_text()
+    assert "Receiving:" not in log and intruder.poll() is None, log
+    assert stranger.wait(timeout=60) != 0
+    assert "Failed to activate SuperNode" in (dep.out / "flower-logs" / "stranger.log").read_text()
