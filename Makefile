@@ -6,7 +6,7 @@ BIN     := $(VENV)/bin
 FMNIST  := /usr/share/datasets/fashion-mnist
 SUDO    := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: setup data demo test bench clean
+.PHONY: setup data deploy-deps demo test bench clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -22,12 +22,17 @@ setup: $(VENV)/.installed
 data:
 	@[ -f $(FMNIST)/train-images-idx3-ubyte.gz ] || { $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq dataset-fashion-mnist; }
 
+# nginx: the mutual-TLS proxy of a Flower deployment and each node's sidecar (fedlase/flower/proxy.py, README
+# "Deployment"); the deployment tests start their own, as the current user, never the system service.
+deploy-deps:
+	@command -v nginx >/dev/null || [ -x /usr/sbin/nginx ] || { $(SUDO) apt-get update -qq && $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nginx; }
+
 demo: setup data
 	$(BIN)/fedlase sweep configs/demo-sweep.yaml --jobs 2 --quiet
 	@$(BIN)/fedlase report runs/demo/fedlase runs/demo/fiarse --out runs/demo/report >/dev/null
 	@sed -n '/^## Local accuracy per level/,/^## Std of/p' runs/demo/report/report.md | sed '$$d'
 
-test: setup data
+test: setup data deploy-deps
 	$(BIN)/python -m pytest -q
 
 bench: setup

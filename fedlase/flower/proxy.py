@@ -30,7 +30,7 @@ from pathlib import Path
 from ..errors import UserError
 
 INSTALL_HINT = ("the Flower deployment needs nginx (the mutual-TLS proxy in front of the SuperLink and beside each "
-                "SuperNode): apt-get install nginx (Debian/Ubuntu; `make setup` installs it)")
+                "SuperNode): apt-get install nginx (Debian/Ubuntu; `make deploy-deps` installs it)")
 SIDECAR_CERT, SIDECAR_KEY = "sidecar.crt", "sidecar.key"
 BODY_LIMIT = "1g"   # a message's arrays travel as objects; a large model's must pass whole
 
