@@ -142,8 +142,9 @@ def tight_round(exp, model, picked, subs, jobs, rnd: int, params: dict) -> tuple
     full-size delta from the global `params` and the time spent (the steps and the deltas; batches are drawn
     beforehand)."""
     from fedlase.sampling import dropout_seed, seed_global_stream
-    from fedlase.train import make_optimizer
+    from fedlase.train import has_tied_weights, make_optimizer
     x, y, work = exp.trainer.x, exp.trainer.y, exp.trainer.work
+    tie = has_tied_weights(model)   # functional_call's search for tied weights only where there are some
     buffers = exp.state.buffers
     own = dict(model.named_parameters())
     model.train()
@@ -165,7 +166,8 @@ def tight_round(exp, model, picked, subs, jobs, rnd: int, params: dict) -> tuple
         plain = not sub.slices and not sub.masks and not sub.thresholds and not sub.buffers and not sub.scales
         for idx in batches:
             xb = x[idx] if augment is None else augment(x[idx])
-            out = model(xb) if plain else functional_call(model, (inner.apply(train, train=True), bufs), (xb,))
+            out = model(xb) if plain else functional_call(model, (inner.apply(train, train=True), bufs), (xb,),
+                                                          tie_weights=tie)
             loss = F.cross_entropy(out, y[idx])
             opt.zero_grad(set_to_none=True)
             loss.backward()
