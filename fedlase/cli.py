@@ -67,17 +67,19 @@ def _cmd_report(args) -> int:
     return 0
 
 
-def _cmd_bench(args) -> int:
+def _bench(argv: list[str]) -> int:
+    """`fedlase bench ARGS` runs the benchmark of a source checkout, tools/bench.py beside the package (a tool,
+    not part of the library: an installed fedlase without its checkout has none). Its own parser reads ARGS."""
     from pathlib import Path
-
-    from .bench import check_arguments, run
-    check_arguments(args)
-    report = run(args)
-    print(report)
-    if args.out:
-        Path(args.out).write_text(report)
-        print(f"written to {args.out}", file=sys.stderr)
-    return 0
+    root = Path(__file__).resolve().parents[1]
+    if not (root / "tools" / "bench.py").is_file():
+        print("fedlase: error: bench: the benchmark is tools/bench.py of fedlase's source checkout; run "
+              "`python -m tools.bench` there", file=sys.stderr)
+        return 2
+    if str(root) not in sys.path:
+        sys.path.insert(0, str(root))
+    from tools.bench import main as bench_main
+    return bench_main(argv)
 
 
 def _cmd_methods(args) -> int:
@@ -103,6 +105,9 @@ def _keys_with_choices() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["bench"]:
+        return _bench(argv[1:])
     parser = _Parser(
         prog="fedlase", description="System-heterogeneous federated learning by submodel extraction.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -128,20 +133,9 @@ def main(argv: list[str] | None = None) -> int:
     ev.set_defaults(func=_cmd_evaluate)
     meth = sub.add_parser("methods", help="list methods and their method_args options")
     meth.set_defaults(func=_cmd_methods)
-    bench = sub.add_parser("bench", help="time and memory of the engine against the limit (docs/benchmarks.md)",
-                           description="Benchmark the engine: overhead against a tight SGD loop, mask extraction, "
-                                       "memory against the number of clients, bytes per client, batched clients. "
-                                       "Prints Markdown tables.")
-    bench.add_argument("--quick", action="store_true", help="fewer rounds and steps")
-    bench.add_argument("--out", metavar="FILE", help="also write the Markdown report to FILE")
-    bench.add_argument("--only", metavar="SECTIONS", help="comma-separated subset of: overhead, sliced, masks, "
-                       "memory, comm, batched [default: all]")
-    bench.add_argument("--models", metavar="MODELS", help="comma-separated subset of the scenarios' models: cnn, "
-                       "resnet18, minilm (minilm needs the text extras) [default: all]")
-    bench.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="[default: cpu]")
-    bench.add_argument("--threads", type=int, default=1,
-                       help="torch CPU threads; 1 keeps figures steadier on a shared machine [default: 1]")
-    bench.set_defaults(func=_cmd_bench)
+    # listed for the help only: main() hands `fedlase bench ...` to tools/bench.py before parsing
+    sub.add_parser("bench", add_help=False, help="time and memory of the engine against the limit "
+                   "(tools/bench.py of a source checkout; `fedlase bench --help`; docs/benchmarks.md)")
     sw = sub.add_parser("sweep", help="run a grid of experiments, skipping finished runs and resuming others",
                         description="Run every experiment of a sweep file (base:, grid:, runs:, out:; see "
                                     "docs/analysis.md). Rerun the same command to resume.")

@@ -228,3 +228,15 @@ def test_evaluate_reproduces_the_final_evaluation_and_takes_only_evaluation_keys
     assert_user_error(rc, err, "lr")
     rc, _, err = cli(capsys, "evaluate", str(tmp_path))      # no checkpoint there
     assert_user_error(rc, err)
+
+
+# --------------------------------------------------------------------------- bench
+
+def test_bench_is_the_checkouts_tool(capsys):
+    """`fedlase bench` hands its arguments to tools/bench.py (outside the library), whose parser checks them."""
+    rc = main(["bench", "--only", "no_such_section"])
+    assert rc == 2
+    assert "no_such_section is not a section" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "--help"])
+    assert e.value.code == 0 and "--quick" in capsys.readouterr().out
