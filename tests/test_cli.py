@@ -240,3 +240,12 @@ def test_bench_is_the_checkouts_tool(capsys):
     with pytest.raises(SystemExit) as e:
         main(["bench", "--help"])
     assert e.value.code == 0 and "--quick" in capsys.readouterr().out
+
+
+def test_run_help_lists_the_registered_choices(capsys):
+    """The choices are read from the registries when `fedlase run --help` prints (never for `fedlase --help`)."""
+    with pytest.raises(SystemExit):
+        main(["run", "--help"])
+    out = capsys.readouterr().out
+    method_line = next(ln for ln in out.splitlines() if ln.startswith("  method "))
+    assert all(name in method_line for name in METHODS)
