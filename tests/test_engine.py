@@ -309,6 +309,19 @@ class RecordingRunner(SequentialRounds):
         return result
 
 
+def test_a_round_extracts_each_level_once(tiny_cfg, monkeypatch):
+    # the method is asked once per distinct level of the round's clients, never per client (the bench used to
+    # check this; a test does now)
+    exp = Experiment(tiny_cfg("participation=1.0", "method=fiarse"))
+    calls = []
+    extract = exp.method.submodel
+    monkeypatch.setattr(exp.method, "submodel", lambda p, lvl, rnd: calls.append((lvl, rnd)) or extract(p, lvl, rnd))
+    for rnd in (1, 2):
+        exp.run_round(rnd)
+        levels = {lvl for _, lvl in exp.sample(rnd)}
+        assert len(levels) == 2 and sorted(c[0].index for c in calls if c[1] == rnd) == sorted(lv.index for lv in levels)
+
+
 def test_a_runner_plugs_into_the_round_loop(tmp_path):
     # Execute: the same run with the default runner and with a runner passed in
     ref = run_experiment(_cfg(tmp_path / "a", "rounds=2"), progress=False)
