@@ -26,7 +26,7 @@ from ..masks import Submodel
 from ..models.exits import EXIT_KINDS, EXIT_PREDICTIONS, attach_exits, depth_names
 from .base import LocalObjective, Method, Option
 
-EXIT_PROTOCOL = ("stages", "stage_widths", "stage_prefixes", "final_exit", "final_prefixes")
+EXIT_PROTOCOL = ("stages", "stage_widths", "stage_prefixes", "final_exit", "final_prefixes", "norm")
 
 
 def kd_weight(round: int, rampup: int) -> float:

@@ -62,6 +62,10 @@ class SmallCNN(nn.Module):
     def final_prefixes(self) -> list[str]:
         return ["classifier."]
 
+    def norm(self, channels: int) -> nn.BatchNorm2d:
+        """A BN layer of this model's mode (the exit heads')."""
+        return make_bn(channels, self.bn_mode)
+
     def scaler_names(self) -> list[str]:
         """The parameters of the layers whose outputs HeteroFL's scaler multiplies (every conv, before its BN,
         as the official code): a method folds the factor into them (fedlase/methods/heterofl.py)."""

@@ -6,7 +6,7 @@ A model offers exits by declaring, besides its plain forward:
     `stage_widths()`    each stage's output channels;
     `stage_prefixes()`  per stage, the name prefixes of its parameters (and buffers);
     `final_exit(h)`     its own classifier on the last stage's output, and `final_prefixes()` its names;
-    `num_classes`, `bn_mode` (attributes) the classes and the BN mode ("batch" or "static") heads are built with.
+    `num_classes` (an attribute) and `norm(channels)` (a BN layer of the model's own mode) for the heads.
 `attach_exits(model, kind)` then adds `exit_heads` (one per stage but the last) and a buffer `exit_depth`
 whose length is the depth the model runs: a depth-d submodel slices it to d entries (fedlase/methods/
 depthfl.py), so the evaluated network's depth comes from the tensors, like a width slice's shapes. Without
@@ -20,8 +20,6 @@ Heads (`kind`):
     linear: global average pooling and one linear classifier on the stage's own channels.
 """
 from __future__ import annotations
-
-from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -82,9 +80,7 @@ def attach_exits(model: nn.Module, kind: str, predict: str = "ensemble") -> nn.M
         raise ValueError(f"exit kind must be one of {EXIT_KINDS}, got {kind!r}")
     if predict not in EXIT_PREDICTIONS:
         raise ValueError(f"exit prediction must be one of {EXIT_PREDICTIONS}, got {predict!r}")
-    from .resnet import make_bn   # (resnet imports this module)
-    widths, num_classes = model.stage_widths(), model.num_classes
-    bn = partial(make_bn, mode=model.bn_mode)   # the heads' BN follows the model's own mode
+    widths, num_classes, bn = model.stage_widths(), model.num_classes, model.norm   # BN of the model's own mode
     device = next(model.parameters()).device
     heads = [BottleneckExit(widths[s:], num_classes, bn) if kind == "bottleneck" else LinearExit(widths[s], num_classes)
              for s in range(len(widths) - 1)]

@@ -84,6 +84,10 @@ class ResNet18(nn.Module):
     def final_prefixes(self) -> list[str]:
         return ["linear."]
 
+    def norm(self, channels: int) -> nn.BatchNorm2d:
+        """A BN layer of this model's mode (the exit heads')."""
+        return make_bn(channels, self.bn_mode)
+
     def scaler_names(self) -> list[str]:
         """The parameters of the layers whose outputs HeteroFL's scaler multiplies: every conv (stem, block
         convs, shortcut convs; bias-free), before its BN as in the official code."""
