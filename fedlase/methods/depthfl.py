@@ -104,11 +104,10 @@ class DepthFL(Method):
         fits = [d for d, s in enumerate(self.shares, 1) if s <= float(level) + 1e-12]
         if not fits:
             s = self.shares[0]
-            other = "linear" if self.args["heads"] == "bottleneck" else "bottleneck"
+            hint = " (method_args.heads=linear makes depth 1 smaller)" if self.args["heads"] == "bottleneck" else ""
             raise ConfigError("system", f"depthfl cannot meet level {level.name} on {type(self.model).__name__} "
                               f"with {self.args['heads']} heads: depth 1 holds 1/{1 / s:.1f} of the model, so the "
-                              f"smallest feasible level is 1/{math.floor(1 / s)} (method_args.heads={other} "
-                              "changes the heads)")
+                              f"smallest feasible level is 1/{math.floor(1 / s)}{hint}")
         return max(fits)
 
     def submodel(self, params, level, round):
