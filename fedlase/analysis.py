@@ -310,9 +310,10 @@ def scalars(line: dict) -> dict[str, float]:
 class TensorBoard(Tracker):
     """The run's scalars for TensorBoard (torch.utils.tensorboard; `pip install 'fedlase[tensorboard]'`):
     every round the training loss and, per level trained, its clients (`trained_clients`) and the share of
-    the budgeted parameters its submodel keeps (`trained_kept_share`); at every evaluation each level's and the overall accuracies and fairness, and what the other
-    analyses put in the metrics line. The value is the folder (`analysis.tensorboard=DIR`), or true for
-    `<out>/tensorboard`. A resumed run drops the events after its checkpoint (TensorBoard's purge_step)."""
+    the budgeted parameters its submodel keeps (`trained_kept_share`); at every evaluation each level's and
+    the overall accuracies and fairness, and what the other analyses put in the metrics line. The value is
+    the folder (`analysis.tensorboard=DIR`), or true for `<out>/tensorboard`. A resumed run drops the events
+    after its checkpoint (TensorBoard's purge_step)."""
     key = "tensorboard"
     options_spec = {"dir": Option(None, "folder of the event files (default: <out>/tensorboard)", kind=str)}
 

@@ -27,7 +27,7 @@ from .evaluate import EvalData, EvalSettings, evaluate_levels
 from .levels import Level
 from .masks import Submodel
 from .registry import DATASETS, METHODS, TRACKERS
-from .sampling import sample_clients
+from .sampling import Sampling, sample_clients
 
 log = logging.getLogger("fedlase")
 
@@ -119,6 +119,7 @@ class Experiment:
         self.state = RunState(0, {k: v.detach().clone() for k, v in self.model.named_parameters()},
                               {k: v.detach().clone() for k, v in self.model.named_buffers()})
         self.levels: tuple[Level, ...] = cfg.levels.levels
+        self.sampling = Sampling.from_config(cfg)
         self.method = METHODS.get(cfg.method)(self.model, cfg.levels, **cfg.method_args)
         self.trainer = ClientTrainer(ClientSettings.from_config(cfg), self.model, self.x_train, self.y_train,
                                      {c: torch.as_tensor(i, device=self.device) for c, i in enumerate(self.client_train)},
@@ -152,7 +153,7 @@ class Experiment:
         return self.state.round
 
     def sample(self, rnd: int) -> list[tuple[int, Level]]:
-        return sample_clients(self.cfg, rnd)
+        return sample_clients(self.sampling, rnd)
 
     def submodels(self, levels, rnd: int) -> dict[Level, Submodel]:
         """Each level's submodel, computed once per round and shared by all clients of that level."""

@@ -1,16 +1,17 @@
-"""Who trains in a round, at which level, and on which batches: plain functions of (config, round, client).
+"""Who trains in a round, at which level, and on which batches: plain functions of (settings, round, client).
 
 Every round and client draws from its own seeded stream, so any engine (embedded, batched, a Flower node)
 computes the same draws, and a resumed run draws exactly what an uninterrupted one would."""
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
 import torch
 
 from .data import augment_batch
-from .levels import Level
+from .levels import Level, System
 from .train import LocalWork, client_batches
 
 
@@ -23,19 +24,33 @@ def derive_seed(*parts: int) -> int:
 SAMPLING, BATCHES, DROPOUT = 0, 1, 2
 
 
-def sample_clients(cfg, rnd: int) -> list[tuple[int, Level]]:
+@dataclass(frozen=True)
+class Sampling:
+    """What decides who trains in a round and at which level: the run's seed, its system of levels, the
+    participation fractions (one drawn per round) and the assignment of levels to clients."""
+    seed: int
+    system: System
+    participation: tuple[float, ...] = (0.1,)
+    assignment: str = "fixed"   # fixed, random or dynamic (see sample_clients)
+
+    @classmethod
+    def from_config(cls, cfg) -> "Sampling":
+        return cls(cfg.seed, cfg.levels, tuple(cfg.participation), cfg.assignment)
+
+
+def sample_clients(plan: Sampling, rnd: int) -> list[tuple[int, Level]]:
     """(client, level) pairs of round `rnd`, sorted by client id.
 
     fixed: each client keeps the level of its index; random: the system's counts permuted over clients;
     dynamic: each sampled client's level drawn independently, with probabilities proportional to the counts."""
-    rng = np.random.default_rng(derive_seed(cfg.seed, rnd, SAMPLING))
-    system, n = cfg.levels, cfg.num_clients
-    frac = cfg.participation[rng.integers(len(cfg.participation))]
+    rng = np.random.default_rng(derive_seed(plan.seed, rnd, SAMPLING))
+    system, n = plan.system, plan.system.num_clients
+    frac = plan.participation[rng.integers(len(plan.participation))]
     chosen = np.sort(rng.choice(n, size=max(1, int(round(frac * n))), replace=False))
     index = list(system.client_level)
-    if cfg.assignment == "random":
+    if plan.assignment == "random":
         index = list(rng.permutation(index))
-    elif cfg.assignment == "dynamic":
+    elif plan.assignment == "dynamic":
         p = np.array([lv.count for lv in system.levels], dtype=np.float64)
         drawn = rng.choice(len(system.levels), size=len(chosen), p=p / p.sum())
         return [(int(c), system.levels[int(i)]) for c, i in zip(chosen, drawn)]

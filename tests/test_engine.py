@@ -22,7 +22,7 @@ from fedlase.masks import Submodel, maskable_names
 from fedlase.methods import build_method
 from fedlase.models import build_model
 from fedlase.registry import METHODS
-from fedlase.sampling import client_job, derive_seed, sample_clients
+from fedlase.sampling import Sampling, client_job, derive_seed, sample_clients
 from fedlase.train import LocalWork, client_batches, local_train
 
 
@@ -187,7 +187,7 @@ def test_sampling_is_deterministic_and_per_round(exp20):
     again = {r: exp20.sample(r) for r in reversed(range(1, 61))}     # other order: same draws
     # Assert: a plain function of (config, round), as the experiment draws it
     assert first == again
-    assert all(sample_clients(cfg, r) == first[r] for r in (1, 17, 60))
+    assert all(sample_clients(Sampling.from_config(cfg), r) == first[r] for r in (1, 17, 60))
     sizes = {len(p) for p in first.values()}
     assert sizes == {2, 5, 10}                       # 0.1, 0.25 and 0.5 of 20 clients, each drawn
     assert len({tuple(c for c, _ in p) for p in first.values()}) > 30   # rounds differ
@@ -204,13 +204,14 @@ def test_sampling_is_deterministic_and_per_round(exp20):
 def test_sampling_depends_on_the_seed(tiny_cfg):
     a = tiny_cfg("system={1}_{20}", "participation=0.25")
     b = tiny_cfg("system={1}_{20}", "participation=0.25", "seed=1")
-    assert [sample_clients(a, r) for r in range(1, 11)] != [sample_clients(b, r) for r in range(1, 11)]
-    assert all(len(sample_clients(a, r)) == 5 for r in range(1, 11))
+    sa, sb = Sampling.from_config(a), Sampling.from_config(b)
+    assert [sample_clients(sa, r) for r in range(1, 11)] != [sample_clients(sb, r) for r in range(1, 11)]
+    assert all(len(sample_clients(sa, r)) == 5 for r in range(1, 11))
 
 
 def test_random_assignment_redraws_levels(tiny_cfg):
     cfg = tiny_cfg("system={1,1/4}_{10,10}", "participation=1", "assignment=random")
-    draws = [sample_clients(cfg, r) for r in range(1, 6)]
+    draws = [sample_clients(Sampling.from_config(cfg), r) for r in range(1, 6)]
     for p in draws:
         assert [c for c, _ in p] == list(range(20)) and sorted(float(lvl) for _, lvl in p) == [0.25] * 10 + [1.0] * 10
     assert len({tuple(lvl for _, lvl in p) for p in draws}) > 1
@@ -220,9 +221,9 @@ def test_dynamic_assignment_draws_each_level_in_proportion(tiny_cfg):
     # Prepare: counts 1:3, so a sampled client is at level 1/4 with probability 3/4, independently each round
     cfg = tiny_cfg("system={1,1/4}_{5,15}", "participation=1", "assignment=dynamic")
     # Execute
-    draws = [sample_clients(cfg, r) for r in range(1, 201)]
+    draws = [sample_clients(Sampling.from_config(cfg), r) for r in range(1, 201)]
     # Assert: every client each round, levels of the system, deterministic, and not the fixed counts
-    assert draws == [sample_clients(cfg, r) for r in range(1, 201)]
+    assert draws == [sample_clients(Sampling.from_config(cfg), r) for r in range(1, 201)]
     assert all([c for c, _ in p] == list(range(20)) for p in draws)
     assert all(lvl is cfg.levels.levels[lvl.index] for p in draws for _, lvl in p)
     small = np.array([[lvl.index for _, lvl in p] for p in draws])   # 1 where a client is at 1/4
@@ -230,7 +231,8 @@ def test_dynamic_assignment_draws_each_level_in_proportion(tiny_cfg):
     assert len({int(row.sum()) for row in small}) > 3                  # the per-round count varies
     assert all(0 < small[:, c].mean() < 1 for c in range(20))          # a client's level changes over rounds
     fixed = tiny_cfg("system={1,1/4}_{5,15}", "participation=1")
-    assert {c: lvl.index for c, lvl in sample_clients(fixed, 1)} == dict(enumerate(fixed.levels.client_level))
+    assert ({c: lvl.index for c, lvl in sample_clients(Sampling.from_config(fixed), 1)}
+            == dict(enumerate(fixed.levels.client_level)))
 
 
 def test_evaluate_reports_every_level(exp20):
@@ -319,7 +321,8 @@ def test_a_round_extracts_each_level_once(tiny_cfg, monkeypatch):
     for rnd in (1, 2):
         exp.run_round(rnd)
         levels = {lvl for _, lvl in exp.sample(rnd)}
-        assert len(levels) == 2 and sorted(c[0].index for c in calls if c[1] == rnd) == sorted(lv.index for lv in levels)
+        asked = sorted(lvl.index for lvl, r in calls if r == rnd)
+        assert len(levels) == 2 and asked == sorted(lv.index for lv in levels)
 
 
 def test_a_runner_plugs_into_the_round_loop(tmp_path):
@@ -331,7 +334,7 @@ def test_a_runner_plugs_into_the_round_loop(tmp_path):
     assert [r for r, _, _ in runner.calls] == [1, 2]
     cfg = _cfg(tmp_path / "c")
     for rnd, picked, levels in runner.calls:
-        assert picked == sample_clients(cfg, rnd)
+        assert picked == sample_clients(Sampling.from_config(cfg), rnd)
         assert levels == sorted({lvl for _, lvl in picked}, key=lambda lv: lv.index)
     assert got["final"]["levels"] == ref["final"]["levels"]
     a, b = _final_params(tmp_path / "a"), _final_params(tmp_path / "b")
