@@ -42,11 +42,6 @@ def credentials(cfg) -> Credentials | None:
                        [node_key(cfg.node_keys, i) for i in range(cfg.num_clients)])
 
 
-def node_level(cfg, partition: int) -> str:
-    """The level the system spec gives a partition (what its SuperNode declares)."""
-    return cfg.levels.level_of(partition).name
-
-
 def main(argv: list[str]) -> int:
     # SIGTERM (e.g. a test's timeout) must still stop the SuperLink and SuperNodes: exit through `finally`.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
@@ -58,16 +53,9 @@ def main(argv: list[str]) -> int:
         creds = credentials(cfg)
         out = Path(cfg.out).resolve()
         with LocalFederation(out, creds, insecure=cfg.insecure, nodes=cfg.num_clients) as fed:
-            fed.start_superlink()
-            if not fed.insecure:
-                for path in fed.creds.nodes:
-                    fed.register(Path(f"{path}.pub"))
-            for pid in range(cfg.num_clients):
-                fed.start_node(pid, node_level(cfg, pid))
-            security = (["insecure=true"] if fed.insecure
-                        else [f"tls_ca={fed.creds.ca}", f"node_keys={fed.creds.folder}"])
-            cmd = [sys.executable, "-m", "fedlase", "run", *([config] if config else []), *args,
-                   "engine=flower-deploy", f"superlink={fed.address}", *security, "--quiet"]
+            fed.start_all(cfg)
+            cmd = [sys.executable, "-m", "fedlase", "run", *([config] if config else []), *args, *fed.run_args(),
+                   "--quiet"]
             return subprocess.run(cmd, env=fed.env).returncode
     except UserError as e:
         print(f"flower-deploy-local: error: {e}", file=sys.stderr)

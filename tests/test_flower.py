@@ -300,6 +300,48 @@ def test_partitions_are_pinned_to_node_keys(tmp_path, task_identity):
     assert runner.nodes == {0: 100, 1: 105}
 
 
+def test_node_cache_key_is_what_the_data_code_reads(tmp_path, monkeypatch):
+    """A node's cached partition is keyed by the config keys its dataset's loader and the partitioner read: a
+    change of one of those gives a new entry, a change of anything else reuses the entry, and a plugin loader
+    that reads a key of its own (here `width`) is keyed by it too."""
+    from fedlase.client import client_splits
+    from fedlase.flower import node_data
+    from fedlase.registry import DATASETS
+    cache = tmp_path / "cache"
+
+    def entries():
+        return sorted(p.name for p in (cache / "digits").iterdir() if p.is_dir())
+
+    cfg = small_cfg(tmp_path, "system={1,1/4}_{1,2}", "partition=dirichlet", "alpha=0.5")
+    data = node_data.client_dataset(cfg, 1, cache)
+    full = DATASETS.get("digits").load(cfg)
+    train, _ = client_splits(cfg, full.y_train.numpy(), full.y_test.numpy(), full.num_classes)
+    assert torch.equal(data.x_train, full.x_train[torch.as_tensor(train[1])])
+    read = set(json.loads((cache / "digits" / "keys.json").read_text()))
+    assert {"dataset", "partition", "alpha", "seed"} <= read and "lr" not in read and "width" not in read
+    again = node_data.client_dataset(small_cfg(tmp_path, "system={1,1/4}_{1,2}", "partition=dirichlet",
+                                               "alpha=0.5", "lr=0.2"), 1, cache)   # lr: not read, same entry
+    assert torch.equal(again.x_train, data.x_train) and len(entries()) == 1
+    other = node_data.client_dataset(small_cfg(tmp_path, "system={1,1/4}_{1,2}", "partition=dirichlet",
+                                               "alpha=5"), 1, cache)
+    assert len(entries()) == 2 and not torch.equal(other.y_train, data.y_train)
+
+    class Probe:   # a plugin loader that also reads `width`
+        def __init__(self, entry):
+            self.entry = entry
+
+        def load(self, c):
+            c.width
+            return self.entry.load(c)
+    monkeypatch.setattr(node_data, "DATASETS", type("R", (), {"get": staticmethod(lambda n: Probe(DATASETS.get(n)))}))
+    cache = tmp_path / "plugin-cache"
+    node_data.client_dataset(cfg, 1, cache)
+    assert "width" in json.loads((cache / "digits" / "keys.json").read_text()) and len(entries()) == 1
+    node_data.client_dataset(small_cfg(tmp_path, "system={1,1/4}_{1,2}", "partition=dirichlet", "alpha=0.5",
+                                       "width=0.5"), 1, cache)
+    assert len(entries()) == 2
+
+
 # ---- real Flower runs (subprocesses) ---------------------------------------------------------------------------
 def _env():
     return {**os.environ, **QUIET_ENV, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
@@ -360,8 +402,10 @@ def test_a_killed_client_does_not_stop_the_run(tmp_path, no_leftovers):
     args = [*SMALL, "system={1,1/4}_{1,2}", "rounds=1", "engine=flower-sim"]
     script = textwrap.dedent(f"""
         from pathlib import Path
+        from fedlase.catalog import load_builtins
         from fedlase.config import load_config
         from fedlase.flower.launch import simulate, write_app
+        load_builtins()
         cfg = load_config(None, {[*args, f"out={tmp_path / 'sim'}"]!r})
         app = write_app(Path({str(tmp_path / 'app')!r}), cfg, False, False)
         simulate(cfg, app, client_app="test_flower:killing_app")

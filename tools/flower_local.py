@@ -168,6 +168,21 @@ class LocalFederation:
                                   "--port", str(free_port()),
                                   "--node-config", f"partition-id={partition} level='{level}'"])
 
+    def start_all(self, cfg) -> dict[int, subprocess.Popen]:
+        """The SuperLink and its proxy, every node key registered, one SuperNode per client of `cfg` declaring
+        the level its system spec gives it; returns the SuperNodes by partition."""
+        self.start_superlink()
+        if not self.insecure:
+            for pid in range(cfg.num_clients):
+                self.register(Path(f"{self.creds.nodes[pid]}.pub"))
+        return {pid: self.start_node(pid, cfg.levels.level_of(pid).name) for pid in range(cfg.num_clients)}
+
+    def run_args(self) -> list[str]:
+        """The `fedlase run` settings that submit to this federation from the SuperLink's host."""
+        security = (["insecure=true"] if self.insecure
+                    else [f"tls_ca={self.creds.ca}", f"node_keys={self.creds.folder}"])
+        return ["engine=flower-deploy", f"superlink={self.address}", *security]
+
     def kill(self, proc: subprocess.Popen) -> None:
         """SIGKILL a process and everything below it at once (a node dying with its ClientApps; its sidecar,
         another service on the machine, stays)."""

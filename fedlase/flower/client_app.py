@@ -1,136 +1,100 @@
 """The ClientApp: a node answers who it is (QUERY) and trains the submodel it is sent (TRAIN).
 
 It builds only what a client needs (fedlase/flower/node_data.py: its own samples from a node-local cache, the
-model, the trainer) and trains with the engine's own `ClientTrainer.update` (same seeded batches, same
-`local_train`), so a node computes the very delta the embedded engine would.
+model, the trainer) and trains with `fedlase.client.ClientTrainer.update` (same seeded batches, same
+`local_train` as the embedded engine), so a node computes the very delta the embedded engine would.
 
-`FEDLASE_PROFILE=1` in a node's environment: each message writes one line to stderr saying where its time
-went (docs/flower.md, "What a message costs"); timers only, the result is the same."""
+The Deployment Engine starts a process per message, so this module imports only Flower at load time: a QUERY
+answers from the node config alone (no config parsing, no torch), and the training code is imported by the
+first TRAIN message. The steps of a TRAIN message are public functions (`run_config`, `trainer_for`,
+`decode`, `train_step`, `encode`) so that a tool can time them (tools/flower_profile.py) without reaching into
+this module."""
 from __future__ import annotations
-
-import json
-import os
-import sys
-import time
 
 from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
-from ..catalog import load_builtins
-from ..config import config_from_dict
-from ..client import pick_device
-from .codec import decode_submodel, encode_delta
-from .node_data import client_dataset, client_trainer
-
 app = ClientApp()
-_PROFILE: dict | None = {"imported": time.time()} if os.environ.get("FEDLASE_PROFILE") == "1" else None
 
 # Per process: the config and each partition's trainer. A Ray actor of the Simulation Engine serves many
 # messages and partitions; a Deployment Engine process serves one message.
 _CACHE: dict = {}
 
 
-def _config(context: Context):
+def run_config(context: Context):
+    """The run's fedlase config (built-ins registered first: a program's edge)."""
     text = str(context.run_config["fedlase-config"])
     if _CACHE.get("text") != text:
-        load_builtins()   # a program's edge: the config names registered choices
+        import json
+        from ..catalog import load_builtins
+        from ..config import config_from_dict
+        load_builtins()
         _CACHE.clear()
         _CACHE.update(text=text, cfg=config_from_dict(json.loads(text)), trainers={})
     return _CACHE["cfg"]
 
 
-def identity(context: Context, cfg) -> tuple[int, str]:
-    """(partition id, level name) of this node: the level from its node config (`level=1/4`, Deployment
-    Engine), else from the run config's system at its partition id (Simulation Engine)."""
+def partition_id(context: Context) -> int:
+    """This node's partition id, from its node config (`--node-config "partition-id=0 level='1/4'"`)."""
     if "partition-id" not in context.node_config:
         raise ValueError("node config has no partition-id; start the SuperNode with "
                          "--node-config \"partition-id=0 level='1/4'\"")
-    pid = int(context.node_config["partition-id"])
-    if not 0 <= pid < cfg.num_clients:
-        raise ValueError(f"partition-id {pid} is outside 0..{cfg.num_clients - 1} (the run has {cfg.num_clients} clients)")
-    level = context.node_config.get("level")
-    if level is not None:
-        return pid, str(level)
-    return pid, cfg.levels.level_of(pid).name
+    return int(context.node_config["partition-id"])
 
 
 @app.query()
 def query(msg: Message, context: Context) -> Message:
-    clock = _Clock(msg)
-    pid, level = identity(context, _config(context))
-    clock("config", done=True)
-    return Message(RecordDict({"node": ConfigRecord({"partition-id": pid, "level": level})}), reply_to=msg)
+    """Who this node says it is: its partition id and, if its node config names one, its level (the server
+    checks both against the run's config and, with pinned partitions, against the node's key)."""
+    node = {"partition-id": partition_id(context)}
+    if "level" in context.node_config:
+        node["level"] = str(context.node_config["level"])
+    return Message(RecordDict({"node": ConfigRecord(node)}), reply_to=msg)
+
+
+def trainer_for(cfg, pid: int):
+    """Partition `pid`'s trainer, built once per process (its samples from the node cache, the model)."""
+    trainers = _CACHE["trainers"]
+    if pid not in trainers:
+        from ..client import pick_device
+        from .node_data import client_dataset, client_trainer
+        trainers[pid] = client_trainer(cfg, pid, pick_device(cfg.device), data=client_dataset(cfg, pid))
+    return trainers[pid]
+
+
+def decode(msg: Message, trainer):
+    """The submodel and global parameters the message carries, on the trainer's device."""
+    from .codec import decode_submodel
+    params, buffers, sub = decode_submodel(msg.content, dict(trainer.model.named_parameters()))
+    dev = trainer.x.device
+    return {n: p.to(dev) for n, p in params.items()}, {n: b.to(dev) for n, b in buffers.items()}, sub.to(dev)
+
+
+def train_step(trainer, pid: int, rnd: int, params: dict, buffers: dict, sub) -> tuple[dict, float]:
+    return trainer.update(pid, params, buffers, sub, rnd)
+
+
+def encode(msg: Message, delta: dict, sub, loss: float, pid: int, rnd: int) -> Message:
+    from .codec import encode_delta
+    content = RecordDict({"delta": encode_delta(delta, sub),
+                          "metrics": MetricRecord({"train-loss": loss, "partition-id": pid, "round": rnd})})
+    return Message(content, reply_to=msg)
+
+
+def task_of(msg: Message, context: Context) -> tuple[int, int]:
+    """(partition id, round) of a TRAIN message, refused if it was meant for another partition."""
+    pid = partition_id(context)
+    task = msg.content.config_records["task"]
+    if int(task["partition-id"]) != pid:   # the server's map is stale (e.g. a node restarted with another id)
+        raise ValueError(f"sent partition {task['partition-id']}'s work, but this node is partition {pid}")
+    return pid, int(task["round"])
 
 
 @app.train()
 def train(msg: Message, context: Context) -> Message:
-    clock = _Clock(msg)
-    cfg = _config(context)
-    pid, _ = identity(context, cfg)
-    task = msg.content.config_records["task"]
-    rnd = int(task["round"])
-    if int(task["partition-id"]) != pid:   # the server's map is stale (e.g. a node restarted with another id)
-        raise ValueError(f"sent partition {task['partition-id']}'s work, but this node is partition {pid}")
-    clock("config")
-    trainers = _CACHE["trainers"]
-    if pid not in trainers:
-        data = client_dataset(cfg, pid)
-        clock("data")
-        trainers[pid] = client_trainer(cfg, pid, pick_device(cfg.device), data=data)
-        clock("model")
-    trainer = trainers[pid]
-    template = {n: p for n, p in trainer.model.named_parameters()}
-    params, buffers, sub = decode_submodel(msg.content, template)
-    dev = trainer.x.device
-    clock("decode")
-    if cfg.optimizer == "adamw":   # only torch.optim pays this; fedlase's SGD does not import torch._dynamo
-        clock.optim()
-    delta, loss = trainer.update(pid, {n: p.to(dev) for n, p in params.items()},
-                                 {n: b.to(dev) for n, b in buffers.items()}, sub.to(dev), rnd)
-    clock("train")
-    content = RecordDict({"delta": encode_delta(delta, sub),
-                          "metrics": MetricRecord({"train-loss": loss, "partition-id": pid, "round": rnd})})
-    clock("encode", done=True)
-    return Message(content, reply_to=msg)
-
-
-class _Clock:
-    """FEDLASE_PROFILE=1: seconds per step of this message, written as one stderr line. In a `flwr-clientapp`
-    process (Deployment Engine, one message each) the line is written at exit and also holds `start` (process
-    start -> this module imported: interpreter, flwr's imports, pulling the message, the app bundle's install,
-    fedlase's and torch's imports; PYTHONPROFILEIMPORTTIME=1 splits the imports), `wait` (-> the handler)
-    and `reply` (the reply's push and the process's exit)."""
-
-    def __init__(self, msg: Message):
-        self.on, self.steps, self.t = _PROFILE is not None, {}, time.time()
-        if self.on:
-            _PROFILE.setdefault("message", self.t)
-        self.kind = f"{msg.metadata.message_type} round={msg.metadata.group_id or '-'}"
-
-    def optim(self) -> None:
-        """torch.optim (AdamW here) imports torch._dynamo (about 1-2 s) at a process's first optimizer: time it
-        apart."""
-        if self.on and "torch._dynamo" not in sys.modules:
-            import torch._dynamo  # noqa: F401
-            self("optim")
-
-    def __call__(self, step: str, done: bool = False) -> None:
-        if not self.on:
-            return
-        now = time.time()
-        self.steps[step], self.t = now - self.t, now
-        if not done:
-            return
-        if os.path.basename(sys.argv[0]) != "flwr-clientapp":   # a Ray actor serves many messages
-            return self.write(self.steps)
-        import atexit
-        import psutil
-        p = _PROFILE
-        first = {"start": p["imported"] - psutil.Process().create_time(), "wait": p["message"] - p["imported"]}
-        atexit.register(lambda: self.write({**first, **self.steps, "reply": time.time() - now},
-                                           total=time.time() - psutil.Process().create_time()))
-
-    def write(self, steps: dict, total: float | None = None) -> None:
-        line = " ".join(f"{k}={v:.3f}" for k, v in steps.items())
-        total = f" total={total:.3f}" if total is not None else ""
-        print(f"fedlase-profile pid={os.getpid()} {self.kind} {line}{total}", file=sys.stderr, flush=True)
+    cfg = run_config(context)
+    pid, rnd = task_of(msg, context)
+    trainer = trainer_for(cfg, pid)
+    params, buffers, sub = decode(msg, trainer)
+    delta, loss = train_step(trainer, pid, rnd, params, buffers, sub)
+    return encode(msg, delta, sub, loss, pid, rnd)

@@ -48,9 +48,11 @@ def app_config(cfg: Config) -> dict:
     return {**cfg.to_dict(), **{k: None for k in LOCAL_FILES}}
 
 
-def write_app(folder: Path, cfg: Config, resume: bool, progress: bool, pins: dict[int, str] | None = None) -> Path:
+def write_app(folder: Path, cfg: Config, resume: bool, progress: bool, pins: dict[int, str] | None = None,
+              client_app: str = "fedlase.flower.client_app:app") -> Path:
     """A Flower app folder whose run config is this experiment's config (and `pins`: partition id -> the
-    fingerprint of the node key that alone may serve it)."""
+    fingerprint of the node key that alone may serve it). `client_app`: another ClientApp for the nodes to run
+    (tools/flower_profile.py times fedlase's)."""
     folder.mkdir(parents=True, exist_ok=True)
     text = f"""# Written by fedlase for one run; `flwr run {folder} <superlink>` submits it.
 [build-system]
@@ -70,7 +72,7 @@ publisher = "fedlase"
 
 [tool.flwr.app.components]
 serverapp = "fedlase.flower.server_app:app"
-clientapp = "fedlase.flower.client_app:app"
+clientapp = "{client_app}"
 
 [tool.flwr.app.config]
 fedlase-config = {json.dumps(json.dumps(app_config(cfg), default=str))}

@@ -2,13 +2,17 @@
 node-local cache, so every later ClientApp process (Flower starts one per message) loads a few arrays in
 milliseconds instead of the whole dataset and its partition.
 
-The cache key is everything that decides which samples a partition holds (dataset, its folder, tokenization,
-partition scheme and options, seed, system) plus the partition id; a changed setting gives a new entry."""
+The cache key is derived, not listed: the config keys that the dataset's loader and the partitioner actually read
+(recorded while the first entry of a dataset is cut, kept in `<cache>/<dataset>/keys.json`), their values, and
+the partition id. A plugin dataset that reads a key of its own therefore gets a new entry when that key changes.
+The key set only grows; an entry is used only if the current values of every key in it match, which is sound
+because a loader that reads only those keys computes the same samples from the same values."""
 from __future__ import annotations
 
 import hashlib
 import json
 import os
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -18,44 +22,66 @@ from ..data import Dataset
 from ..client import ClientSettings, ClientTrainer, build_model_for, client_splits
 from ..registry import DATASETS
 
-# Config keys that decide a partition's samples.
-DATA_KEYS = ("dataset", "data_dir", "model", "model_path", "max_length", "partition", "alpha",
-             "classes_per_client", "seed", "system", "local_test_ratio")
-
 
 def default_cache_dir() -> Path:
     return Path(os.environ.get("FEDLASE_CACHE", Path.home() / ".cache" / "fedlase")) / "clients"
 
 
-def cache_key(cfg, pid: int) -> str:
-    spec = json.dumps({k: getattr(cfg, k) for k in DATA_KEYS}, sort_keys=True, default=str)
+class ReadKeys:
+    """The config, noting which of its keys are read (by the dataset's loader and the partitioner)."""
+
+    def __init__(self, cfg):
+        object.__setattr__(self, "_cfg", cfg)
+        object.__setattr__(self, "read", set())
+
+    def __getattr__(self, name):
+        self.read.add(name)
+        return getattr(self._cfg, name)
+
+
+def cache_key(cfg, pid: int, keys) -> str:
+    spec = json.dumps({k: getattr(cfg, k) for k in sorted(keys)}, sort_keys=True, default=repr)
     return f"{hashlib.sha256(spec.encode()).hexdigest()[:20]}-{pid}"
+
+
+def _write_atomic(path: Path, write) -> None:
+    """`write(tmp)` fills a temporary sibling, which then replaces `path` in one step (concurrent nodes)."""
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    write(tmp)
+    try:
+        os.replace(tmp, path)
+    except OSError:   # a folder another process wrote first
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def client_dataset(cfg, pid: int, cache_dir: Path | None = None) -> Dataset:
     """Partition `pid`'s training samples as a Dataset (no test data: evaluation is central)."""
-    folder = (cache_dir or default_cache_dir()) / cache_key(cfg, pid)
-    meta_path = folder / "meta.json"
-    if meta_path.exists():
-        meta = json.loads(meta_path.read_text())
+    root = (cache_dir or default_cache_dir()) / str(cfg.dataset)
+    keys_file = root / "keys.json"
+    keys = set(json.loads(keys_file.read_text())) if keys_file.exists() else set()
+    folder = root / cache_key(cfg, pid, keys)
+    if keys and (folder / "meta.json").exists():
+        meta = json.loads((folder / "meta.json").read_text())
         # copy-on-write maps: a message reads only the pages of the samples it trains on
         x = torch.from_numpy(np.load(folder / "x.npy", mmap_mode="c"))
         y = torch.from_numpy(np.load(folder / "y.npy", mmap_mode="c"))
-    else:
-        data = DATASETS.get(cfg.dataset).load(cfg)
-        train, _ = client_splits(cfg, data.y_train.numpy(), data.y_test.numpy(), data.num_classes)
-        idx = torch.as_tensor(train[pid])
-        x, y = data.x_train[idx].contiguous(), data.y_train[idx].contiguous()
-        meta = {"name": data.name, "num_classes": data.num_classes, "augment": data.augment}
-        tmp = folder.with_name(folder.name + f".tmp{os.getpid()}")
+        return Dataset(meta["name"], x, y, x[:0], y[:0], meta["num_classes"], meta["augment"])
+    seen = ReadKeys(cfg)
+    data = DATASETS.get(seen.dataset).load(seen)
+    train, _ = client_splits(seen, data.y_train.numpy(), data.y_test.numpy(), data.num_classes)
+    idx = torch.as_tensor(train[pid])
+    x, y = data.x_train[idx].contiguous(), data.y_train[idx].contiguous()
+    meta = {"name": data.name, "num_classes": data.num_classes, "augment": data.augment}
+    keys |= seen.read
+    root.mkdir(parents=True, exist_ok=True)
+    _write_atomic(keys_file, lambda t: t.write_text(json.dumps(sorted(keys))))
+
+    def entry(tmp: Path) -> None:
         tmp.mkdir(parents=True, exist_ok=True)
         np.save(tmp / "x.npy", x.numpy())
         np.save(tmp / "y.npy", y.numpy())
         (tmp / "meta.json").write_text(json.dumps(meta))
-        try:
-            os.replace(tmp, folder)   # atomic: a concurrent process may have written it first
-        except OSError:
-            pass
+    _write_atomic(root / cache_key(cfg, pid, keys), entry)
     return Dataset(meta["name"], x, y, x[:0], y[:0], meta["num_classes"], meta["augment"])
 
 

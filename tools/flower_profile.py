@@ -1,0 +1,156 @@
+"""Where a Deployment Engine message's time goes: a loopback deployment (tools/flower_local.py) whose nodes run a
+timing ClientApp, then a table of the per-message medians.
+
+    python -m tools.flower_profile [CONFIG] key=value ...     (the arguments of `fedlase run`; run from the repo root)
+
+The timing ClientApp (`app` below) does exactly what fedlase's does, through the public steps of
+fedlase/flower/client_app.py, with a clock between them, and writes one line per message to stderr (the node's
+log): `start` (process start -> this module imported: interpreter, Flower's imports, pulling the message,
+the app bundle's install), `wait` (-> the handler), `imports` (fedlase's training code and torch, imported by
+the first TRAIN message), `config`, `trainer` (the partition from the node cache, the model), `decode`,
+`train`, `encode`, `reply` (pushing the reply and the process's exit) and `total`. Timers only: the weights
+are the ones fedlase's own ClientApp gives. Flower's polling intervals come from the environment
+(`FLWR_SUPEREXEC_TASK_POLL_INTERVAL`, ...), passed on to the nodes as set."""
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+_IMPORTED = time.time()
+
+from flwr.app import Context, Message  # noqa: E402
+from flwr.clientapp import ClientApp  # noqa: E402
+
+from fedlase.flower import client_app as fedlase_app  # noqa: E402
+
+app = ClientApp()
+
+
+class Clock:
+    def __init__(self, msg: Message):
+        self.t0 = self.t = time.time()
+        self.steps: dict[str, float] = {}
+        self.kind = f"{msg.metadata.message_type} round={msg.metadata.group_id or '-'}"
+
+    def __call__(self, step: str) -> None:
+        now = time.time()
+        self.steps[step], self.t = now - self.t, now
+
+    def done(self) -> None:
+        """Write the line at the process's exit, so that `reply` holds the reply's push."""
+        import atexit
+        import psutil
+        created = psutil.Process().create_time()
+        first = {"start": _IMPORTED - created, "wait": self.t0 - _IMPORTED}
+        end = time.time()
+
+        def write():
+            steps = {**first, **self.steps, "reply": time.time() - end, "total": time.time() - created}
+            line = " ".join(f"{k}={v:.3f}" for k, v in steps.items())
+            print(f"fedlase-profile pid={os.getpid()} {self.kind} {line}", file=sys.stderr, flush=True)
+        atexit.register(write)
+
+
+@app.query()
+def query(msg: Message, context: Context) -> Message:
+    clock = Clock(msg)
+    reply = fedlase_app.query(msg, context)
+    clock("answer")
+    clock.done()
+    return reply
+
+
+@app.train()
+def train(msg: Message, context: Context) -> Message:
+    clock = Clock(msg)
+    import torch  # noqa: F401
+    import fedlase.flower.codec  # noqa: F401
+    import fedlase.flower.node_data  # noqa: F401
+    clock("imports")
+    cfg = fedlase_app.run_config(context)
+    pid, rnd = fedlase_app.task_of(msg, context)
+    clock("config")
+    trainer = fedlase_app.trainer_for(cfg, pid)
+    clock("trainer")
+    params, buffers, sub = fedlase_app.decode(msg, trainer)
+    clock("decode")
+    delta, loss = fedlase_app.train_step(trainer, pid, rnd, params, buffers, sub)
+    clock("train")
+    reply = fedlase_app.encode(msg, delta, sub, loss, pid, rnd)
+    clock("encode")
+    clock.done()
+    return reply
+
+
+def read_lines(logs) -> list[dict]:
+    """The `fedlase-profile` lines of the nodes' logs as {kind, round, step: seconds}."""
+    out = []
+    for f in logs:
+        for line in f.read_text().splitlines():
+            if line.startswith("fedlase-profile "):
+                parts = line.split()
+                row = {"kind": parts[2], "round": parts[3].split("=")[1]}
+                row.update({k: float(v) for k, v in (p.split("=") for p in parts[4:])})
+                out.append(row)
+    return out
+
+
+def table(rows: list[dict]) -> str:
+    """Median seconds per step, one line per message kind (TRAIN of round 1 apart: it writes the node cache)."""
+    import statistics
+    groups: dict[str, list[dict]] = {}
+    for r in rows:
+        key = r["kind"] if r["kind"] != "train" else ("train, round 1" if r["round"] == "1" else "train, later")
+        groups.setdefault(key, []).append(r)
+    lines = []
+    for key, rs in groups.items():
+        steps = [k for k in rs[0] if k not in ("kind", "round")]
+        med = " ".join(f"{k}={statistics.median(r.get(k, 0.0) for r in rs):.2f}" for k in steps)
+        lines.append(f"{key} ({len(rs)} messages): {med}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> int:
+    import json
+    import signal
+    from pathlib import Path
+
+    from fedlase.catalog import load_builtins
+    from fedlase.config import load_config
+    from fedlase.errors import UserError
+    from fedlase.flower.launch import partition_pins, quiet_env, submit, write_app
+    from tools.flower_local import LocalFederation
+
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    quiet_env()
+    config = argv.pop(0) if argv and "=" not in argv[0] else None
+    root = str(Path(__file__).resolve().parents[1])
+    try:
+        load_builtins()
+        base = load_config(config, argv)
+        out = Path(base.out).resolve()
+        with LocalFederation(out, nodes=base.num_clients) as fed:
+            fed.env["PYTHONPATH"] = os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])   # nodes import tools
+            fed.env["FEDLASE_CACHE"] = os.environ.get("FEDLASE_CACHE", str(out / "node-cache"))
+            fed.start_all(base)
+            cfg = load_config(config, [*argv, *fed.run_args(), f"out={out}"])
+            app_dir = write_app(out / "flower-app", cfg, False, False, partition_pins(cfg),
+                                client_app="tools.flower_profile:app")
+            os.environ.update({k: fed.env[k] for k in ("FLWR_HOME", "PYTHONPATH")})
+            t = time.time()
+            submit(cfg, app_dir)
+            wall = time.time() - t
+        rows = read_lines(sorted((out / "flower-logs").glob("supernode-*.log")))
+        times = [json.loads(x)["train_time"] for x in (out / "metrics.jsonl").read_text().splitlines()]
+        rounds = [round(b - a, 2) for a, b in zip([0.0, *times], times)]
+        print(f"run: {wall:.1f} s submitted to finished; train_time per round (s): {rounds}")
+        print(table(rows))
+        return 0
+    except UserError as e:
+        print(f"flower_profile: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
