@@ -120,7 +120,7 @@ class Experiment:
                               {k: v.detach().clone() for k, v in self.model.named_buffers()})
         self.levels: tuple[Level, ...] = cfg.levels.levels
         self.sampling = Sampling.from_config(cfg)
-        self.method = METHODS.get(cfg.method)(self.model, cfg.levels, **cfg.method_args)
+        self.method = METHODS.get(cfg.method)(self.model, cfg.levels, run_seed=cfg.seed, **cfg.method_args)
         self.trainer = ClientTrainer(ClientSettings.from_config(cfg), self.model, self.x_train, self.y_train,
                                      {c: torch.as_tensor(i, device=self.device) for c, i in enumerate(self.client_train)},
                                      d.augment)

@@ -193,7 +193,7 @@ def measure_overhead(overrides: list[str], method: str, rounds: int, repeats: in
     from fedlase.registry import METHODS
     exp = Experiment(load_config(None, [*overrides, f"method={method}"]))
     cfg = exp.cfg
-    probe = METHODS.get(cfg.method)(exp.model, cfg.levels, **cfg.method_args)
+    probe = METHODS.get(cfg.method)(exp.model, cfg.levels, run_seed=cfg.seed, **cfg.method_args)
     model = deepcopy(exp.model)   # the tight loop's own module; the engine's stays untouched
     exp.run_round(1)              # warm-up: allocator, lazy initialisation
     exp.state.round = 1
