@@ -196,6 +196,27 @@ def test_feddse_selects_most_activated_channels_by_hand():
     assert all(torch.equal(ev.masks[n], own.masks[n]) for n in own.masks)
 
 
+def test_feddse_aggregation_by_hand():
+    # two clients of one level with their own channels: a coordinate moves by the mean over the clients whose
+    # delta there is nonzero (the level's submodel has no mask: the server reads each client's from its update)
+    model = cnn()
+    system = System.parse("{1,1/4}_{1,1}")
+    m = FedDSE(model, system)
+    params = params_of(model)
+    level_sub = m.submodel(params, system.levels[1], 1)
+    assert m.coverage == "nonzero" and not level_sub.masks
+    keep_a = {"block0": torch.tensor([1, 1, 1, 1, 0, 0, 0, 0], dtype=torch.bool)}
+    keep_b = {"block0": torch.tensor([0, 0, 1, 1, 1, 1, 0, 0], dtype=torch.bool)}
+    w = "features.0.weight"
+    d_a = {n: torch.zeros_like(p) for n, p in params.items()}
+    d_b = {n: torch.zeros_like(p) for n, p in params.items()}
+    d_a[w][keep_a["block0"]] = 1.0
+    d_b[w][keep_b["block0"]] = 3.0
+    new = aggregate(params, [(d_a, level_sub), (d_b, level_sub)], m.aggregation, m.coverage)
+    step = (new[w] - params[w]).flatten(1)[:, 0]
+    assert step.tolist() == [1.0, 1.0, 2.0, 2.0, 3.0, 3.0, 0.0, 0.0]
+
+
 def test_feddse_own_slice_trains_as_its_masks():
     model = cnn()
     params, buffers = params_of(model), dict(model.named_buffers())
