@@ -15,7 +15,7 @@ from importlib.metadata import entry_points
 
 log = logging.getLogger("fedlase")
 
-BUILTINS = ("fedlase.analysis", "fedlase.data", "fedlase.methods", "fedlase.models")
+BUILTINS = ("fedlase.analysis", "fedlase.data.builtins", "fedlase.methods", "fedlase.models")
 # The text track needs `transformers` (extra `text`); without it, its choices are simply absent.
 TEXT_BUILTINS = ("fedlase.data.text", "fedlase.models.transformer")
 

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from .data import local_test_split
+from .data.partition import local_test_split
 from .errors import UserError
 from .masks import Submodel
 from .registry import MODELS, PARTITIONS

@@ -10,7 +10,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from .data import augment_batch
+from .data.augment import augment_batch
 from .levels import Level, System
 from .train import LocalWork, client_batches
 

@@ -114,6 +114,20 @@ def test_importing_the_config_loads_no_method_model_or_dataset():
     assert not [m for m in loaded if m.startswith(HEAVY)], loaded
 
 
+def test_importing_the_engine_loads_no_method_model_or_dataset_loader_and_registers_nothing():
+    """The engine needs the partition and augmentation code only: no method, model, loader, analysis or catalog."""
+    loaded = _loaded_by("fedlase.engine")
+    assert "fedlase.engine" in loaded
+    allowed = {"fedlase.data", "fedlase.data.partition", "fedlase.data.augment"}
+    assert not [m for m in loaded if m.startswith(HEAVY) and m not in allowed], loaded
+    import subprocess
+    import sys
+    code = ("import fedlase.engine\nfrom fedlase.registry import DATASETS, METHODS, MODELS, PARTITIONS, TRACKERS\n"
+            "print(sum(len(r.names()) for r in (DATASETS, METHODS, MODELS, PARTITIONS, TRACKERS)))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.split() == ["0"], proc.stdout + proc.stderr
+
+
 def test_the_config_imports_nothing_above_it():
     """Its imports (and theirs) are the low layer: errors, levels, options, registry, resources."""
     g, seen, todo = graph(), set(), ["fedlase.config"]

@@ -1,26 +1,20 @@
-"""Datasets (loaded once, shared by all clients) and their partitions over clients; the built-ins register
-themselves in fedlase.registry here."""
+"""Datasets (loaded once, shared by all clients), their partitions over clients, and training-time augmentation.
 
+Importing this package loads only the partition code: the loaders and the augmentation are loaded on first use,
+and the built-ins are registered by fedlase/data/builtins.py (through fedlase.catalog.load_builtins). So the
+engine, which needs the partition and augmentation code, loads no dataset loader and registers nothing."""
+import importlib
+
+# the partition code is light and the engine needs it; importing it here also keeps the name `partition` the
+# function, not the submodule of the same name
 from fedlase.data.partition import SCHEMES, local_test_split, partition
-from fedlase.data.sources import DEFAULT_DATA_DIRS, IMAGE_DATASETS, Dataset, augment_batch, load_dataset
-from fedlase.registry import register_dataset, register_partition
+
+_NAMES = {"DEFAULT_DATA_DIRS": "sources", "IMAGE_DATASETS": "sources", "Dataset": "sources",
+          "load_dataset": "sources", "augment_batch": "augment"}
+__all__ = sorted([*_NAMES, "SCHEMES", "local_test_split", "partition"])
 
 
-def _loader(name: str):
-    return lambda cfg: load_dataset(name, cfg.data_dir)
-
-
-for _name, _src in IMAGE_DATASETS.items():
-    register_dataset(_name, _loader(_name), _src.num_classes, "image", _src.help, _src.needs_data_dir,
-                     shape=_src.shape)
-
-
-def _splitter(scheme: str):
-    return lambda labels, num_clients, cfg: partition(labels, num_clients, scheme, alpha=cfg.alpha,
-                                                      classes_per_client=cfg.classes_per_client, seed=cfg.seed)
-
-
-for _scheme, _help in SCHEMES.items():
-    register_partition(_scheme, _splitter(_scheme), _help)
-
-__all__ = ["DEFAULT_DATA_DIRS", "Dataset", "augment_batch", "load_dataset", "local_test_split", "partition"]
+def __getattr__(name: str):
+    if name not in _NAMES:
+        raise AttributeError(f"module 'fedlase.data' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"fedlase.data.{_NAMES[name]}"), name)
