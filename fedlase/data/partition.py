@@ -12,7 +12,7 @@ import numpy as np
 
 from fedlase.errors import ConfigError, DataError
 
-# The schemes this module implements (fedlase/data/__init__.py registers each; the registry is the one list).
+# The schemes this module implements (fedlase/data/builtins.py registers each; the registry is the one list).
 SCHEMES = {"iid": "a random permutation cut into near-equal parts",
            "dirichlet": "per-class Dirichlet(alpha) label skew",
            "balanced_dirichlet": "FIARSE's: each client draws p ~ Dir(alpha) and N/n samples, filled interleaved",

@@ -244,7 +244,7 @@ def _load_digits() -> Dataset:
 
 @dataclass(frozen=True)
 class ImageSource:
-    """One image dataset this module reads; fedlase/data/__init__.py registers each (the registry's one list)."""
+    """One image dataset this module reads; fedlase/data/builtins.py registers each (the registry's one list)."""
     load: object            # (name, data_dir) -> Dataset
     num_classes: int
     shape: tuple[int, int, int]
