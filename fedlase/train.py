@@ -107,7 +107,8 @@ def local_train(model: nn.Module, global_params: dict[str, torch.Tensor], buffer
 
     A submodel with `local` (a method's `LocalObjective`, fedlase/methods/base.py) trains the method's way:
     `local.start` may replace the submodel for this client (its own mask, or its own slice, which then trains
-    as any slice, with a full-size delta) and `local.loss` turns each batch into the loss; without one, the loss is the cross-entropy of one forward (the path every other method takes)."""
+    as any slice, with a full-size delta) and `local.loss` turns each batch into the loss; without one, the
+    loss is the cross-entropy of one forward (the path every other method takes)."""
     if sub.slices:
         small, loss = local_train(model, sub.gather(global_params), sub.gather({**buffers, **sub.buffers}),
                                   sub.inner(), x, y, batches, work, augment, classes)
