@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -36,6 +37,14 @@ def _f(default, help: str, **kw):
 
 def _positive(**kw):
     return {"low": 0, "low_open": True, **kw}
+
+
+def _ray_address(value: str) -> str | None:
+    """`ray_address`: host:port of a Ray head (as `ray start --head` prints it), or auto."""
+    m = re.fullmatch(r"[^\s:/]+:(\d{1,5})", value)
+    if value == "auto" or (m and 0 < int(m.group(1)) < 65536):
+        return None
+    return f"expected host:port of a running Ray cluster's head, or auto; got {value!r}"
 
 
 @dataclass
@@ -120,6 +129,9 @@ class Config:
                              affects_result=False)
     node_keys: str | None = _f(None, "Flower: folder of SuperNode key pairs node-<i>.key and node-<i>.key.pub, for "
                                "scripts/flower-deploy-local.py (default: throwaway ones)", kind=str, affects_result=False)
+    ray_address: str | None = _f(None, "engine=flower-sim: join the running Ray cluster at this address (host:port, "
+                                 "or auto) instead of starting a private Ray; unset: a private one sized to this "
+                                 "machine (docs/cluster.md)", kind=str, check=_ray_address, affects_result=False)
     insecure: bool = _f(False, "Flower: true turns TLS and node authentication off (loopback or a trusted network "
                         "only; warns)", affects_result=False)
     out: str = _f("runs/default", "output folder: metrics.jsonl, summary.json, checkpoint.pt", affects_result=False)
@@ -252,6 +264,9 @@ def validate(cfg: Config) -> Config:
     if data.needs_data_dir and cfg.data_dir is None:
         raise ConfigError("data_dir", f"dataset {cfg.dataset} needs data_dir: the folder holding its files")
     check_security(cfg)
+    if cfg.ray_address is not None and cfg.engine != "flower-sim":
+        raise ConfigError("ray_address", f"joins a Ray cluster for engine=flower-sim, got engine={cfg.engine} "
+                          "(a sweep's runs go to a cluster with `fedlase sweep --ray`)")
     if cfg.batched_clients and cfg.engine != "embedded":   # Flower trains each client in its own ClientApp
         raise ConfigError("batched_clients", f"needs engine=embedded, got engine={cfg.engine}")
     if cfg.batched_clients and model.kind == "text":   # the forward trims batches with a data-dependent size
@@ -283,7 +298,7 @@ def set_dotted(d: dict, key: str, value) -> None:
 
 
 _RAW_STRING_KEYS = {"system", "participation", "out", "data_dir", "model_path", "tls_ca", "tls_cert", "tls_key",
-                    "node_keys"}
+                    "node_keys", "ray_address"}
 
 
 def parse_override(item: str) -> tuple[str, Any]:
