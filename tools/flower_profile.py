@@ -2,6 +2,7 @@
 timing ClientApp, then a table of the per-message medians.
 
     python -m tools.flower_profile [CONFIG] key=value ...     (the arguments of `fedlase run`; run from the repo root)
+    python -m tools.flower_profile --imports OUT/flower-app/pyproject.toml     (a ClientApp's loads, one by one)
 
 The timing ClientApp (`app` below) does exactly what fedlase's does, through the public steps of
 fedlase/flower/client_app.py, with a clock between them, and writes one line per message to stderr (the node's
@@ -111,6 +112,36 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+# One fresh interpreter, timing in order what a ClientApp process loads: Flower, fedlase's ClientApp module,
+# the training code with torch, then the run's config read (as the ClientApp does) and validated (as before).
+_STAGES = """
+import json, sys, time, tomllib
+t = time.perf_counter(); out = {}
+def stage(name):
+    global t
+    now = time.perf_counter(); out[name] = now - t; t = now
+import flwr.app, flwr.clientapp; stage("flower")
+import fedlase.flower.client_app; stage("clientapp")
+import torch, fedlase.flower.codec, fedlase.flower.node_data; stage("torch+training")
+from fedlase.catalog import load_builtins; from fedlase.config import config_from_dict
+raw = json.loads(tomllib.loads(open(sys.argv[1]).read())["tool"]["flwr"]["app"]["config"]["fedlase-config"])
+load_builtins(); config_from_dict(raw, validate_=False); stage("config read")
+config_from_dict(raw); stage("config validated")
+print(json.dumps(out))
+"""
+
+
+def import_costs(app_toml: Path, reps: int = 5) -> str:
+    """Median seconds of each stage over `reps` fresh interpreters (`python -m tools.flower_profile --imports
+    OUT/flower-app/pyproject.toml`)."""
+    import json
+    import statistics
+    import subprocess
+    runs = [json.loads(subprocess.run([sys.executable, "-c", _STAGES, str(app_toml)], capture_output=True,
+                                      text=True, check=True).stdout) for _ in range(reps)]
+    return " ".join(f"{k}={statistics.median(r[k] for r in runs):.2f}" for k in runs[0])
+
+
 def main(argv: list[str]) -> int:
     import json
     import signal
@@ -124,6 +155,9 @@ def main(argv: list[str]) -> int:
 
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     quiet_env()
+    if argv[:1] == ["--imports"]:
+        print(import_costs(Path(argv[1])))
+        return 0
     config = argv.pop(0) if argv and "=" not in argv[0] else None
     root = str(Path(__file__).resolve().parents[1])
     try:

@@ -22,15 +22,20 @@ _CACHE: dict = {}
 
 
 def run_config(context: Context):
-    """The run's fedlase config (built-ins registered first: a program's edge)."""
+    """The run's fedlase config (built-ins registered first: a program's edge). It is read, not validated
+    again: the server validated it before submitting, and validation's size check builds the model on the meta
+    device, which imports torch._dynamo (1-4 s) in every ClientApp process, that is for every message."""
     text = str(context.run_config["fedlase-config"])
     if _CACHE.get("text") != text:
         import json
         from ..catalog import load_builtins
         from ..config import config_from_dict
+        from ..levels import System
         load_builtins()
+        cfg = config_from_dict(json.loads(text), validate_=False)
+        cfg.levels = System.parse(cfg.system)   # the one derived field a client reads (num_clients, levels)
         _CACHE.clear()
-        _CACHE.update(text=text, cfg=config_from_dict(json.loads(text)), trainers={})
+        _CACHE.update(text=text, cfg=cfg, trainers={})
     return _CACHE["cfg"]
 
 
