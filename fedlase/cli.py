@@ -49,7 +49,7 @@ def _cmd_sweep(args) -> int:
         print(describe_plan(*plan_sweep(args.sweep)))
         return 0
     try:
-        res = run_sweep(args.sweep, progress=not args.quiet, jobs=args.jobs)
+        res = run_sweep(args.sweep, progress=not args.quiet, jobs=args.jobs, ray=args.ray)
     except KeyboardInterrupt:
         print("fedlase: sweep interrupted; run the same command again to resume it", file=sys.stderr)
         return 130
@@ -144,6 +144,9 @@ def main(argv: list[str] | None = None) -> int:
     sw.add_argument("--quiet", action="store_true", help="no progress bars")
     sw.add_argument("--jobs", type=int, default=1, metavar="N", help="runs at once, each in its own process with "
                     "cores/N torch threads unless the sweep sets threads [default: 1]")
+    sw.add_argument("--ray", metavar="ADDRESS", help="run each unfinished run as a task on the running Ray cluster "
+                    "at ADDRESS (host:port of its head, or auto); `out` must be shared by every node "
+                    "(docs/cluster.md)")
     sw.set_defaults(func=_cmd_sweep)
     rep = sub.add_parser("report", help="tables (Markdown, CSV) and plots from finished runs",
                          description="Collect runs (folders holding summary.json, searched recursively) into "

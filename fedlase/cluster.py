@@ -24,8 +24,9 @@ from .errors import UserError
 
 log = logging.getLogger("fedlase")
 
-# Ray phones home by default; set before it is imported (a worker node's own `ray start` decides for it).
-_QUIET = {"RAY_USAGE_STATS_ENABLED": "0"}
+# For this driver only (each node's `ray start` environment decides for its workers): no usage reports, and
+# no notice about a change of Ray's GPU visibility default (a run here asks for a GPU or uses none).
+_QUIET = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO": "0"}
 STARTED = "worker.json"   # written into a run's folder when its task starts: node, host, pid
 RETRIES = 2               # a run whose worker or node dies is started again (it resumes from its checkpoint)
 
@@ -68,8 +69,7 @@ def connect(address: str, what: str = "sweep: --ray"):
 def simulation_join(cfg) -> dict:
     """The Simulation Engine's backend config for joining the cluster at cfg.ray_address: Ray is not started
     or sized here (the cluster has its resources); each ClientApp takes one CPU and, with device=cuda, a
-    quarter of a GPU (at most 4 clients share one). device=auto runs the clients on CPU: Ray hides the GPUs
-    from actors that did not ask for one."""
+    quarter of a GPU (at most 4 clients share one); device=auto asks for no GPU."""
     check_address(cfg.ray_address, "ray_address")
     gpu = 1.0 / max(1, min(cfg.num_clients, 4)) if cfg.device == "cuda" else 0.0
     return {"client_resources": {"num_cpus": 1, "num_gpus": gpu},

@@ -14,7 +14,11 @@ its folder, a line in sweep.jsonl) and the others go on.
 `run_sweep(path, jobs=N)` (`fedlase sweep FILE --jobs N`) runs N runs at once, each in its own subprocess
 (its output in `<run folder>/sweep.log`), with torch's CPU threads split between them: a run gets
 `threads = max(1, cores // N)` unless the sweep sets `threads` itself. Results do not depend on N. On Ctrl-C
-the children are stopped and nothing is recorded for them; rerunning the sweep resumes them."""
+the children are stopped and nothing is recorded for them; rerunning the sweep resumes them.
+
+`run_sweep(path, ray=ADDRESS)` (`fedlase sweep FILE --ray ADDRESS`) runs each unfinished run as a Ray task on
+a running cluster, where it asks for its `threads` CPUs and, with device=cuda, a GPU (fedlase/cluster.py);
+each run's line in sweep.jsonl names the node that ran it."""
 from __future__ import annotations
 
 import contextlib
@@ -238,11 +242,18 @@ def cpu_cores() -> int:
         return os.cpu_count() or 1
 
 
-def run_sweep(path: str | Path, progress: bool = True, jobs: int = 1) -> dict:
-    """Run every run of a sweep that is not done, `jobs` at a time; return {'done', 'skipped', 'failed': [names]}
-    (done and failed in the order the runs finished)."""
+def run_sweep(path: str | Path, progress: bool = True, jobs: int = 1, ray: str | None = None) -> dict:
+    """Run every run of a sweep that is not done, `jobs` at a time (or, with `ray`, as tasks on the Ray cluster
+    at that address); return {'done', 'skipped', 'failed': [names]} (done and failed in the order the runs
+    finished)."""
     if isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1:
         raise UserError(f"sweep: --jobs must be a whole number >= 1, got {jobs!r}")
+    if ray is not None and jobs != 1:
+        raise UserError("sweep: --jobs and --ray do not go together: on a cluster, its CPUs decide how many "
+                        "runs go at once")
+    if ray is not None:
+        from .cluster import check_address
+        check_address(ray, "sweep: --ray")   # seconds, before the plan builds every run
     out, planned = plan_sweep(path)
     out.mkdir(parents=True, exist_ok=True)
     (out / "sweep.yaml").write_text(Path(path).read_text())   # the spec next to its results
@@ -257,32 +268,36 @@ def run_sweep(path: str | Path, progress: bool = True, jobs: int = 1) -> dict:
             bar = stack.enter_context(tqdm(total=len(planned), initial=len(result["skipped"]), unit="run",
                                            desc="sweep", dynamic_ncols=True,
                                            bar_format="{desc}: {n}/{total} runs |{bar}| {elapsed}{postfix}"))
-        if jobs == 1:
+        if ray is not None:
+            _run_on_cluster(ray, out, todo, result, bar)
+        elif jobs == 1:
             _run_in_process(out, todo, result, bar, progress)
         else:
             _run_in_subprocesses(out, todo, result, bar, jobs)
     return result
 
 
-def _finished(out: Path, run: PlannedRun, result: dict, seconds: float, error: str | None) -> None:
-    """Record a run that ended: a line in sweep.jsonl and its name in the result."""
+def _finished(out: Path, run: PlannedRun, result: dict, seconds: float, error: str | None,
+              where: dict | None = None) -> None:
+    """Record a run that ended: a line in sweep.jsonl (with `where`: the Ray node that ran it) and its name in
+    the result."""
     if error is None:
         result["done"].append(run.name)
-        _record(out, {"run": run.name, "status": "done", "time": seconds})
+        _record(out, {"run": run.name, "status": "done", "time": seconds, **(where or {})})
     else:
         log.error("sweep: run %s failed: %s (details in %s)", run.name, error, run.out / "error.txt")
         result["failed"].append(run.name)
-        _record(out, {"run": run.name, "status": "failed", "error": error, "time": seconds})
+        _record(out, {"run": run.name, "status": "failed", "error": error, "time": seconds, **(where or {})})
 
 
-def _account(out: Path, run: PlannedRun, result: dict, t0: float, error, pace: list, bar) -> None:
+def _account(out: Path, run: PlannedRun, result: dict, seconds: float, error, pace: list, bar,
+             where: dict | None = None) -> None:
     """Record a finished run; a successful one adds its time and rounds to `pace` ([seconds, rounds]), the
     basis of the ETA."""
-    seconds = time.perf_counter() - t0
     if error is None:
         pace[0] += seconds
         pace[1] += run.cfg.rounds
-    _finished(out, run, result, seconds, error)
+    _finished(out, run, result, seconds, error, where)
     if bar is not None:
         bar.update(1)
 
@@ -296,7 +311,8 @@ def _run_in_process(out: Path, todo: list[PlannedRun], result: dict, bar, progre
                 eta = f"eta {_fmt_time(pace[0] / pace[1] * sum(r.cfg.rounds for r in todo[i:]))}, "
             bar.set_postfix_str(f"{eta}now {run.name}")
         t0 = time.perf_counter()
-        _account(out, run, result, t0, _run_one(run, progress), pace, bar)
+        error = _run_one(run, progress)
+        _account(out, run, result, time.perf_counter() - t0, error, pace, bar)
 
 
 def _run_one(run: PlannedRun, progress: bool) -> str | None:
@@ -418,11 +434,32 @@ def _run_in_subprocesses(out: Path, todo: list[PlannedRun], result: dict, bar, j
             for proc in [p for p in procs if p.poll() is not None]:
                 run, t0, logf = procs.pop(proc)
                 logf.close()
-                _account(out, run, result, t0, _child_error(run, proc), pace, bar)
+                _account(out, run, result, time.perf_counter() - t0, _child_error(run, proc), pace, bar)
                 show()
     except BaseException:   # Ctrl-C (or any error here): no run goes on without the sweep
         _stop(procs)
         raise
+
+
+def _run_on_cluster(address: str, out: Path, todo: list[PlannedRun], result: dict, bar) -> None:
+    from .cluster import run_on_ray
+    pace = [0.0, 0]   # seconds and rounds of the runs finished so far
+    most = [1]        # the most runs seen going at once: the cluster's width for these runs
+
+    def show(running: list, queued: list) -> None:
+        if bar is None:
+            return
+        most[0] = max(most[0], len(running))
+        eta = ""
+        if pace[1]:   # as for --jobs, with the cluster's observed width in place of N
+            per_round = pace[0] / pace[1]
+            left = [max(0.0, per_round * r.cfg.rounds - s) for r, s in running]
+            total = sum(left) + per_round * sum(r.cfg.rounds for r in queued)
+            eta = f"eta {_fmt_time(max([total / most[0], *left]))}, "
+        bar.set_postfix_str(f"{eta}{len(running)} running, {len(queued)} queued")
+
+    run_on_ray(address, out, todo, lambda run, seconds, error, where:
+               _account(out, run, result, seconds, error, pace, bar, where), show)
 
 
 def describe_plan(out: Path, planned: list[PlannedRun]) -> str:
