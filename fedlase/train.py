@@ -125,35 +125,47 @@ def local_train(model: nn.Module, global_params: dict[str, torch.Tensor], buffer
         if own.slices:   # the client's own slice (FedDSE): it trains as any slice, its delta comes back full-size
             return local_train(model, global_params, buffers, own, x, y, batches, work, augment, None, True)
         sub = own
-    plist = list(params.values())
-    opt = make_optimizer(plist, work)
     model.train()
     tie = has_tied_weights(model)
+    if local is not None:
+        def batch_loss(xb, yb):
+            return local.loss(lambda w, b, *a, **k: functional_call(model, (w, b), a, k, tie_weights=tie),
+                              sub.apply(params, train=True), bufs, xb, yb)
+    else:
+        def batch_loss(xb, yb):
+            return _cross_entropy(functional_call(model, (sub.apply(params, train=True), bufs), (xb,),
+                                                  tie_weights=tie), yb, classes)
+    mean_loss = _steps(batch_loss, list(params.values()), x, y, batches, work, augment)
+    delta = {}
+    with torch.no_grad():
+        for n, p in params.items():
+            d = p - global_params[n]
+            delta[n] = d * sub.masks[n] if n in sub.masks else d
+    return delta, mean_loss
+
+
+def _cross_entropy(logits: torch.Tensor, y: torch.Tensor, classes: torch.Tensor | None) -> torch.Tensor:
+    return F.cross_entropy(logits if classes is None else label_mask_logits(logits, classes), y)
+
+
+def _steps(batch_loss: Callable, plist: list[torch.Tensor], x: torch.Tensor, y: torch.Tensor,
+           batches: list[torch.Tensor], work: LocalWork, augment: Callable | None) -> float:
+    """One optimizer step per batch on `batch_loss(xb, yb)` (a fresh optimizer over `plist`, gradients clipped
+    as `work` says); returns the mean loss."""
+    opt = make_optimizer(plist, work)
     total = torch.zeros((), dtype=torch.float64, device=x.device)   # summed where the loss is: no sync a step
     for idx in batches:
         xb, yb = x[idx], y[idx]
         if augment is not None:
             xb = augment(xb)
-        if local is not None:
-            loss = local.loss(lambda w, b, *a, **k: functional_call(model, (w, b), a, k, tie_weights=tie),
-                              sub.apply(params, train=True), bufs, xb, yb)
-        else:
-            logits = functional_call(model, (sub.apply(params, train=True), bufs), (xb,), tie_weights=tie)
-            if classes is not None:
-                logits = label_mask_logits(logits, classes)
-            loss = F.cross_entropy(logits, yb)
+        loss = batch_loss(xb, yb)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         if work.clip_norm is not None:
             torch.nn.utils.clip_grad_norm_(plist, work.clip_norm)
         opt.step()
         total += loss.detach().double()
-    delta = {}
-    with torch.no_grad():
-        for n, p in params.items():
-            d = p - global_params[n]
-            delta[n] = d * sub.masks[n] if n in sub.masks else d
-    return delta, float(total) / max(len(batches), 1)
+    return float(total) / max(len(batches), 1)
 
 
 _TRAINING_MODULES: "weakref.WeakKeyDictionary[nn.Module, tuple]" = weakref.WeakKeyDictionary()
@@ -191,26 +203,11 @@ def _train_whole(model: nn.Module, global_params: dict[str, torch.Tensor], buffe
         for n, b in buffers.items():
             own_buffers[n].copy_(b)
     params = {n: own[n] for n in global_params}   # the caller's order: gradient clipping sums in it
-    plist = list(params.values())
-    opt = make_optimizer(plist, work)
-    total = torch.zeros((), dtype=torch.float64, device=x.device)
-    for idx in batches:
-        xb, yb = x[idx], y[idx]
-        if augment is not None:
-            xb = augment(xb)
-        logits = net(xb)
-        if classes is not None:
-            logits = label_mask_logits(logits, classes)
-        loss = F.cross_entropy(logits, yb)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        if work.clip_norm is not None:
-            torch.nn.utils.clip_grad_norm_(plist, work.clip_norm)
-        opt.step()
-        total += loss.detach().double()
+    mean_loss = _steps(lambda xb, yb: _cross_entropy(net(xb), yb, classes), list(params.values()), x, y, batches,
+                       work, augment)
     with torch.no_grad():
         delta = {n: p - global_params[n] for n, p in params.items()}
-    return delta, float(total) / max(len(batches), 1)
+    return delta, mean_loss
 
 
 # ---- label-split masking (HeteroFL's and FedRolex's official `mask=1`) ---------------------------------------
