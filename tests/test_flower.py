@@ -49,21 +49,35 @@ def same_params(a: dict, b: dict) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k].cpu(), b[k].cpu()) for k in a)
 
 
-def flower_processes() -> set[int]:
-    """Pids of processes that look like Flower or Ray ones."""
-    out = subprocess.run(["ps", "-eo", "pid=,args="], capture_output=True, text=True).stdout
+TAG = "FEDLASE_TEST_RUN"   # set in a test's environment; every process it starts, and theirs, inherits it
+
+
+def flower_processes(tag: str | None = None) -> set[int]:
+    """Pids of live processes that look like Flower, Ray or nginx ones (with `tag`: only those whose environment
+    carries it, so that other sessions' runs on the same machine are not counted)."""
+    import psutil
     keys = ("flower-superlink", "flower-supernode", "flower-superexec", "flwr-serverapp", "flwr-clientapp",
             "raylet", "gcs_server", "ray::", "ray/_private", "default_worker.py", "nginx: ")
-    return {int(line.split(None, 1)[0]) for line in out.splitlines() if any(k in line for k in keys)}
+    found = set()
+    for p in psutil.process_iter():
+        try:
+            if p.status() == psutil.STATUS_ZOMBIE or not any(k in " ".join(p.cmdline()) for k in keys):
+                continue
+            if tag is None or p.environ().get(TAG) == tag:
+                found.add(p.pid)
+        except psutil.Error:
+            pass
+    return found
 
 
 @pytest.fixture
-def no_leftovers():
-    """Fails the test if Flower or Ray processes started during it are still there (after a grace period)."""
-    before = flower_processes()
+def no_leftovers(monkeypatch):
+    """Fails the test if Flower, Ray or nginx processes it started are still there (after a grace period)."""
+    tag = uuid.uuid4().hex
+    monkeypatch.setenv(TAG, tag)
     yield
     deadline = time.monotonic() + 20
-    while (new := flower_processes() - before) and time.monotonic() < deadline:
+    while (new := flower_processes(tag)) and time.monotonic() < deadline:
         time.sleep(0.5)
     assert not new, f"processes left behind: {sorted(new)}"
 

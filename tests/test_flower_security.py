@@ -208,3 +208,17 @@ def test_a_node_claiming_another_partition_is_refused_and_the_run_matches_embedd
     assert "Receiving:" not in log and intruder.poll() is None, log
     assert stranger.wait(timeout=60) != 0
     assert "Failed to activate SuperNode" in (dep.out / "flower-logs" / "stranger.log").read_text()
+
+
+def test_without_nginx_the_deployment_stops_in_one_line(tmp_path, monkeypatch):
+    """No proxy on the machine: one line saying how to install it, before any process starts; never an open
+    setup instead."""
+    from fedlase.errors import UserError
+    from fedlase.flower import proxy
+    from tools.flower_local import LocalFederation
+    monkeypatch.setattr(proxy.shutil, "which", lambda name: None)
+    monkeypatch.setattr(proxy.os, "access", lambda path, mode: False)
+    with pytest.raises(UserError) as e:
+        LocalFederation(tmp_path / "dep", nodes=1)
+    assert "apt-get install nginx" in str(e.value) and "\n" not in str(e.value)
+    assert not (tmp_path / "dep" / "flower-tls").exists()   # nothing made, nothing started

@@ -1,9 +1,11 @@
 """fedlase on Flower (flwr 1.42, Message API): the same methods, sampling, local training and aggregation
 as the embedded engine, with clients on Flower nodes (Simulation Engine or Deployment Engine).
 
-Modules: `codec` (sparse payloads, reply checks), `rounds` (the server side of a round), `node_data` (a node's own
-cached samples), `server_app` and
-`client_app` (the Flower apps), `launch` (`engine=flower-sim` / `engine=flower-deploy`). See docs/flower.md."""
+Modules: `codec` (sparse payloads, reply checks), `rounds` (the server side of a round, partitions pinned to node
+keys), `node_data` (a node's own cached samples), `server_app` and `client_app` (the Flower apps), `launch`
+(`engine=flower-sim` / `engine=flower-deploy`), `security` (certificates, node keys, pins) and `proxy` (nginx in
+front of the SuperLink and beside each node). The loopback deployment is tools/flower_local.py. See
+docs/flower.md."""
 from .launch import QUIET_ENV, quiet_env
 
 quiet_env()   # before flwr or ray is imported anywhere below this package
