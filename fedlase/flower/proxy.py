@@ -71,6 +71,10 @@ def _is_ip(host: str) -> bool:
         return False
 
 
+def _is_loopback(host: str) -> bool:
+    return host == "localhost" or (_is_ip(host) and ipaddress.ip_address(host).is_loopback)
+
+
 def _frame(workdir: Path, body: str) -> str:
     """One nginx process of its own: config, pid, logs and temp files in `workdir`, run by the current user."""
     tmp = workdir / "tmp"
@@ -106,7 +110,7 @@ def front_config(workdir: Path, listen: str, superlink: str, ca: Path, cert: Pat
     """nginx.conf of the front proxy: mutual TLS on `listen`, the Fleet routes (POST only) to the SuperLink's
     loopback address `superlink` (TLS, verified with the CA as `localhost`), a 404 for everything else."""
     link_host, link_port = split_address(superlink)
-    if not ipaddress.ip_address(link_host).is_loopback:
+    if not _is_loopback(link_host):
         raise UserError(f"the SuperLink must listen on loopback behind the proxy, not {superlink}")
     names = "|".join(p.rsplit("/", 1)[1] for p in fleet_routes())
     return _frame(workdir, f"""    upstream superlink {{ server {link_host}:{link_port}; keepalive 16; }}
@@ -137,13 +141,13 @@ def sidecar_config(workdir: Path, listen: str, proxy: str, ca: Path, cert: Path,
     forwarding the Fleet API to the front proxy at `proxy` over mutual TLS with the node's client certificate
     `cert`/`key`, the proxy verified with the CA."""
     host, port = split_address(listen)
-    if not ipaddress.ip_address(host).is_loopback:
+    if not _is_loopback(host):
         raise UserError(f"a sidecar listens on loopback only, not {listen}")
     proxy_host, proxy_port = split_address(proxy)
     # nginx checks the proxy's certificate against a DNS name; the federation's certificates always name
     # localhost, so a proxy reached by IP address is verified as localhost only on loopback.
     name = proxy_host if not _is_ip(proxy_host) else "localhost"
-    if _is_ip(proxy_host) and not ipaddress.ip_address(proxy_host).is_loopback:
+    if _is_ip(proxy_host) and not _is_loopback(proxy_host):
         raise UserError(f"give the proxy's DNS name (as in its certificate), not the IP address {proxy_host}")
     return _frame(workdir, f"""    upstream proxy {{ server {proxy_host}:{proxy_port}; keepalive 8; }}
     server {{

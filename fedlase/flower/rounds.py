@@ -112,7 +112,9 @@ class NodeRounds:
                     keys[info.node_id] = None
         ok = []
         for nid in new:
-            fp = keys.get(nid)
+            if nid not in keys:   # online after the SuperLink listed the nodes' keys: looked at next time
+                continue
+            fp = keys[nid]
             if fp in by_key:
                 self.keyed[nid] = by_key[fp]
                 ok.append(nid)
