@@ -563,6 +563,18 @@ def test_fedlase_imports_no_private_flower_module():
     assert not bad, bad
 
 
+def test_the_client_side_loads_no_engine_and_no_torch_until_it_trains():
+    """A ClientApp process (one per message on the Deployment Engine) imports Flower and fedlase's ClientApp
+    module only; a QUERY needs nothing more. Its training code imports torch but never the server's engine."""
+    code = ("import sys, fedlase.flower.client_app\n"
+            "print('torch' in sys.modules, 'fedlase.engine' in sys.modules)\n"
+            "import fedlase.flower.node_data, fedlase.flower.codec\n"
+            "print('torch' in sys.modules, 'fedlase.engine' in sys.modules)")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=_env(), timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.split() == ["False", "False", "True", "False"], res.stdout
+
+
 def test_security_keys_are_checked(tmp_path):
     from fedlase.errors import ConfigError
     from fedlase.flower.launch import require_tls
