@@ -40,8 +40,8 @@ def _ray(what: str):
 
 
 def check_address(address: str, what: str) -> None:
-    """A one-line UserError, within seconds, when no Ray head answers at host:port (`auto` is left to Ray,
-    which looks at RAY_ADDRESS and the clusters started on this machine)."""
+    """A one-line UserError, within seconds, when no Ray head answers at host:port: Ray itself would retry
+    for minutes. `auto` is left to Ray (RAY_ADDRESS, else the cluster last started on this machine)."""
     if address == "auto":
         return
     host, _, port = address.rpartition(":")
@@ -49,9 +49,22 @@ def check_address(address: str, what: str) -> None:
         raise UserError(f"{what}: {address!r} is not host:port of a Ray cluster's head (or auto)")
     try:
         socket.create_connection((host, int(port)), timeout=5).close()
-    except OSError as e:   # Ray itself would retry for minutes
+    except OSError as e:
         raise UserError(f"{what}: no Ray cluster answers at {address} ({e.strerror or e}); start one with "
                         f"`ray start --head` (docs/cluster.md)") from None
+    try:
+        import grpc   # comes with ray
+    except ImportError:
+        return
+    # Something listens there: ask it for the cluster id, the first thing a Ray driver asks the head for.
+    with grpc.insecure_channel(f"{host}:{port}") as channel:
+        try:
+            channel.unary_unary("/ray.rpc.NodeInfoGcsService/GetClusterId")(b"", timeout=5)
+        except grpc.RpcError as e:
+            if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNIMPLEMENTED,
+                            grpc.StatusCode.DEADLINE_EXCEEDED):   # other codes (say, a token): Ray's to judge
+                raise UserError(f"{what}: {address} answers but is not a Ray cluster's head (the port "
+                                f"`ray start --head` printed?)") from None
 
 
 def connect(address: str, what: str = "sweep: --ray"):
@@ -107,7 +120,7 @@ def _check_fits(ray, runs: list) -> None:
 def _probe(folder: str, token: str) -> dict:
     """On one node: can it read the driver's marker in the sweep folder and write beside it?"""
     import ray
-    ctx = {"node": ray.get_runtime_context().get_node_id(), "host": ray.util.get_node_ip_address()}
+    ctx = {"node": ray.get_runtime_context().get_node_id(), "host": socket.gethostname()}
     marker = Path(folder) / f".fedlase-probe-{token}"
     try:
         if marker.read_text() != token:
@@ -155,7 +168,7 @@ def _task(name: str, config: dict) -> dict:
     from .config import config_from_dict
     from .sweep import PlannedRun, _run_one
     t0 = time.perf_counter()
-    where = {"node": ray.get_runtime_context().get_node_id(), "host": ray.util.get_node_ip_address()}
+    where = {"node": ray.get_runtime_context().get_node_id(), "host": socket.gethostname()}
     out = Path(config["out"])
     if not out.parent.is_dir():   # a node that joined after the start-up check, without the shared folder
         return {**where, "error": f"node {where['host']} cannot see the sweep folder {out.parent}", "seconds": 0.0}
@@ -185,6 +198,8 @@ def run_on_ray(address: str, out: Path, todo: list, account, show) -> None:
     progress line (`running`: [(run, seconds since it started)]). On Ctrl-C (or any error here) every task is
     cancelled (its worker killed) and nothing is recorded for it: its checkpoint is where the next sweep
     resumes it."""
+    if not todo:
+        return
     for run in todo:
         if run.cfg.engine != "embedded":
             raise UserError(f"sweep: run {run.name}: --ray runs each run as one Ray task on engine=embedded; "

@@ -185,14 +185,28 @@ def test_flower_sim_on_the_cluster_equals_the_embedded_engine(cluster, tmp_path)
 
 
 def test_bad_addresses_are_one_line_errors_in_seconds(tmp_path, capsys):
+    """Nothing there, something else there (an HTTP server: Ray would retry for minutes), no address."""
+    import http.server
+    import threading
+
     from fedlase.cli import main
     path = write_sweep(tmp_path / "s.yaml", tmp_path / "out", grid={"seed": [0]})
-    for address, needle in ((f"127.0.0.1:{free_port()}", "no Ray cluster answers"),
-                            ("nonsense", "is not host:port")):
-        t0 = time.monotonic()
-        assert main(["sweep", str(path), "--quiet", "--ray", address]) == 2
-        err = capsys.readouterr().err
-        assert needle in err and len(err.strip().splitlines()) == 1 and time.monotonic() - t0 < 10, err
+    class Quiet(http.server.BaseHTTPRequestHandler):
+        def log_message(self, *args):   # the server's own lines would go to the stderr under test
+            pass
+    web = http.server.HTTPServer(("127.0.0.1", 0), Quiet)
+    threading.Thread(target=web.serve_forever, daemon=True).start()
+    try:
+        for address, needle in ((f"127.0.0.1:{free_port()}", "no Ray cluster answers"),
+                                (f"127.0.0.1:{web.server_address[1]}", "answers but is not a Ray cluster's head"),
+                                ("nonsense", "is not host:port")):
+            t0 = time.monotonic()
+            assert main(["sweep", str(path), "--quiet", "--ray", address]) == 2
+            err = capsys.readouterr().err
+            assert needle in err and len(err.strip().splitlines()) == 1 and time.monotonic() - t0 < 10, err
+    finally:
+        web.shutdown()
+        web.server_close()
     assert main(["sweep", str(path), "--quiet", "--ray", "127.0.0.1:1", "--jobs", "2"]) == 2
     assert "do not go together" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
@@ -210,3 +224,46 @@ def test_a_node_without_the_sweep_folder_is_a_clear_error(cluster, tmp_path, mon
     err = capsys.readouterr().err
     assert "cannot use the sweep folder" in err and "shares" in err and len(err.strip().splitlines()) == 1, err
     assert not (tmp_path / "out" / "seed=0" / "summary.json").exists()
+
+
+def test_ctrl_c_cancels_the_tasks_and_the_rerun_resumes_them(cluster, tmp_path):
+    out = tmp_path / "out"
+    path = write_sweep(tmp_path / "s.yaml", out, grid={"seed": [0, 1]}, runs=[{"name": "r", "rounds": 150,
+                                                                                "eval_every": 50}])
+    runs = [out / f"r,seed={s}" for s in (0, 1)]
+    going = lambda r: (r / "worker.json").is_file() and (r / "checkpoint.pt").is_file()   # noqa: E731
+    proc = subprocess.Popen([sys.executable, "-m", "fedlase", "sweep", str(path), "--quiet", "--ray",
+                             cluster["address"]], env=cluster["env"], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        # both runs under way (one of them may even have finished if the other's worker was slow to start)
+        while not all(going(r) or (r / "summary.json").exists() for r in runs):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0][-3000:]
+            time.sleep(0.1)
+        workers = [psutil.Process(json.loads((r / "worker.json").read_text())["pid"]) for r in runs]
+        proc.send_signal(signal.SIGINT)
+        text, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 130 and "run the same command again" in text, text[-3000:]
+    finished = {r for r in runs if (r / "summary.json").exists()}
+    stopped = [r for r in runs if r not in finished]
+    assert stopped, "both runs ended before Ctrl-C; make them longer"
+    # nothing is recorded for a cancelled run, and its worker is gone (a worker is reused across tasks:
+    # only the workers of the cancelled runs must be gone)
+    recorded = [json.loads(x)["run"] for x in (out / "sweep.jsonl").read_text().splitlines()] \
+        if (out / "sweep.jsonl").exists() else []
+    assert sorted(recorded) == sorted(r.name for r in finished)
+    _, alive = psutil.wait_procs([w for w, r in zip(workers, runs) if r in stopped], timeout=20)
+    assert not alive
+    # the rerun (finding the cluster through RAY_ADDRESS) resumes the stopped runs from their checkpoints
+    res = subprocess.run([sys.executable, "-m", "fedlase", "sweep", str(path), "--quiet", "--ray", "auto"],
+                         env={**cluster["env"], "RAY_ADDRESS": cluster["address"]}, capture_output=True,
+                         text=True, timeout=240)
+    assert res.returncode == 0, (res.stdout + res.stderr)[-3000:]
+    assert all("resuming" in (r / "sweep.log").read_text() for r in stopped)
+    assert sorted(json.loads(x)["run"] for x in (out / "sweep.jsonl").read_text().splitlines()) == \
+        ["r,seed=0", "r,seed=1"]
