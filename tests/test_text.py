@@ -291,6 +291,41 @@ def test_fedrolex_rolls_whole_heads():
         assert heads == [(-(rnd - 1)) % 4]   # one head of four, rolling back by one head a round
 
 
+
+def hidden_states(model, weights, x):
+    inner = {k[len("backbone."):]: v for k, v in weights.items() if k.startswith("backbone.")}
+    with torch.no_grad():
+        return functional_call(model.backbone, inner, args=(), kwargs={"input_ids": x, "attention_mask": (x != 0).long()}
+                               ).last_hidden_state
+
+
+@pytest.mark.parametrize("cls", [HeteroFL, FedRolex])
+def test_without_the_scaler_a_width_slice_trains_the_function_it_is_evaluated_with(cls):
+    """docs/text.md, "Width methods on text: diagnosis": the residual stream is never sliced, so the scaler's factor
+    on the attention and feed-forward outputs changes what every post-LayerNorm sees; with scaler=false a client
+    trains exactly the function its level is evaluated with."""
+    m = tiny_model().eval()
+    P, x = params_of(m), batch()
+    for lvl in LEVELS[1:]:
+        scaled, plain = (cls(m, LEVELS, scaler=s).submodel(P, lvl, 2) for s in (True, False))
+        evaluated = hidden_states(m, plain.apply(P), x)
+        assert torch.equal(hidden_states(m, plain.apply(P, train=True), x), evaluated)
+        assert torch.equal(hidden_states(m, scaled.apply(P), x), evaluated)   # evaluation ignores the scaler
+        trained = hidden_states(m, scaled.apply(P, train=True), x)
+        assert (trained - evaluated).norm() > 0.05 * evaluated.norm(), (cls.name, lvl)   # 0.11, 0.32, 0.68 here
+
+
+def test_text_experiments_run_the_width_methods_without_the_scaler():
+    """experiments/text.yaml: HeteroFL and FedRolex run unscaled; the scaled runs are kept as the ablation."""
+    import yaml
+    spec = yaml.safe_load(open(os.path.join(os.path.dirname(__file__), "..", "experiments", "text.yaml")))
+    runs = {r["name"]: r for r in spec["runs"]}
+    for method in ("heterofl", "fedrolex"):
+        assert runs[f"{method}-unscaled"]["method"] == method
+        assert runs[f"{method}-unscaled"]["method_args"] == {"scaler": False}
+        assert "method_args" not in runs[method]   # the ablation: the option's default, the official codes' Scaler
+
+
 # ----------------------------------------------------------------------------------- a local folder, AG News
 
 
