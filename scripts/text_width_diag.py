@@ -125,7 +125,8 @@ def trained(run_dir: str) -> None:
         recall = [round(100 * float((pred[exp.y_test == k] == k).float().mean())) for k in range(classes)]
         own = torch.cat([torch.as_tensor(exp.client_train[c]) for c in exp.level_clients[level]])
         trained_on = torch.bincount(exp.y_train[own], minlength=classes).tolist()
-        f_train, f_test = pooled(model, sub.apply(params), exp.x_train[pick]), pooled(model, sub.apply(params), exp.x_test)
+        evaluated = sub.apply(params)
+        f_train, f_test = pooled(model, evaluated, exp.x_train[pick]), pooled(model, evaluated, exp.x_test)
         probe = linear_probe(f_train, exp.y_train[pick], f_test, exp.y_test, classes)
         scaled = f"{100 * row[1][0]:.1f}%" if len(row) > 1 else "(no scales)"
         print(f"| {level.name} | {100 * acc:.1f}% | {counts} | {recall} | {trained_on} | "
