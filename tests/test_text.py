@@ -295,7 +295,8 @@ def test_fedrolex_rolls_whole_heads():
 def hidden_states(model, weights, x):
     inner = {k[len("backbone."):]: v for k, v in weights.items() if k.startswith("backbone.")}
     with torch.no_grad():
-        out = functional_call(model.backbone, inner, args=(), kwargs={"input_ids": x, "attention_mask": (x != 0).long()})
+        out = functional_call(model.backbone, inner, args=(),
+                              kwargs={"input_ids": x, "attention_mask": (x != 0).long()})
     return out.last_hidden_state
 
 
