@@ -546,6 +546,8 @@ def test_a_killed_supernode_fails_its_round_and_rejoins(tmp_path, no_leftovers, 
     assert lines[0]["failed"] == [] and lines[0]["clients"] == 3
     assert lines[1]["failed"] == [1] and lines[1]["clients"] == 2, lines[1]
     assert lines[3]["failed"] == [] and lines[3]["clients"] == 3, (lines[2], lines[3], _logs(out))
+    # Restarted with its own key, the node is the pinned one for its partition: neither refused nor moved.
+    assert all(x["refused"] == {} and x["moved"] == {} for x in lines), lines
     assert (out / "summary.json").exists()
 
 
