@@ -127,8 +127,9 @@ class Config:
                               "(default: a throwaway one)", kind=str, affects_result=False)
     tls_key: str | None = _f(None, "Flower: the SuperLink's TLS private key (PEM), with tls_cert", kind=str,
                              affects_result=False)
-    node_keys: str | None = _f(None, "Flower: folder of SuperNode key pairs node-<i>.key and node-<i>.key.pub, for "
-                               "scripts/flower-deploy-local.py (default: throwaway ones)", kind=str, affects_result=False)
+    node_keys: str | None = _f(None, "Flower: folder of the nodes' public keys node-<i>.key.pub (python -m "
+                               "fedlase.flower.security); engine=flower-deploy requires it and pins partition i to "
+                               "node i's key (docs/flower.md)", kind=str, affects_result=False)
     ray_address: str | None = _f(None, "engine=flower-sim: join the running Ray cluster at this address (host:port, "
                                  "or auto) instead of starting a private Ray; unset: a private one sized to this "
                                  "machine (docs/cluster.md)", kind=str, check=_ray_address, affects_result=False)
