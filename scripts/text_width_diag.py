@@ -11,8 +11,9 @@ the residual stream it joins (mean over tokens and layers of |dense output| / |r
 `RUN_DIR`: per level of the checkpoint, as the engine evaluates it (static statistics of the head norm
 recomputed for the level): global accuracy, test texts per predicted class, recall per class, the class mix of
 the level's own clients' training texts, the std of the logits over texts,
-the pooled features' norm before and after the head norm, a linear probe on the pooled features; and the global
-accuracy of the same level run with its training scales (the function its clients trained)."""
+the pooled features' norm before and after the head norm, a linear probe on the pooled features; the global
+accuracy of the same level run with its training scales (the function its clients trained); and its global
+accuracy with the head norm's statistics taken from the test set itself (static BN statistics ruled in or out)."""
 from __future__ import annotations
 
 import sys
@@ -99,39 +100,41 @@ def trained(run_dir: str) -> None:
     print(f"{run_dir}, round {exp.round}, method {exp.cfg.method} {exp.cfg.method_args}")
     print("| level | global acc | test texts per predicted class | recall per class (%) | the level's clients' "
           "training texts per class | logit std over texts | |features| before / after head norm | linear probe | "
-          "global acc with training scales |\n|---|---|---|---|---|---|---|---|---|")
+          "global acc with training scales | global acc, head-norm statistics from the test set |\n"
+          "|---|---|---|---|---|---|---|---|---|---|")
+
+    def run(w, stats_x):
+        """Logits and the head norm's input and output on the test set, its statistics recomputed on stats_x."""
+        bufs = recompute_bn_stats(model, w, buffers, stats_x, bs)
+        model.eval()   # recompute_bn_stats leaves the BN layers in training mode
+        out = {"logits": [], "before": [], "after": []}
+        with torch.no_grad():
+            for i in range(0, len(exp.x_test), bs):
+                functional_call(model, (w, bufs), (exp.x_test[i:i + bs],))
+                for k in out:
+                    out[k].append(seen.get(k, seen["logits"]))
+        return {k: torch.cat(v) for k, v in out.items()}
+
+    def acc(logits):
+        return f"{100 * float((logits.argmax(1) == exp.y_test).float().mean()):.1f}%"
+
     for level in exp.levels:
         sub = exp.method.eval_submodel(params, level, exp.round).masked()
-        row = []
-        for train in (False, True):
-            w = sub.apply(params, train=train)
-            bufs = recompute_bn_stats(model, w, buffers, bn_x, bs)
-            model.eval()   # recompute_bn_stats leaves the BN layers in training mode
-            logits, before, after = [], [], []
-            with torch.no_grad():
-                for i in range(0, len(exp.x_test), bs):
-                    functional_call(model, (w, bufs), (exp.x_test[i:i + bs],))
-                    logits.append(seen["logits"])
-                    before.append(seen.get("before", seen["logits"]))
-                    after.append(seen.get("after", seen["logits"]))
-            logits, before, after = torch.cat(logits), torch.cat(before), torch.cat(after)
-            acc = float((logits.argmax(1) == exp.y_test).float().mean())
-            row.append((acc, logits, before, after))
-            if train and not sub.scales:
-                break
-        acc, logits, before, after = row[0]
+        evaluated = sub.apply(params)
+        main = run(evaluated, bn_x)
+        scaled = acc(run(sub.apply(params, train=True), bn_x)["logits"]) if sub.scales else "(no scales)"
+        oracle = acc(run(evaluated, exp.x_test)["logits"]) if model.norm is not None else "(no head norm)"
+        logits, before, after = main["logits"], main["before"], main["after"]
         pred = logits.argmax(1)
         counts = torch.bincount(pred, minlength=classes).tolist()
         recall = [round(100 * float((pred[exp.y_test == k] == k).float().mean())) for k in range(classes)]
         own = torch.cat([torch.as_tensor(exp.client_train[c]) for c in exp.level_clients[level]])
         trained_on = torch.bincount(exp.y_train[own], minlength=classes).tolist()
-        evaluated = sub.apply(params)
         f_train, f_test = pooled(model, evaluated, exp.x_train[pick]), pooled(model, evaluated, exp.x_test)
         probe = linear_probe(f_train, exp.y_train[pick], f_test, exp.y_test, classes)
-        scaled = f"{100 * row[1][0]:.1f}%" if len(row) > 1 else "(no scales)"
-        print(f"| {level.name} | {100 * acc:.1f}% | {counts} | {recall} | {trained_on} | "
+        print(f"| {level.name} | {acc(logits)} | {counts} | {recall} | {trained_on} | "
               f"{float(logits.std(0).mean()):.3f} | {float(before.norm(dim=1).mean()):.2f} / "
-              f"{float(after.norm(dim=1).mean()):.2f} | {100 * probe:.1f}% | {scaled} |", flush=True)
+              f"{float(after.norm(dim=1).mean()):.2f} | {100 * probe:.1f}% | {scaled} | {oracle} |", flush=True)
     for h in hooks:
         h.remove()
 
