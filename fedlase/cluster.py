@@ -175,6 +175,7 @@ def _task(name: str, config: dict) -> dict:
     out.mkdir(exist_ok=True)
     (out / STARTED).write_text(json.dumps({**where, "pid": os.getpid()}) + "\n")
     handler = logging.FileHandler(out / "sweep.log")
+    handler.setFormatter(logging.Formatter("%(asctime)s %(message)s"))
     logging.getLogger("fedlase").addHandler(handler)
     logging.getLogger("fedlase").setLevel(logging.INFO)
     try:
@@ -234,6 +235,9 @@ def run_on_ray(address: str, out: Path, todo: list, account, show) -> None:
                         where = _where(run)
                         run.out.mkdir(parents=True, exist_ok=True)
                         (run.out / "error.txt").write_text(f"{e}\n")
+                    if error and not (run.out / "error.txt").is_file():   # failed before the run began
+                        run.out.mkdir(parents=True, exist_ok=True)
+                        (run.out / "error.txt").write_text(f"{error}\n")
                     account(run, seconds, error, where)
                 now = time.perf_counter()
                 for run in pending.values():

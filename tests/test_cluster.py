@@ -6,8 +6,10 @@ The nodes are ended by pid at the end (their processes are found by their temp f
 stop every Ray of this user on the machine, other programs' included."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -48,17 +50,18 @@ def node_processes(root: Path) -> set:
     for p in psutil.process_iter(["cmdline"]):
         if str(root) in " ".join(p.info["cmdline"] or []):
             found.add(p)
-            found.update(p.children(recursive=True) if p.is_running() else [])
+            with contextlib.suppress(psutil.Error):
+                found.update(p.children(recursive=True))
     return {p for p in found if p.is_running()}
 
 
 def end(procs) -> None:
     for p in procs:
-        with __import__("contextlib").suppress(psutil.Error):
+        with contextlib.suppress(psutil.Error):
             p.terminate()
-    _, alive = psutil.wait_procs(procs, timeout=15)
+    _, alive = psutil.wait_procs(procs, timeout=5)   # the gcs server may not end on SIGTERM
     for p in alive:
-        with __import__("contextlib").suppress(psutil.Error):
+        with contextlib.suppress(psutil.Error):
             p.kill()
     psutil.wait_procs(alive, timeout=10)
 
@@ -97,6 +100,7 @@ def cluster():
         end(node_processes(root))
         left = node_processes(root)
         assert not left, f"Ray processes left behind: {sorted(p.pid for p in left)}"
+        shutil.rmtree(root, ignore_errors=True)
 
 
 def write_sweep(path: Path, out: Path, **spec) -> Path:
@@ -228,8 +232,8 @@ def test_a_node_without_the_sweep_folder_is_a_clear_error(cluster, tmp_path, mon
 
 def test_ctrl_c_cancels_the_tasks_and_the_rerun_resumes_them(cluster, tmp_path):
     out = tmp_path / "out"
-    path = write_sweep(tmp_path / "s.yaml", out, grid={"seed": [0, 1]}, runs=[{"name": "r", "rounds": 150,
-                                                                                "eval_every": 50}])
+    path = write_sweep(tmp_path / "s.yaml", out, grid={"seed": [0, 1]}, runs=[{"name": "r", "rounds": 80,
+                                                                                "eval_every": 40}])
     runs = [out / f"r,seed={s}" for s in (0, 1)]
     going = lambda r: (r / "worker.json").is_file() and (r / "checkpoint.pt").is_file()   # noqa: E731
     proc = subprocess.Popen([sys.executable, "-m", "fedlase", "sweep", str(path), "--quiet", "--ray",
