@@ -78,7 +78,7 @@ def cluster():
               "--disable-usage-stats"]
     head = [RAY, "start", "--head", "--port", str(port), "--temp-dir", str(root / "a"), "--resources",
             '{"node_a": 1}', "--include-dashboard", "false", "--ray-client-server-port", str(free_port()),
-            "--dashboard-agent-listen-port", str(free_port()), *common]
+            "--dashboard-agent-listen-port", str(free_port()), "--dashboard-port", str(free_port()), *common]
     other = [RAY, "start", "--address", f"127.0.0.1:{port}", "--temp-dir", str(root / "b"), "--resources",
              '{"node_b": 1}', "--dashboard-agent-listen-port", str(free_port()), *common]
     try:
