@@ -180,10 +180,13 @@ def test_flower_sim_on_the_cluster_equals_the_embedded_engine(cluster, tmp_path)
     assert res.returncode == 0, (res.stdout + res.stderr)[-3000:]
     run_experiment(load_config(None, [*args, f"out={tmp_path / 'emb'}"]), progress=False)
     assert same(params(tmp_path / "sim"), params(tmp_path / "emb"))
-    # fedlase joined the cluster and left it running: both nodes are still there
+    # fedlase joined the cluster and left it running: both nodes are still there, and the ClientApps ran in
+    # actors on both (the GCS keeps ended actors; its actor table is a debugging API of Ray's)
     ray.init(address=cluster["address"], logging_level="ERROR", log_to_driver=False)
     try:
         assert sum(n["Alive"] for n in ray.nodes()) == 2
+        clients = [a for a in ray._private.state.actors().values() if "ClientAppActor" in a["ActorClassName"]]
+        assert {a["Address"]["NodeID"] for a in clients} == set(cluster["nodes"].values()), clients
     finally:
         ray.shutdown()
 
