@@ -159,14 +159,12 @@ def check_shared(ray, out: Path) -> int:
     return len(nodes)
 
 
-def _task(name: str, config: dict) -> dict:
-    """One run as a Ray task, on whatever node Ray chose: run (or resume) it through the sweep's own path;
-    its log goes to `<run>/sweep.log`. Returns its outcome, where it ran and how long it took."""
+def _task(run_one, name: str, config: dict) -> dict:
+    """One run as a Ray task, on whatever node Ray chose: run (or resume) it through the sweep's own path,
+    `run_one(name, config)` (fedlase.sweep.run_from_dict, handed in so that this module needs no sweep); its log
+    goes to `<run>/sweep.log`. Returns its outcome, where it ran and how long it took."""
     import ray
 
-    from .catalog import load_builtins
-    from .config import config_from_dict
-    from .sweep import PlannedRun, _run_one
     t0 = time.perf_counter()
     where = {"node": ray.get_runtime_context().get_node_id(), "host": socket.gethostname()}
     out = Path(config["out"])
@@ -180,20 +178,19 @@ def _task(name: str, config: dict) -> dict:
     logging.getLogger("fedlase").setLevel(logging.INFO)
     try:
         log.info("sweep: run %s on node %s (%s), pid %d", name, where["node"], where["host"], os.getpid())
-        load_builtins()   # a Ray worker is a fresh process: register the built-ins before the config is checked
         try:
-            run = PlannedRun(name, {}, config_from_dict(config))
-        except UserError as e:   # e.g. data_dir missing on this node
+            error = run_one(name, config)
+        except UserError as e:   # the config does not hold on this node, e.g. its data_dir is missing here
             return {**where, "error": str(e), "seconds": time.perf_counter() - t0}
-        error = _run_one(run, progress=False)
     finally:
         logging.getLogger("fedlase").removeHandler(handler)
         handler.close()
     return {**where, "error": error, "seconds": time.perf_counter() - t0}
 
 
-def run_on_ray(address: str, out: Path, todo: list, account, show) -> None:
-    """Run the sweep's unfinished runs as Ray tasks on the cluster at `address`.
+def run_on_ray(address: str, out: Path, todo: list, account, show, run_one) -> None:
+    """Run the sweep's unfinished runs as Ray tasks on the cluster at `address`, each through
+    `run_one(name, config dict)` on its worker.
 
     `account(run, seconds, error, where)` records a run that ended; `show(running, queued)` refreshes the
     progress line (`running`: [(run, seconds since it started)]). On Ctrl-C (or any error here) every task is
@@ -216,7 +213,7 @@ def run_on_ray(address: str, out: Path, todo: list, account, show) -> None:
         for run in todo:
             config, need = task_config(run)
             (run.out / STARTED).unlink(missing_ok=True)   # present again once this attempt has started
-            ref = task.options(**need, max_retries=RETRIES, retry_exceptions=False).remote(run.name, config)
+            ref = task.options(**need, max_retries=RETRIES, retry_exceptions=False).remote(run_one, run.name, config)
             pending[ref] = run
         started: dict = {}   # run name -> driver time when its task was first seen running
         try:

@@ -330,6 +330,14 @@ def _run_one(run: PlannedRun, progress: bool) -> str | None:
     return None
 
 
+def run_from_dict(name: str, config: dict) -> str | None:
+    """`_run_one` in a fresh process that has only the run's name and config (a Ray task): registers the
+    built-ins first. A config that does not hold there (a data_dir missing on that node) raises UserError."""
+    from .catalog import load_builtins
+    load_builtins()
+    return _run_one(PlannedRun(name, {}, config_from_dict(config)), progress=False)
+
+
 _CHILD = "import sys; from fedlase.sweep import _child_main; sys.exit(_child_main())"
 
 
@@ -459,7 +467,7 @@ def _run_on_cluster(address: str, out: Path, todo: list[PlannedRun], result: dic
         bar.set_postfix_str(f"{eta}{len(running)} running, {len(queued)} queued")
 
     run_on_ray(address, out, todo, lambda run, seconds, error, where:
-               _account(out, run, result, seconds, error, pace, bar, where), show)
+               _account(out, run, result, seconds, error, pace, bar, where), show, run_from_dict)
 
 
 def describe_plan(out: Path, planned: list[PlannedRun]) -> str:
