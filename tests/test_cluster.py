@@ -235,8 +235,8 @@ def test_a_node_without_the_sweep_folder_is_a_clear_error(cluster, tmp_path, mon
 
 def test_ctrl_c_cancels_the_tasks_and_the_rerun_resumes_them(cluster, tmp_path):
     out = tmp_path / "out"
-    path = write_sweep(tmp_path / "s.yaml", out, grid={"seed": [0, 1]}, runs=[{"name": "r", "rounds": 80,
-                                                                                "eval_every": 40}])
+    path = write_sweep(tmp_path / "s.yaml", out, grid={"seed": [0, 1]}, runs=[{"name": "r", "rounds": 400,
+                                                                                "eval_every": 200}])
     runs = [out / f"r,seed={s}" for s in (0, 1)]
     going = lambda r: (r / "worker.json").is_file() and (r / "checkpoint.pt").is_file()   # noqa: E731
     proc = subprocess.Popen([sys.executable, "-m", "fedlase", "sweep", str(path), "--quiet", "--ray",
@@ -255,10 +255,12 @@ def test_ctrl_c_cancels_the_tasks_and_the_rerun_resumes_them(cluster, tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    assert proc.returncode == 130 and "run the same command again" in text, text[-3000:]
     finished = {r for r in runs if (r / "summary.json").exists()}
     stopped = [r for r in runs if r not in finished]
+    # long runs (400 rounds, tens of seconds each): on a starved CI machine 80 rounds once both ended before
+    # the test's own loop woke up to send Ctrl-C
     assert stopped, "both runs ended before Ctrl-C; make them longer"
+    assert proc.returncode == 130 and "run the same command again" in text, text[-3000:]
     # nothing is recorded for a cancelled run, and its worker is gone (a worker is reused across tasks:
     # only the workers of the cancelled runs must be gone)
     recorded = [json.loads(x)["run"] for x in (out / "sweep.jsonl").read_text().splitlines()] \
