@@ -137,33 +137,37 @@ def test_a_sweep_spreads_over_both_nodes_and_records_each_runs_node(cluster, tmp
     assert again["done"] == [] and len(again["skipped"]) == 4
 
 
+def start_sweep(path: Path, cluster: dict, log_path: Path) -> subprocess.Popen:
+    """`fedlase sweep PATH --ray` as a process, its output in a file: a pipe read only at the end can fill up
+    and stall the driver."""
+    with open(log_path, "w") as log:   # the child holds its own copy of the file
+        return subprocess.Popen([sys.executable, "-m", "fedlase", "sweep", str(path), "--quiet", "--ray",
+                                 cluster["address"]], env=cluster["env"], stdout=log, stderr=subprocess.STDOUT)
+
+
 def test_a_run_whose_worker_is_killed_resumes_and_ends_bit_identical(cluster, tmp_path):
     out = tmp_path / "out"
     long = {"rounds": 40, "eval_every": 10, "seed": 3}
     path = write_sweep(tmp_path / "s.yaml", out, runs=[{"name": "long", **long}])
     run = out / "long"
-    # the sweep's output goes to a file, not a pipe: a pipe nobody reads until Ctrl-C can fill and stall the driver
     log_path = tmp_path / "sweep.out"
-    log_file = open(log_path, "w")
-    proc = subprocess.Popen([sys.executable, "-m", "fedlase", "sweep", str(path), "--quiet", "--ray",
-                             cluster["address"]], env=cluster["env"], stdout=log_file,
-                            stderr=subprocess.STDOUT, text=True)
+    proc = start_sweep(path, cluster, log_path)
     try:
         deadline = time.monotonic() + 120
         while not ((run / "worker.json").is_file() and (run / "checkpoint.pt").is_file()):
-            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0][-3000:]
+            assert proc.poll() is None and time.monotonic() < deadline, log_path.read_text()[-3000:]
             time.sleep(0.1)
         pid = json.loads((run / "worker.json").read_text())["pid"]
         worker = psutil.Process(pid)
         assert worker in node_processes(cluster["root"])   # a worker of our cluster, nothing else
         worker.kill()
         assert not (run / "summary.json").exists(), "the run ended before its worker was killed; make it longer"
-        text, _ = proc.communicate(timeout=240)
+        proc.wait(timeout=240)
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    assert proc.returncode == 0, text[-3000:]
+    assert proc.returncode == 0, log_path.read_text()[-3000:]
     log = (run / "sweep.log").read_text()
     assert log.count("sweep: run long on node") == 2 and "resuming" in log, log[-3000:]   # Ray ran it again
     assert [x["status"] for x in sweep_lines(out)] == ["done"]
@@ -242,12 +246,8 @@ def test_ctrl_c_cancels_the_tasks_and_the_rerun_resumes_them(cluster, tmp_path):
                                                                                 "eval_every": 200}])
     runs = [out / f"r,seed={s}" for s in (0, 1)]
     going = lambda r: (r / "worker.json").is_file() and (r / "checkpoint.pt").is_file()   # noqa: E731
-    # the sweep's output goes to a file, not a pipe: a pipe nobody reads until Ctrl-C can fill and stall the driver
     log_path = tmp_path / "sweep.out"
-    log_file = open(log_path, "w")
-    proc = subprocess.Popen([sys.executable, "-m", "fedlase", "sweep", str(path), "--quiet", "--ray",
-                             cluster["address"]], env=cluster["env"], stdout=log_file,
-                            stderr=subprocess.STDOUT, text=True)
+    proc = start_sweep(path, cluster, log_path)
     try:
         deadline = time.monotonic() + 120
         # both runs under way (one of them may even have finished if the other's worker was slow to start)
@@ -261,7 +261,6 @@ def test_ctrl_c_cancels_the_tasks_and_the_rerun_resumes_them(cluster, tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-        log_file.close()
     text = log_path.read_text()
     finished = {r for r in runs if (r / "summary.json").exists()}
     stopped = [r for r in runs if r not in finished]
