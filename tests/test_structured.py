@@ -284,7 +284,8 @@ def test_options_are_validated():
             return {}
     no_scale = NoScaler()
     with pytest.raises(ConfigError, match="scaler_names"):
-        HeteroFL(no_scale, LEVELS)
+        HeteroFL(no_scale, LEVELS, scaler=True)
+    assert HeteroFL(no_scale, LEVELS).scaler is False   # unset: nothing named, nothing scaled
     HeteroFL(no_scale, LEVELS, scaler=False)
 
 

@@ -316,15 +316,23 @@ def test_without_the_scaler_a_width_slice_trains_the_function_it_is_evaluated_wi
         assert (trained - evaluated).norm() > 0.05 * evaluated.norm(), (cls.name, lvl)   # 0.11, 0.32, 0.68 here
 
 
-def test_text_experiments_run_the_width_methods_without_the_scaler():
-    """experiments/text.yaml: HeteroFL and FedRolex run unscaled; the scaled runs are kept as the ablation."""
+def test_the_scaler_is_off_by_default_on_transformers_and_the_text_experiments_say_so():
+    """docs/text.md, "Width methods on text: diagnosis": unset, method_args.scaler is the model's choice (off on a
+    transformer, on for the CNNs); experiments/text.yaml runs HeteroFL and FedRolex unscaled and
+    experiments/text-scaler.yaml keeps the official codes' Scaler as the ablation, each set explicitly."""
     import yaml
-    spec = yaml.safe_load(open(os.path.join(os.path.dirname(__file__), "..", "experiments", "text.yaml")))
-    runs = {r["name"]: r for r in spec["runs"]}
+    from fedlase.models.cnn import SmallCNN
+    for cls in (HeteroFL, FedRolex):
+        assert cls(tiny_model(), LEVELS).scaler is False and cls(tiny_model(), LEVELS, scaler=True).scaler is True
+        assert cls(SmallCNN(width=0.25), LEVELS).scaler is True
+    assert HeteroFL(tiny_model(), LEVELS).submodel(params_of(tiny_model()), 1 / 16, 1).scales == {}
+    folder = os.path.join(os.path.dirname(__file__), "..", "experiments")
+    runs = {r["name"]: r for f in ("text.yaml", "text-scaler.yaml")
+            for r in yaml.safe_load(open(os.path.join(folder, f)))["runs"]}
     for method in ("heterofl", "fedrolex"):
-        assert runs[f"{method}-unscaled"]["method"] == method
+        assert runs[f"{method}-unscaled"]["method"] == runs[method]["method"] == method
         assert runs[f"{method}-unscaled"]["method_args"] == {"scaler": False}
-        assert "method_args" not in runs[method]   # the ablation: the option's default, the official codes' Scaler
+        assert runs[method]["method_args"] == {"scaler": True}
 
 
 # ----------------------------------------------------------------------------------- a local folder, AG News

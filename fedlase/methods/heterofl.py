@@ -21,17 +21,22 @@ class HeteroFL(Method):
     """HeteroFL: each level trains the first sqrt(level) of every layer's channels (static width slices)."""
     name = "heterofl"
     options = {
-        "scaler": Option(True, "true: in local training, multiply the output of every layer the model names in "
+        "scaler": Option(None, "true: in local training, multiply the output of every layer the model names in "
                          "scaler_names() by 1/rate (the official code's Scaler; folded into those layers' weights); "
-                         "false: no scaling", choices=(True, False)),
+                         "false: no scaling; unset (None): the model's choice (true for the CNN and ResNet-18, false for "
+                         "pretrained transformers, docs/text.md)", kind=bool, choices=(True, False)),
     }
 
     def __init__(self, model, system=(1.0,), **options):
         super().__init__(model, system, **options)
-        if self.args["scaler"] and hasattr(model, "channel_groups") and not hasattr(model, "scaler_names"):
+        scaler = self.args["scaler"]
+        if scaler is None:   # the model's choice; a model without scaler_names() has nothing to scale
+            scaler = hasattr(model, "scaler_names") and getattr(model, "scaler_default", True)
+        if scaler and hasattr(model, "channel_groups") and not hasattr(model, "scaler_names"):
             raise ConfigError("method_args.scaler", f"model {type(model).__name__} declares no scaler_names(); "
                               "set method_args.scaler=false")
-        self.slicer = WidthSlicer(model, model.scaler_names() if self.args["scaler"] else (), self.name)
+        self.scaler = bool(scaler)
+        self.slicer = WidthSlicer(model, model.scaler_names() if self.scaler else (), self.name)
 
     def roll(self, round: int) -> int:
         """How far the window has rolled at this round: never, for HeteroFL."""

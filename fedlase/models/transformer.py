@@ -216,6 +216,11 @@ class TransformerClassifier(nn.Module):
             g[f"{p}.output.dense.weight"] = (None, ffn)
         return g
 
+    # HeteroFL's scaler is off unless asked for: its factor lands on sublayer outputs that join a residual
+    # stream no slice cuts, so a small level trains a function it is never evaluated as (docs/text.md,
+    # "Width methods on text: diagnosis")
+    scaler_default = False
+
     def scaler_names(self) -> list[str]:
         """The layers whose outputs HeteroFL's scaler multiplies in training: the two linears whose inputs are
         sliced (attention output, feed-forward output), weight and bias, as it folds the factor into them
