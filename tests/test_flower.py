@@ -3,16 +3,20 @@ in-process), then real Simulation Engine and Deployment Engine runs in subproces
 with the embedded engine. Select with `-m flower`, skip with `-m "not flower"`."""
 from __future__ import annotations
 
+import contextlib
+import ipaddress
 import json
 import os
 import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 import uuid
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 
@@ -361,16 +365,37 @@ def _env():
     return {**os.environ, **QUIET_ENV, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
 
 
-def _run(cmd: list[str], timeout: float) -> subprocess.CompletedProcess:
-    """Run a command; past the timeout, SIGTERM it (so it stops what it started) before failing."""
+def _run(cmd: list[str], timeout: float, listening: set | None = None) -> subprocess.CompletedProcess:
+    """Run a command; past the timeout, SIGTERM it (so it stops what it started) before failing. `listening`:
+    filled, while it runs, with (address, process name) of every socket its processes listen on."""
     with subprocess.Popen(cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as p:
+        done = threading.Event()
+        watcher = threading.Thread(target=_watch_listening, args=(p.pid, listening, done), daemon=True)
+        if listening is not None:
+            watcher.start()
         try:
             out, _ = p.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
             p.terminate()
             out, _ = p.communicate(timeout=60)
             pytest.fail(f"timed out after {timeout:.0f} s:\n{out[-3000:]}")
+        finally:
+            done.set()
+            if listening is not None:
+                watcher.join()
     return subprocess.CompletedProcess(cmd, p.returncode, out, "")
+
+
+def _watch_listening(pid: int, found: set, done: threading.Event) -> None:
+    while not done.wait(0.2):
+        try:
+            procs = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
+        except psutil.Error:
+            continue
+        for proc in procs:
+            with contextlib.suppress(psutil.Error):
+                found.update((c.laddr.ip, proc.name()) for c in proc.net_connections(kind="inet")
+                             if c.status == psutil.CONN_LISTEN)
 
 
 def _params(out: Path) -> dict:
@@ -381,11 +406,16 @@ def test_simulation_engine_matches_embedded(tmp_path, no_leftovers):
     """Flower's public run_simulation, stopped after round 1 and resumed to round 2, gives the embedded engine's
     weights bit for bit."""
     args = [*SMALL, "system={1,1/4}_{2,2}", "rounds=2"]
+    listening = set()
     for rounds, resume in (("rounds=1", []), ("rounds=2", ["--resume"])):
         res = _run([sys.executable, "-m", "fedlase", "run", *args, rounds, f"out={tmp_path / 'sim'}",
-                    "engine=flower-sim", "--quiet", *resume], timeout=300)
+                    "engine=flower-sim", "--quiet", *resume], timeout=300, listening=listening)
         assert res.returncode == 0, res.stdout[-3000:]
         assert "deprecated" not in res.stdout, res.stdout[-3000:]
+    # the run's private Ray (GCS, raylet, workers) answers on loopback only: Ray has no authentication, and by
+    # default it listens on every interface (fedlase/flower/launch.py, SINGLE_MACHINE_RAY)
+    assert any(name == "gcs_server" for _, name in listening), listening   # the watcher did see Ray's ports
+    assert all(ipaddress.ip_address(ip.removeprefix("::ffff:")).is_loopback for ip, _ in listening), listening
     run_experiment(load_config(None, [*args, f"out={tmp_path / 'emb'}"]), progress=False)
     assert same_params(_params(tmp_path / "sim"), _params(tmp_path / "emb"))
     lines = [json.loads(x) for x in (tmp_path / "sim" / "metrics.jsonl").read_text().splitlines()]

@@ -8,6 +8,7 @@ ServerApp and ClientApp and carrying the whole fedlase config as the run config,
 node read the same config (a node's level in simulation: the system spec at its partition id)."""
 from __future__ import annotations
 
+import contextlib
 import copy
 import importlib
 import importlib.util
@@ -215,6 +216,33 @@ def _has_cuda() -> bool:
         return False
 
 
+# Ray's own switch between a single-machine Ray (its default on macOS and Windows) and a cluster node. As a node,
+# `ray.init(address="local")` binds its GCS, raylet and workers on every interface (measured with Ray 2.55: '::'),
+# and Ray has no authentication: whoever reaches the machine could submit code to it. Off, all of them listen on
+# 127.0.0.1 only. Ray reads it when it is imported; the processes it starts read it from the environment.
+SINGLE_MACHINE_RAY = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+
+
+@contextlib.contextmanager
+def loopback_ray():
+    """While it is open, a Ray started by this process listens on loopback only (SINGLE_MACHINE_RAY)."""
+    before = os.environ.get(SINGLE_MACHINE_RAY)
+    os.environ[SINGLE_MACHINE_RAY] = "0"
+    constants = sys.modules.get("ray._private.ray_constants")
+    was = getattr(constants, "ENABLE_RAY_CLUSTER", None)
+    if constants is not None:   # Ray was imported before (a test, a notebook): it has read the switch already
+        constants.ENABLE_RAY_CLUSTER = False
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(SINGLE_MACHINE_RAY, None)
+        else:
+            os.environ[SINGLE_MACHINE_RAY] = before
+        if constants is not None:
+            constants.ENABLE_RAY_CLUSTER = was
+
+
 def simulate(cfg: Config, app_dir: Path, client_app: str = "fedlase.flower.client_app:app",
              server_app: str = "fedlase.flower.server_app:app") -> None:
     """Flower's Simulation Engine in this process (`flwr.simulation.run_simulation`): the ServerApp in a
@@ -238,9 +266,11 @@ def simulate(cfg: Config, app_dir: Path, client_app: str = "fedlase.flower.clien
     watcher.start()
     quiet = _DropDeprecation()
     logging.getLogger("flwr").addFilter(quiet)
+    private = loopback_ray() if cfg.ray_address is None else contextlib.nullcontext()   # a cluster is the user's
     try:
-        run_simulation(server_app=srv, client_app=cli, num_supernodes=cfg.num_clients,
-                       backend_name="ray", backend_config=simulation_backend(cfg))
+        with private:
+            run_simulation(server_app=srv, client_app=cli, num_supernodes=cfg.num_clients,
+                           backend_name="ray", backend_config=simulation_backend(cfg))
     finally:
         logging.getLogger("flwr").removeFilter(quiet)
         done.set()
