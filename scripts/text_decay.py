@@ -2,7 +2,7 @@
 
     python scripts/text_decay.py runs/text-sweep/fedlase runs/text-decay/fedlase-random [...]
 
-Each argument is a run-folder prefix: every folder `PREFIX,seed=N` is one seed of that group. For each group and
+Each argument is a run-folder prefix: every finished folder `PREFIX,seed=N` is one seed of that group. For each group and
 level it prints the global accuracy at every evaluated round (mean over seeds), the largest drop between two
 consecutive evaluations (the swing; mean over seeds), and the local-minus-global gap at the last round (a level
 that fits its own clients' label mix has a large one). Reads metrics.jsonl only; trains and evaluates nothing."""
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import glob
 import json
+import os
 import statistics
 import sys
 
@@ -18,11 +19,13 @@ def load(prefix: str) -> dict[int, list[dict]]:
     """seed -> evaluated metrics lines of that run, in round order."""
     runs = {}
     for folder in sorted(glob.glob(f"{prefix},seed=*")):
+        if not os.path.exists(f"{folder}/summary.json"):   # still running, or stopped: not a whole run
+            continue
         seed = int(folder.rsplit("=", 1)[1])
         with open(f"{folder}/metrics.jsonl") as f:
             runs[seed] = [json.loads(line) for line in f if line.strip()]
     if not runs:
-        sys.exit(f"text_decay: no folder matches {prefix},seed=*")
+        sys.exit(f"text_decay: no finished run matches {prefix},seed=*")
     return runs
 
 
