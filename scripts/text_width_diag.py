@@ -2,11 +2,16 @@
 
     python scripts/text_width_diag.py pretrained [scaler=true|false]   # HeteroFL slices of the pretrained model
     python scripts/text_width_diag.py RUN_DIR                          # each level of a run's checkpoint
+    python scripts/text_width_diag.py kept                             # what a width slice holds of the budget
 
 `pretrained`: per level, the width slice of the pretrained MiniLM (32 tokens, word embeddings whole) as it is
 evaluated (no scaler) and as it trains (HeteroFL's scaler folded in): a linear probe on its mean-pooled
 features, the cosine between the two functions' features, and how large each sublayer's output is against
 the residual stream it joins (mean over tokens and layers of |dense output| / |residual input|).
+
+`kept`: the budgeted coordinates (`word_embeddings=whole`) that MiniLM's width slice keeps at HeteroFL's rate
+sqrt(level) for each level, and at the smallest slice there is (one head and one feed-forward unit per layer):
+the residual stream and the position embeddings are never cut, so that is the least any width slice holds.
 
 `RUN_DIR`: per level of the checkpoint, as the engine evaluates it (static statistics of the head norm
 recomputed for the level): global accuracy, test texts per predicted class, recall per class, the class mix of
@@ -80,6 +85,23 @@ def pretrained(scaler: bool = True) -> None:
                   f"{ratio.mean('ffn'):.3f} |", flush=True)
 
 
+def kept() -> None:
+    from fedlase.masks import Submodel
+    from fedlase.methods.slicing import width_rate, width_slices
+    from fedlase.models.transformer import build_minilm
+    model = build_minilm(types.SimpleNamespace(model="minilm", max_length=32, seed=0, word_embeddings="whole"),
+                         types.SimpleNamespace(num_classes=5))
+    params = {n: p.detach() for n, p in model.named_parameters()}
+    names = model.budgeted_names()
+    budget = sum(params[n].numel() for n in names)
+    print(f"MiniLM, word_embeddings=whole: {budget:,} budgeted coordinates\n"
+          "| slice | width rate | kept | kept / budget | kept / the level's budget |\n|---|---|---|---|---|")
+    for name, level, rate in [*((f"level 1/{round(1 / lv)}", lv, width_rate(lv)) for lv in LEVELS[1:]),
+                              ("smallest (1 head, 1 unit)", LEVELS[-1], 1e-9)]:
+        k = Submodel(width_slices(model, params, rate)[0]).kept(names, params)
+        print(f"| {name} | {rate:.4g} | {k:,} | 1/{budget / k:.1f} | {k / (level * budget):.1f}x |")
+
+
 def trained(run_dir: str) -> None:
     from fedlase.catalog import load_builtins
     from fedlase.config import config_from_dict
@@ -140,7 +162,9 @@ def trained(run_dir: str) -> None:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) > 1 and sys.argv[1] != "pretrained":
+    if sys.argv[1:2] == ["kept"]:
+        kept()
+    elif len(sys.argv) > 1 and sys.argv[1] != "pretrained":
         trained(sys.argv[1])
     else:
         arg = sys.argv[2] if len(sys.argv) > 2 else "scaler=true"
