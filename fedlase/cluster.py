@@ -12,10 +12,13 @@ fedlase never stops a cluster it joined: the driver only disconnects (`ray.shutd
 sweep's own tasks and nothing else."""
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
+import signal
 import socket
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -188,6 +191,22 @@ def _task(run_one, name: str, config: dict) -> dict:
     return {**where, "error": error, "seconds": time.perf_counter() - t0}
 
 
+@contextlib.contextmanager
+def _ctrl_c_flag():
+    """While open, Ctrl-C only sets the flag it yields; the wait loop checks it twice a second. A KeyboardInterrupt
+    raised wherever the signal lands can arrive inside Ray's own calls: a sweep on a loaded machine once went on
+    running for over a minute after Ctrl-C. Installed after Ray is imported (importing Ray resets SIGINT)."""
+    flag = threading.Event()
+    if threading.current_thread() is not threading.main_thread():   # only the main thread may set handlers
+        yield flag
+        return
+    before = signal.signal(signal.SIGINT, lambda *_: flag.set())
+    try:
+        yield flag
+    finally:
+        signal.signal(signal.SIGINT, before)
+
+
 def run_on_ray(address: str, out: Path, todo: list, account, show, run_one) -> None:
     """Run the sweep's unfinished runs as Ray tasks on the cluster at `address`, each through
     `run_one(name, config dict)` on its worker.
@@ -217,37 +236,46 @@ def run_on_ray(address: str, out: Path, todo: list, account, show, run_one) -> N
             pending[ref] = run
         started: dict = {}   # run name -> driver time when its task was first seen running
         try:
-            while pending:
-                ready, _ = ray.wait(list(pending), num_returns=1, timeout=0.5)
-                for ref in ready:
-                    run = pending.pop(ref)
-                    t_start = started.pop(run.name, None)
-                    try:
-                        res = ray.get(ref)
-                        seconds, error, where = res["seconds"], res["error"], {"node": res["node"],
-                                                                               "host": res["host"]}
-                    except ray.exceptions.RayError as e:   # its worker or node died more than RETRIES times
-                        seconds = time.perf_counter() - t_start if t_start else 0.0
-                        error = f"its Ray task failed: {str(e).strip().splitlines()[0]}"
-                        where = _where(run)
-                        run.out.mkdir(parents=True, exist_ok=True)
-                        (run.out / "error.txt").write_text(f"{e}\n")
-                    if error and not (run.out / "error.txt").is_file():   # failed before the run began
-                        run.out.mkdir(parents=True, exist_ok=True)
-                        (run.out / "error.txt").write_text(f"{error}\n")
-                    account(run, seconds, error, where)
-                now = time.perf_counter()
-                for run in pending.values():
-                    if run.name not in started and (run.out / STARTED).is_file():
-                        started[run.name] = now
-                show([(r, now - started[r.name]) for r in pending.values() if r.name in started],
-                     [r for r in pending.values() if r.name not in started])
+            with _ctrl_c_flag() as ctrl_c:
+                _wait_all(ray, pending, started, ctrl_c, account, show)
         except BaseException:
             for ref in pending:
                 ray.cancel(ref, force=True)
             raise
     finally:
         ray.shutdown()   # disconnects this driver; the cluster goes on
+
+
+def _wait_all(ray, pending: dict, started: dict, ctrl_c: threading.Event, account, show) -> None:
+    """Record each task as it ends and refresh the progress line, until none is left; KeyboardInterrupt on Ctrl-C.
+    `pending` (ObjectRef -> run) loses each task that ended, so what is left on an exception is what to cancel."""
+    while pending:
+        if ctrl_c.is_set():
+            raise KeyboardInterrupt
+        ready, _ = ray.wait(list(pending), num_returns=1, timeout=0.5)
+        for ref in ready:
+            run = pending.pop(ref)
+            t_start = started.pop(run.name, None)
+            try:
+                res = ray.get(ref)
+                seconds, error, where = res["seconds"], res["error"], {"node": res["node"],
+                                                                       "host": res["host"]}
+            except ray.exceptions.RayError as e:   # its worker or node died more than RETRIES times
+                seconds = time.perf_counter() - t_start if t_start else 0.0
+                error = f"its Ray task failed: {str(e).strip().splitlines()[0]}"
+                where = _where(run)
+                run.out.mkdir(parents=True, exist_ok=True)
+                (run.out / "error.txt").write_text(f"{e}\n")
+            if error and not (run.out / "error.txt").is_file():   # failed before the run began
+                run.out.mkdir(parents=True, exist_ok=True)
+                (run.out / "error.txt").write_text(f"{error}\n")
+            account(run, seconds, error, where)
+        now = time.perf_counter()
+        for run in pending.values():
+            if run.name not in started and (run.out / STARTED).is_file():
+                started[run.name] = now
+        show([(r, now - started[r.name]) for r in pending.values() if r.name in started],
+             [r for r in pending.values() if r.name not in started])
 
 
 def _where(run) -> dict:
