@@ -36,13 +36,12 @@ def mean_std(xs: list[float]) -> str:
 def main(prefixes: list[str]) -> None:
     groups = {p: load(p) for p in prefixes}
     any_run = next(iter(next(iter(groups.values())).values()))
-    levels = list(any_run[-1]["levels"])
     rounds = [line["round"] for line in any_run]
     print("| group | seeds | level | " + " | ".join(f"round {r}" for r in rounds)
           + " | largest drop between evaluations | local - global at the end |")
     print("|---|---|---|" + "---|" * (len(rounds) + 2))
     for prefix, runs in groups.items():
-        for level in levels:
+        for level in next(iter(runs.values()))[-1]["levels"]:   # each group's own levels, largest first
             acc = {s: [100 * line["levels"][level]["global_acc"] for line in lines] for s, lines in runs.items()}
             cells = [mean_std([acc[s][i] for s in acc]) for i in range(len(rounds))]
             drop = [max([0.0] + [a - b for a, b in zip(acc[s], acc[s][1:])]) for s in acc]
