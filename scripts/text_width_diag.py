@@ -86,6 +86,7 @@ def pretrained(scaler: bool = True) -> None:
 
 
 def kept() -> None:
+    from fedlase.levels import level_name
     from fedlase.masks import Submodel
     from fedlase.methods.slicing import width_rate, width_slices
     from fedlase.models.transformer import build_minilm
@@ -96,7 +97,7 @@ def kept() -> None:
     budget = sum(params[n].numel() for n in names)
     print(f"MiniLM, word_embeddings=whole: {budget:,} budgeted coordinates\n"
           "| slice | width rate | kept | kept / budget | kept / the level's budget |\n|---|---|---|---|---|")
-    for name, level, rate in [*((f"level 1/{round(1 / lv)}", lv, width_rate(lv)) for lv in LEVELS[1:]),
+    for name, level, rate in [*((f"level {level_name(lv)}", lv, width_rate(lv)) for lv in LEVELS[1:]),
                               ("smallest (1 head, 1 unit)", LEVELS[-1], 1e-9)]:
         k = Submodel(width_slices(model, params, rate)[0]).kept(names, params)
         print(f"| {name} | {rate:.4g} | {k:,} | 1/{budget / k:.1f} | {k / (level * budget):.1f}x |")

@@ -369,9 +369,9 @@ def _run(cmd: list[str], timeout: float, listening: set | None = None) -> subpro
     """Run a command; past the timeout, SIGTERM it (so it stops what it started) before failing. `listening`:
     filled, while it runs, with (address, process name) of every socket its processes listen on."""
     with subprocess.Popen(cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as p:
-        done = threading.Event()
-        watcher = threading.Thread(target=_watch_listening, args=(p.pid, listening, done), daemon=True)
+        done, watcher = threading.Event(), None
         if listening is not None:
+            watcher = threading.Thread(target=_watch_listening, args=(p.pid, listening, done), daemon=True)
             watcher.start()
         try:
             out, _ = p.communicate(timeout=timeout)
@@ -381,7 +381,7 @@ def _run(cmd: list[str], timeout: float, listening: set | None = None) -> subpro
             pytest.fail(f"timed out after {timeout:.0f} s:\n{out[-3000:]}")
         finally:
             done.set()
-            if listening is not None:
+            if watcher is not None:
                 watcher.join()
     return subprocess.CompletedProcess(cmd, p.returncode, out, "")
 

@@ -34,7 +34,7 @@ class HeteroFL(Method):
             scaler = hasattr(model, "scaler_names") and getattr(model, "scaler_default", True)
         if scaler and hasattr(model, "channel_groups") and not hasattr(model, "scaler_names"):
             raise ConfigError("method_args.scaler", f"model {type(model).__name__} declares no scaler_names(); "
-                              "set method_args.scaler=false")
+                              "leave method_args.scaler unset or false")
         self.scaler = bool(scaler)
         self.slicer = WidthSlicer(model, model.scaler_names() if self.scaler else (), self.name)
 
