@@ -1,4 +1,4 @@
-# One entry point: `make demo` runs the default experiment, `make test` runs the test suite.
+# One entry point: `make demo` runs the default experiment, `make test` runs the test suite, `make lint` ruff.
 # Both set up .venv first (torch pinned to the CPU build 2.13.0 that this kind of machine has on disk).
 PY      ?= python3
 VENV    := .venv
@@ -6,7 +6,7 @@ BIN     := $(VENV)/bin
 FMNIST  := /usr/share/datasets/fashion-mnist
 SUDO    := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: setup data deploy-deps demo test bench clean
+.PHONY: setup data deploy-deps demo test lint bench clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -32,8 +32,14 @@ demo: setup data
 	@$(BIN)/fedlase report runs/demo/fedlase runs/demo/fiarse --out runs/demo/report >/dev/null
 	@sed -n '/^## Local accuracy per level/,/^## Std of/p' runs/demo/report/report.md | sed '$$d'
 
+# Two pytest workers (pytest-xdist): the slow tests mostly wait on Flower and Ray processes, so two of them overlap
+# on two cores. --dist loadgroup keeps each module that shares one Ray cluster or federation on one worker (its
+# `xdist_group` mark) and spreads every other test. `pytest -q` alone runs the same tests one at a time.
 test: setup data deploy-deps
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n 2 --dist loadgroup
+
+lint: setup
+	$(BIN)/ruff check .
 
 bench: setup
 	$(BIN)/python -m tools.bench

@@ -110,20 +110,33 @@ class Aggregator:
         """Add one client's delta (already zero outside its mask) and the submodel it was sent. A width
         slice's delta may come as the gathered smaller tensors (`local_train(..., scatter=False)`); it is then
         added into its block only, which skips a full-size scatter and the adds of its zeros (same result)."""
+        for n, block, d, count in self.terms(delta, sub):
+            if block is None:
+                self.sums[n].add_(d)
+                self.counts[n].add_(count)
+            else:
+                self.sums[n][block] += d
+                self.counts[n][block] += count
+        self.clients += 1
+
+    def terms(self, delta: dict[str, torch.Tensor], sub: Submodel):
+        """What one client adds, per parameter: (name, block or None for the whole tensor, its delta there, its
+        credit there: 1, a bool mask or a float credit). The one statement of the coverage rules, shared by the
+        streaming mean and the robust rules (fedlase/robust.py)."""
         small = bool(sub.slices) and any(d.shape != self.sums[n].shape for n, d in delta.items())
         if self.coverage == "kept":
-            self._add_kept(sub.scatter(delta, self.global_params) if small else delta, sub)
-        else:
-            inner = sub.inner() if small else None   # the gathered masks that are not whole (label split)
-            for n, d in delta.items():
-                if small and n in sub.slices:
-                    block = slice_block(sub.slices[n])
-                    self.sums[n][block] += d
-                    self.counts[n][block] += self._count(d, inner.masks.get(n))
-                else:
-                    self.sums[n].add_(d)
-                    self.counts[n].add_(self._count(d, sub.masks.get(n)))
-        self.clients += 1
+            full = sub.scatter(delta, self.global_params) if small else delta
+            credit = self._kept(full, sub)
+            for n, d in full.items():
+                c = credit.get(n)
+                yield (n, None, d, 1) if c is None else (n, None, d * c, c)
+            return
+        inner = sub.inner() if small else None   # the gathered masks that are not whole (label split)
+        for n, d in delta.items():
+            if small and n in sub.slices:
+                yield n, slice_block(sub.slices[n]), d, self._count(d, inner.masks.get(n))
+            else:
+                yield n, None, d, self._count(d, sub.masks.get(n))
 
     def _count(self, d: torch.Tensor, mask: torch.Tensor | None):
         """What one client adds to a coordinate's count under `mask` or `nonzero` coverage."""
@@ -131,20 +144,12 @@ class Aggregator:
             return d != 0
         return 1 if mask is None else mask
 
-    def _add_kept(self, delta, sub) -> None:
+    def _kept(self, delta, sub) -> dict[str, torch.Tensor]:
         cached = self._credit.get(id(sub))
         if cached is None or cached[0] is not sub:
             cached = (sub, kept_credit(sub, delta.keys(), self.owners))
             self._credit[id(sub)] = cached
-        credit = cached[1]
-        for n, d in delta.items():
-            c = credit.get(n)
-            if c is None:
-                self.sums[n].add_(d)
-                self.counts[n].add_(1)
-            else:
-                self.sums[n].add_(d * c)
-                self.counts[n].add_(c)
+        return cached[1]
 
     def result(self) -> dict[str, torch.Tensor]:
         out = {}

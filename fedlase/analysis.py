@@ -11,10 +11,11 @@ bulky arrays go to `<out>/analysis/<name>.npz`, rewritten at every evaluation (s
   coefficient and histogram.
 - tensorboard: the per-round and per-level scalars (training loss, each level's clients and kept share, and at
   every evaluation each level's accuracies), written for TensorBoard (needs the `tensorboard` extra).
+- channels: per level, the conv output channels and linear rows the evaluated submodel leaves entirely empty,
+  and the share of the dense model's multiply-adds they cost.
 """
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import numpy as np
@@ -24,6 +25,8 @@ from .errors import ConfigError
 from .levels import level_name
 from .options import Option, check_options
 from .registry import register_tracker
+from .resources import writable_folder
+from .util import atomic_write
 
 
 class Tracker:
@@ -75,10 +78,11 @@ class Tracker:
         folder = Path(self.exp.cfg.out) / "analysis"
         folder.mkdir(parents=True, exist_ok=True)
         path = folder / f"{self.key}.npz"
-        tmp = path.with_name(path.name + ".tmp")
-        with open(tmp, "wb") as f:   # a file object: np.savez would append ".npz" to a tmp name
-            np.savez(f, **self.index(), **arrays)
-        os.replace(tmp, path)
+
+        def write(tmp: Path) -> None:
+            with open(tmp, "wb") as f:   # a file object: np.savez would append ".npz" to a tmp name
+                np.savez(f, **self.index(), **arrays)
+        atomic_write(path, write)
         return path
 
 
@@ -198,7 +202,8 @@ class Ratios(Tracker):
             return None
         r = self.ratios()
         std = ratio_std(r.transpose(1, 0, 2), self.last)   # (L, layers)
-        self.save_npz(levels=np.array([float(lv) for lv in self.exp.levels]), rounds=np.array(self.rounds, dtype=np.int64),
+        self.save_npz(levels=np.array([float(lv) for lv in self.exp.levels]),
+                      rounds=np.array(self.rounds, dtype=np.int64),
                       ratios=r, ratio_std=std)
         return {"ratio_std": dict(zip(_level_names(self.exp.levels), map(float, std.mean(axis=1))))}
 
@@ -225,7 +230,8 @@ def gini_from_histogram(hist: np.ndarray) -> float:
 
 
 def gini(values) -> float:
-    """Gini coefficient of non-negative integers (see gini_from_histogram)."""
+    """Gini coefficient of non-negative integers (see gini_from_histogram). Public API, for counts of your own
+    (the `updates` tracker works on histograms: gini_from_histogram)."""
     return gini_from_histogram(np.bincount(np.asarray(values, dtype=np.int64).ravel()))
 
 
@@ -315,7 +321,8 @@ class TensorBoard(Tracker):
     the folder (`analysis.tensorboard=DIR`), or true for `<out>/tensorboard`. A resumed run drops the events
     after its checkpoint (TensorBoard's purge_step)."""
     key = "tensorboard"
-    options_spec = {"dir": Option(None, "folder of the event files (default: <out>/tensorboard)", kind=str)}
+    options_spec = {"dir": Option(None, "folder of the event files (default: <out>/tensorboard)", kind=str,
+                                  check=writable_folder)}
 
     @classmethod
     def parse_options(cls, value) -> dict:

@@ -2,8 +2,8 @@
 per local step, instead of one after another.
 
 Every parameter is stacked over clients (C, *shape), as are masks, thresholds (one tau per client) and
-buffers and training-time scales (HeteroFL's per-level scaler). One step is `vmap(functional_call)` over the stack, then one
-backward of the SUM of the clients' losses: client c's loss depends only on slice c, so slice c of the
+buffers and training-time scales (HeteroFL's per-level scaler). One step is `vmap(functional_call)` over the
+stack, then one backward of the SUM of the clients' losses: client c's loss depends only on slice c, so slice c of the
 gradient is exactly client c's own gradient. SGD (momentum, weight decay) and AdamW act per coordinate, so a
 plain torch optimizer over the stacked tensors keeps exactly per-client state (AdamW's step count is shared,
 and all clients step together). Batch-statistics BN under vmap normalises each client's batch on its own.
@@ -113,7 +113,8 @@ def local_train_batched(model: nn.Module, global_params: dict[str, torch.Tensor]
 
 def _slice_key(sub: Submodel) -> tuple:
     """Equal for submodels with the same slices (same kept indices everywhere), so they can stack."""
-    return tuple((n, tuple(None if i is None else tuple(i.tolist()) for i in sl)) for n, sl in sorted(sub.slices.items()))
+    return tuple((n, tuple(None if i is None else tuple(i.tolist()) for i in sl))
+                 for n, sl in sorted(sub.slices.items()))
 
 
 def train_clients_batched(trainer, params: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor],

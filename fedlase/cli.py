@@ -62,7 +62,7 @@ def _cmd_sweep(args) -> int:
 
 def _cmd_report(args) -> int:
     from .report import make_report
-    path = make_report(args.dirs, args.out, args.group_by, args.paired_against)
+    path = make_report(args.dirs, args.out, args.group_by, args.paired_against, cost=not args.no_cost)
     print(f"report written to {path} (tables as CSV and plots next to it)")
     return 0
 
@@ -82,9 +82,26 @@ def _bench(argv: list[str]) -> int:
     return bench_main(argv)
 
 
+def _cmd_cost(args) -> int:
+    from .config import load_config
+    from .cost import format_cost_table
+    from .measure import cost_table
+    cfg = load_config(args.config, args.overrides)
+    print(format_cost_table(cost_table(cfg, memory=not args.no_memory, checkpoint=args.checkpoint), cfg.method))
+    return 0
+
+
 def _cmd_methods(args) -> int:
-    from .methods import describe_methods
-    print(describe_methods())
+    if args.readme:
+        from .catalog import write_readme_table
+        changed = write_readme_table(args.readme)
+        print(f"{args.readme}: method table {'updated' if changed else 'already up to date'}")
+    elif args.markdown:
+        from .catalog import method_table
+        print(method_table())
+    else:
+        from .methods import describe_methods
+        print(describe_methods())
     return 0
 
 
@@ -105,6 +122,8 @@ def _keys_with_choices() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from .resources import passive_openmp
+    passive_openmp()   # before anything imports torch (its OpenMP reads the policy once, when it loads)
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["bench"]:
         return _bench(argv[1:])
@@ -132,6 +151,9 @@ def main(argv: list[str] | None = None) -> int:
     ev.add_argument("--json", metavar="FILE", help="also write the evaluation as JSON to FILE")
     ev.set_defaults(func=_cmd_evaluate)
     meth = sub.add_parser("methods", help="list methods and their method_args options")
+    meth.add_argument("--markdown", action="store_true", help="the built-in methods as README.md's Markdown table")
+    meth.add_argument("--readme", metavar="FILE", help="rewrite the method table between FILE's marker lines "
+                      "(README.md; tests/test_structure.py checks it is current)")
     meth.set_defaults(func=_cmd_methods)
     # listed for the help only: main() hands `fedlase bench ...` to tools/bench.py before parsing
     sub.add_parser("bench", add_help=False, help="time and memory of the engine against the limit "
@@ -148,6 +170,15 @@ def main(argv: list[str] | None = None) -> int:
                     "at ADDRESS (host:port of its head, or auto); `out` must be shared by every node "
                     "(docs/cluster.md)")
     sw.set_defaults(func=_cmd_sweep)
+    cost = sub.add_parser("cost", help="what each level costs a client: parameters held, measured peak memory, "
+                          "step FLOPs (dense and if sparsity were exploited), payload bytes (fedlase/cost.py)")
+    cost.add_argument("config", nargs="?", help="YAML config file (optional when the first argument is key=value)")
+    cost.add_argument("overrides", nargs="*", help="key=value settings")
+    cost.add_argument("--no-memory", action="store_true", help="skip the measured peak memory (a child process "
+                      "per level)")
+    cost.add_argument("--checkpoint", metavar="FILE", help="take the submodels from this checkpoint.pt's model "
+                      "instead of the initial one")
+    cost.set_defaults(func=_cmd_cost)
     rep = sub.add_parser("report", help="tables (Markdown, CSV) and plots from finished runs",
                          description="Collect runs (folders holding summary.json, searched recursively) into "
                                      "tables and plots; runs differing only by seed are one group (mean ± std).")
@@ -157,6 +188,8 @@ def main(argv: list[str] | None = None) -> int:
                      "(dotted, e.g. method method_args.score)")
     rep.add_argument("--paired-against", metavar="GROUP", help="compare every group with this one (its label as "
                      "the report's first table shows it), paired by seed: mean difference, t and p")
+    rep.add_argument("--no-cost", action="store_true", help="leave out the cost tables and the simulated time "
+                     "(they rebuild each group's experiment: its data and one local step a level)")
     rep.set_defaults(func=_cmd_report)
 
     args = parser.parse_args(argv)

@@ -23,7 +23,9 @@ import time
 import uuid
 from pathlib import Path
 
+from .config import tagged
 from .errors import UserError
+from .util import split_host_port
 
 log = logging.getLogger("fedlase")
 
@@ -47,22 +49,26 @@ def check_address(address: str, what: str) -> None:
     for minutes. `auto` is left to Ray (RAY_ADDRESS, else the cluster last started on this machine)."""
     if address == "auto":
         return
-    host, _, port = address.rpartition(":")
-    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+    if (parsed := split_host_port(address)) is None:
         raise UserError(f"{what}: {address!r} is not host:port of a Ray cluster's head (or auto)")
+    host, port = parsed
     try:
-        socket.create_connection((host, int(port)), timeout=5).close()
+        socket.create_connection((host, port), timeout=5).close()
     except OSError as e:
         raise UserError(f"{what}: no Ray cluster answers at {address} ({e.strerror or e}); start one with "
                         f"`ray start --head` (docs/cluster.md)") from None
     try:
-        import grpc   # comes with ray
+        import grpc  # comes with ray
     except ImportError:
         return
     # Something listens there: ask it for the cluster id, the first thing a Ray driver asks the head for.
-    with grpc.insecure_channel(f"{host}:{port}") as channel:
+    # Not a documented API: Ray has no public call that tells a head from another server without retrying for
+    # minutes (`ray.init` waits for the GCS; `ray health-check` is hidden and says it is not public). This is
+    # the head's wire protocol, one call with an empty request, of Ray 2.55.1 (the version flwr 1.42 pins;
+    # pyproject.toml pins flwr>=1.42,<1.43); tests/test_cluster.py checks a head passes and a non-Ray port fails.
+    with grpc.insecure_channel(address) as channel:
         try:
-            channel.unary_unary("/ray.rpc.NodeInfoGcsService/GetClusterId")(b"", timeout=5)
+            channel.unary_unary("/ray.rpc.NodeInfoGcsService/GetClusterId")(b"", timeout=5)   # see above
         except grpc.RpcError as e:
             if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNIMPLEMENTED,
                             grpc.StatusCode.DEADLINE_EXCEEDED):   # other codes (say, a token): Ray's to judge
@@ -98,7 +104,7 @@ def task_config(run) -> tuple[dict, dict]:
     directory is not the driver's); a run the sweep leaves at threads=0 gets 1 thread, so that what it asks
     for is what it uses; device=auto means CPU (the driver cannot know which nodes have a GPU)."""
     config = run.cfg.to_dict()
-    for key in ("out", "data_dir", "model_path"):
+    for key in tagged("path"):   # out, data_dir, model_path, ...: every path Option
         if config[key] is not None:
             config[key] = str(Path(config[key]).expanduser().resolve())
     config["threads"] = max(1, config["threads"]) if run.sets_threads else 1

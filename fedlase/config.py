@@ -13,7 +13,6 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import os
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,7 +23,8 @@ from .errors import ConfigError
 from .levels import System, parse_level
 from .options import Option, check_value
 from .registry import DATASETS, METHODS, MODELS, PARTITIONS, TRACKERS
-from .resources import check_run
+from .resources import check_run, threads_rule, writable_folder
+from .util import split_host_port
 
 
 def _f(default, help: str, **kw):
@@ -41,10 +41,40 @@ def _positive(**kw):
 
 def _ray_address(value: str) -> str | None:
     """`ray_address`: host:port of a Ray head (as `ray start --head` prints it), or auto."""
-    m = re.fullmatch(r"[^\s:/]+:(\d{1,5})", value)
-    if value == "auto" or (m and 0 < int(m.group(1)) < 65536):
+    if value == "auto" or split_host_port(value) is not None:
         return None
     return f"expected host:port of a running Ray cluster's head, or auto; got {value!r}"
+
+
+DEVICE_KEYS = ("speed", "bandwidth", "memory")   # of `device_model`, a level-1 device's
+
+
+def check_device_model(value, num_levels: int) -> None:
+    """`device_model` (fedlase/simtime.py): ConfigError naming `device_model.<key>` for a key or value it does
+    not take."""
+    if value is None:
+        return
+    if not isinstance(value, dict):
+        raise ConfigError("device_model", f"expected a mapping of speed, bandwidth, memory; got {value!r}")
+    for key, v in value.items():
+        if key not in DEVICE_KEYS:
+            raise ConfigError(f"device_model.{key}", f"unknown key; expected one of {', '.join(DEVICE_KEYS)}")
+        values = v if isinstance(v, list) else [v]
+        if isinstance(v, list) and len(v) != num_levels:
+            raise ConfigError(f"device_model.{key}", f"a list needs one value per level ({num_levels}), got {len(v)}")
+        for x in values:
+            if not _positive_number(x):
+                raise ConfigError(f"device_model.{key}", f"expected a positive number (or a list of them), got {x!r}")
+
+
+def _positive_number(x) -> bool:
+    """A positive number; a string such as '1e9' counts (YAML reads 1e9 without a dot as a string)."""
+    if isinstance(x, bool):
+        return False
+    try:
+        return float(x) > 0
+    except (TypeError, ValueError):
+        return False
 
 
 @dataclass
@@ -53,9 +83,10 @@ class Config:
     method_args: dict = _f({}, "options of the method, e.g. method_args.score=max (see `fedlase methods`)")
     dataset: str = _f("fashion_mnist", "dataset", choices=DATASETS.names)
     data_dir: str | None = _f(None, "folder with the data files (default for fashion_mnist: the Debian package's)",
-                              kind=str)
+                              kind=str, tags=("path",))
     model: str = _f("cnn", "model", choices=MODELS.names)
-    model_path: str | None = _f(None, "model=hf: a local Hugging Face model folder (never downloaded)", kind=str)
+    model_path: str | None = _f(None, "model=hf: a local Hugging Face model folder (never downloaded)", kind=str,
+                                tags=("path",))
     max_length: int = _f(128, "text datasets: tokens per text (longer texts are cut)", low=1)
     word_embeddings: str = _f("budget", "text models: budget: the word-embedding table is inside the resource "
                               "budget and extracted like a layer (the official FIARSE code); whole: every client "
@@ -65,7 +96,8 @@ class Config:
     bn: str = _f("batch", "batch: batch statistics (FIARSE); static: stats recomputed before evaluation (HeteroFL)",
                  choices=("batch", "static"))
     system: str = _f("{1,1/4,1/16,1/64}_{10,20,30,40}",
-                     "resource levels and client counts, {levels}_{counts}; {1}_{100} is homogeneous")
+                     "resource levels and client counts, {levels}_{counts}; {1}_{100} is homogeneous",
+                     tags=("parsed",))
     assignment: str = _f("fixed", "fixed: levels by client index, for the whole run; random: the fixed counts "
                          "permuted over clients each round; dynamic: each client's level drawn independently each "
                          "round, in proportion to the counts (the official HeteroFL/FedRolex `dynamic`)",
@@ -76,7 +108,8 @@ class Config:
     local_test_ratio: float | None = _f(None, "local test split size / local train size (default: test/train of the "
                                         "data)", kind=float, **_positive())
     participation: Any = _f(0.1, "fraction of clients sampled per round, or a set drawn per round, e.g. {0.1,0.15,0.2}",
-                            kind=object, low=0, low_open=True, high=1)   # a number or a set: parse_participation
+                            kind=object, low=0, low_open=True, high=1,
+                            tags=("parsed",))   # a number or a set: parse_participation
     local_steps: int | None = _f(20, "local SGD steps per round (set local_epochs instead to train by epochs)",
                                  kind=int, low=1)
     local_epochs: float | None = _f(None, "local epochs per round; overrides local_steps when set", kind=float,
@@ -99,15 +132,39 @@ class Config:
                               "kept (mask, but a BN or bias channel only where the client kept a weight of that "
                               "channel); unset: the method's own (nonzero for FIARSE, mask for the others); see "
                               "docs/methods.md", kind=str, choices=("mask", "nonzero", "kept"))
+    robust: str = _f("screen", "the server's rule (docs/methods.md, Robust aggregation): screen (the mean, after "
+                     "rejecting non-finite updates or losses and absurd norms), clip, adaptive_clip, trimmed_mean, "
+                     "median, multikrum (each after the screen), or none (the plain mean of everything)",
+                     choices=("none", "screen", "clip", "adaptive_clip", "trimmed_mean", "median", "multikrum"))
+    robust_args: dict = _f({}, "options of the rule, e.g. robust_args.screen=100, robust_args.trim=0.2")
+    attack: str = _f("none", "simulated faulty or malicious clients: none, scale, sign_flip, gaussian or nan, "
+                     "applied to the chosen clients' deltas as the server receives them",
+                     choices=("none", "scale", "sign_flip", "gaussian", "nan"))
+    attack_args: dict = _f({}, "options of the attack, e.g. attack_args.factor=1e3 attack_args.fraction=0.1 "
+                           "(or attack_args.level=1/4, attack_args.clients=[3])")
     eval_order: str = _f("test", "global accuracy on: test (the test set in stored order, batches of "
                          "eval_batch_size) or clients (the clients' local test parts in client order, batches of "
-                         "20: the official FIARSE evaluation)", choices=("test", "clients"))
+                         "20: the official FIARSE evaluation)", choices=("test", "clients"), tags=("eval",))
     rounds: int = _f(100, "communication rounds", low=1, affects_result=False)
+    device_model: dict | None = _f(None, "simulated devices (fedlase/simtime.py): speed (FLOP/s), bandwidth (bytes/s) "
+                                   "and memory (bytes) of a level-1 device, a level-l device getting l of each, or "
+                                   "lists per level; set (even {}) to record sim_time in metrics.jsonl; unset: "
+                                   "none recorded, `fedlase report` computes it with the defaults (1e10, 1.25e6, "
+                                   "no memory limit)", kind=dict, affects_result=False)
+    sim_charge: str = _f("dense", "simulated time of masked methods: dense (the FLOPs fedlase computes) or sparse "
+                         "(the FLOPs if their sparsity were exploited)", choices=("dense", "sparse"),
+                         affects_result=False)
+    deadline: float | None = _f(None, "simulated seconds a round waits: clients whose simulated time exceeds it are "
+                                "dropped before training (metrics: missed_deadline); unset: none", kind=float,
+                                low=0, low_open=True)
     eval_every: int = _f(10, "evaluate every N rounds (and always after the last)", low=1, affects_result=False)
-    eval_batch_size: int = _f(1000, "batch size for evaluation", low=1)
+    eval_batch_size: int = _f(1000, "batch size for evaluation", low=1, tags=("eval",))
     seed: int = _f(0, "seed of model init, partition, sampling and local batches", low=0)
-    device: str = _f("auto", "cpu, cuda or auto", choices=("cpu", "cuda", "auto"), affects_result=False)
-    threads: int = _f(0, "torch CPU threads (0: torch's default)", low=0, affects_result=False)
+    device: str = _f("auto", "cpu, cuda or auto", choices=("cpu", "cuda", "auto"), affects_result=False,
+                     tags=("eval",))
+    threads: int = _f(0, "torch CPU threads, at most the CPUs this process may use (affinity and CPU quota); 0: "
+                      "those CPUs, at most the physical cores", low=0, check=threads_rule, affects_result=False,
+                      tags=("eval",))
     batched_clients: bool = _f(False, "train a round's clients together in vmapped passes (pays on GPU; same "
                                "result up to float rounding; see docs/benchmarks.md)")
     sliced: bool = _f(True, "a width-slice submodel (heterofl, fedrolex, fedavg_small) trains and is evaluated as "
@@ -122,20 +179,25 @@ class Config:
                               affects_result=False, **_positive())
     superlink: str = _f("127.0.0.1:8000", "Flower: the SuperLink address (host:port) that engine=flower-deploy submits to", affects_result=False)
     tls_ca: str | None = _f(None, "Flower: CA certificate (PEM) that signed the SuperLink's; engine=flower-deploy and the "
-                            "SuperNodes verify the SuperLink with it (docs/flower.md)", kind=str, affects_result=False)
+                            "SuperNodes verify the SuperLink with it (docs/flower.md)", kind=str, affects_result=False,
+                            tags=("path", "submitter"))
     tls_cert: str | None = _f(None, "Flower: the SuperLink's TLS certificate (PEM), for scripts/flower-deploy-local.py "
-                              "(default: a throwaway one)", kind=str, affects_result=False)
+                              "(default: a throwaway one)", kind=str, affects_result=False,
+                              tags=("path", "submitter"))
     tls_key: str | None = _f(None, "Flower: the SuperLink's TLS private key (PEM), with tls_cert", kind=str,
-                             affects_result=False)
+                             affects_result=False, tags=("path", "submitter"))
     node_keys: str | None = _f(None, "Flower: folder of the nodes' public keys node-<i>.key.pub (python -m "
                                "fedlase.flower.security); engine=flower-deploy requires it and pins partition i to "
-                               "node i's key (docs/flower.md)", kind=str, affects_result=False)
+                               "node i's key (docs/flower.md)", kind=str, affects_result=False,
+                               tags=("path", "submitter"))
     ray_address: str | None = _f(None, "engine=flower-sim: join the running Ray cluster at this address (host:port, "
                                  "or auto) instead of starting a private Ray; unset: a private one sized to this "
-                                 "machine (docs/cluster.md)", kind=str, check=_ray_address, affects_result=False)
+                                 "machine (docs/cluster.md)", kind=str, check=_ray_address, affects_result=False,
+                                 tags=("raw",))
     insecure: bool = _f(False, "Flower: true turns TLS and node authentication off (loopback or a trusted network "
                         "only; warns)", affects_result=False)
-    out: str = _f("runs/default", "output folder: metrics.jsonl, summary.json, checkpoint.pt", affects_result=False)
+    out: str = _f("runs/default", "output folder: metrics.jsonl, summary.json, checkpoint.pt", check=writable_folder,
+                  affects_result=False, tags=("path",))
     checkpoint_every: int = _f(10, "write a checkpoint every N rounds (0: never)", low=0, affects_result=False)
     analysis: dict = _f({}, "training-time analyses, e.g. analysis.magnitudes=true (see docs)")
     plugins: list = _f([], "Python modules imported before the config is checked, in every process of the run "
@@ -157,13 +219,15 @@ def options() -> dict[str, Option]:
     return {f.name: f.metadata["option"] for f in dataclasses.fields(Config) if "option" in f.metadata}
 
 
+def tagged(*tags: str) -> tuple[str, ...]:
+    """The config keys whose Option carries any of these tags (fedlase.options.TAGS), in declaration order:
+    every list of keys that code treats alike is read from the declarations."""
+    return tuple(k for k, o in options().items() if set(o.tags) & set(tags))
+
+
 def result_keys() -> set[str]:
     """Keys that change a run's result: a checkpoint resumes only under the same values of these."""
     return {k for k, o in options().items() if o.affects_result}
-
-
-def parse_system(text: str) -> System:
-    return System.parse(text)
 
 
 def parse_participation(value) -> list[float]:
@@ -230,7 +294,7 @@ def check_security(cfg) -> None:
             raise ConfigError("node_keys", f"folder {str(folder)!r} does not exist")
         if not os.access(folder, os.R_OK | os.X_OK):
             raise ConfigError("node_keys", f"folder {str(folder)!r} cannot be read")
-    if cfg.insecure and any(getattr(cfg, k) is not None for k in ("tls_ca", "tls_cert", "tls_key", "node_keys")):
+    if cfg.insecure and any(getattr(cfg, k) is not None for k in tagged("submitter")):
         raise ConfigError("insecure", "insecure=true turns TLS and node authentication off; drop it or the "
                                       "tls_*/node_keys files")
 
@@ -238,7 +302,7 @@ def check_security(cfg) -> None:
 def validate(cfg: Config) -> Config:
     """Check every value; fill derived fields. Raises ConfigError naming the key and the allowed values."""
     for name, opt in options().items():
-        if name in ("participation", "system", "method_args", "analysis", "betas", "plugins"):
+        if opt.type in (dict, list) or "parsed" in opt.tags:   # containers and parsed strings: their own rules
             continue
         setattr(cfg, name, check_value(name, opt, getattr(cfg, name)))
     cfg.levels = System.parse(cfg.system)
@@ -250,6 +314,11 @@ def validate(cfg: Config) -> Config:
     if not isinstance(cfg.method_args, dict):
         raise ConfigError("method_args", f"expected a mapping of options, got {cfg.method_args!r}")
     method.check_args(cfg.method_args)
+    runner = "batched" if cfg.batched_clients and cfg.engine == "embedded" else cfg.engine
+    if runner not in method.runs_on:   # declared by the method (Method.runs_on), not found out by a run
+        key = "batched_clients" if runner == "batched" else "engine"
+        raise ConfigError(key, f"method {cfg.method} runs on {', '.join(method.runs_on)} only (its runs_on), not "
+                          f"{'batched_clients=true' if runner == 'batched' else 'engine=' + cfg.engine}")
     data, model = DATASETS.get(cfg.dataset), MODELS.get(cfg.model)
     if data.kind != model.kind:
         raise ConfigError("model", f"{cfg.model} is a model for {model.kind} data but dataset {cfg.dataset} is {data.kind}; "
@@ -260,6 +329,10 @@ def validate(cfg: Config) -> Config:
         raise ConfigError("classes_per_client", f"must be between 1 and the {data.num_classes} classes of "
                           f"{cfg.dataset}, got {cfg.classes_per_client}")
     check_analysis(cfg.analysis)
+    from .robust import check_attack, check_robust   # (imports torch: only when a config is validated)
+    check_robust(cfg.robust, cfg.robust_args)
+    check_attack(cfg.attack, cfg.attack_args, cfg.levels)
+    check_device_model(cfg.device_model, len(cfg.levels.levels))
     if cfg.data_dir is not None and not Path(cfg.data_dir).is_dir():
         raise ConfigError("data_dir", f"folder {cfg.data_dir!r} does not exist")
     if data.needs_data_dir and cfg.data_dir is None:
@@ -298,8 +371,6 @@ def set_dotted(d: dict, key: str, value) -> None:
         d[head] = value
 
 
-_RAW_STRING_KEYS = {"system", "participation", "out", "data_dir", "model_path", "tls_ca", "tls_cert", "tls_key",
-                    "node_keys", "ray_address"}
 
 
 def parse_override(item: str) -> tuple[str, Any]:
@@ -310,7 +381,7 @@ def parse_override(item: str) -> tuple[str, Any]:
         raise ConfigError(item, "overrides are written key=value, e.g. rounds=50")
     if not text.strip():   # `coverage=` must not silently mean "unset"
         raise ConfigError(key, "empty value; give one, or leave the key out for its default")
-    if key in _RAW_STRING_KEYS:
+    if key in tagged("raw", "parsed", "path"):
         return key, text
     try:
         return key, yaml.safe_load(text)
@@ -360,15 +431,12 @@ def config_from_dict(raw: dict, validate_: bool = True) -> Config:
     return validate(cfg) if validate_ else cfg
 
 
-_REGISTRY_KEYS = ("method", "dataset", "model", "partition")
-
-
 def describe_keys(choices: bool = True) -> str:
     """Help text for every config key, for the CLI; `choices`: also list the registered methods, datasets,
     models and partitions (registered by then: fedlase.catalog.load_builtins())."""
     lines = []
     for name, opt in options().items():
-        listed = opt.allowed() if choices and name in _REGISTRY_KEYS else None
+        listed = opt.allowed() if choices and callable(opt.choices) else None   # a registry's names
         names = f" ({', '.join(map(str, listed))})" if listed else ""
         lines.append(f"  {name:<18} {opt.help}{names} [default: {opt.default}]")
     return "\n".join(lines)

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,15 +18,18 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from .aggregate import Aggregator, channel_owners
+from .aggregate import channel_owners
 from .client import ClientSettings, ClientTrainer, build_model_for, client_splits, pick_device
-from .config import Config, check_analysis, config_from_dict, parse_override, result_keys, set_dotted
+from .config import Config, check_analysis, config_from_dict, parse_override, result_keys, set_dotted, tagged
 from .errors import UserError
 from .evaluate import EvalData, EvalSettings, evaluate_levels
 from .levels import Level
 from .masks import Submodel
 from .registry import DATASETS, METHODS, TRACKERS
+from .resources import apply_threads, check_loaded
+from .robust import Robust, attackers, check_attack, corrupt
 from .sampling import Sampling, sample_clients
+from .util import atomic_write
 
 log = logging.getLogger("fedlase")
 
@@ -108,9 +110,9 @@ class Experiment:
     def __init__(self, cfg: Config, runner: RoundRunner | None = None):
         self.cfg = cfg
         self.device = pick_device(cfg.device)
-        if cfg.threads:
-            torch.set_num_threads(cfg.threads)
+        apply_threads(cfg.threads)   # 0: the CPUs this process may use (fedlase/resources.py)
         self.data = d = DATASETS.get(cfg.dataset).load(cfg)
+        check_loaded(cfg, d)   # clients and batch_size against the samples, before anything trains
         self.x_train, self.y_train = d.x_train.to(self.device), d.y_train.to(self.device)
         self.x_test, self.y_test = d.x_test.to(self.device), d.y_test.to(self.device)
         self.client_train, self.client_test = client_splits(cfg, d.y_train.numpy(), d.y_test.numpy(), d.num_classes)
@@ -138,6 +140,12 @@ class Experiment:
         self.coverage = cfg.coverage or self.method.coverage
         self.owners = channel_owners(self.model) if self.coverage == "kept" else None
         self.runner = runner or (BatchedRounds() if cfg.batched_clients else SequentialRounds())
+        self.robust = Robust(cfg.robust, cfg.robust_args)
+        self.attack = check_attack(cfg.attack, cfg.attack_args, cfg.levels)
+        self.attackers = attackers(cfg.attack, self.attack, cfg.levels, cfg.seed)
+        self._broken = False
+        from .simtime import clock_for   # simulated time (device_model, deadline); None unless asked for
+        self.clock = clock_for(self)
 
     # the global model, as trackers and runners read it
     @property
@@ -161,22 +169,43 @@ class Experiment:
                 for lvl in sorted(set(levels), key=lambda lv: lv.index)}
 
     def client_update(self, client: int, sub: Submodel, rnd: int) -> tuple[dict, float]:
-        """One client's (delta, loss) on the current global model."""
+        """One client's (delta, loss) on the current global model, the delta in the global model's shapes (as a
+        Flower client returns it). Public API, for library code and checks that need one client's update: the
+        runners train whole rounds (SequentialRounds, BatchedRounds, NodeRounds)."""
         return self.trainer.update(client, self.state.params, self.state.buffers, sub, rnd)
+
+    def _attacked(self, u: Update, subs, rnd: int) -> Update:
+        """An attacking client's update as the server receives it (`attack`, fedlase/robust.py). Applied here,
+        after any runner, so the embedded, batched and Flower paths are attacked alike."""
+        shapes = {n: p.shape for n, p in self.state.params.items()}
+        delta = corrupt(self.cfg.attack, self.attack, u.delta, u.sub or subs[u.level], shapes, self.cfg.seed, rnd,
+                        u.client)
+        return Update(u.client, u.level, delta, u.loss, u.sub)
 
     def run_round(self, rnd: int) -> dict:
         picked = self.sample(rnd)
+        sim = {}
+        if self.clock is not None:   # fedlase/simtime.py: drops the clients who would miss a deadline
+            picked, sim = self.clock.admit(picked, rnd)
         subs = self.submodels([lvl for _, lvl in picked], rnd)
         result = self.runner.train(self, rnd, picked, subs)
-        updates = result.updates
         old = self.state.params
+        # the server step (fedlase/robust.py): simulated attacks, the screen, then the robust rule's aggregate
+        updates = [self._attacked(u, subs, rnd) if u.client in self.attackers else u for u in result.updates]
+        updates, rejected, rms = self.robust.screen(updates, subs, old)
         stats = {"train_loss": float(np.mean([u.loss for u in updates])) if updates else float("nan"),
-                 "clients": len(updates), **result.stats}
+                 "clients": len(updates), **result.stats, **sim}
+        if rejected:   # beside the replies a Flower runner rejected already
+            stats["rejected"] = {**stats.get("rejected", {}), **rejected}
         if len(updates) >= self.cfg.min_replies and updates:
-            agg = Aggregator(old, self.method.aggregation, self.coverage, self.owners)
-            for u in updates:
-                agg.add(u.delta, u.sub or subs[u.level])
-            self.state.params = agg.result()
+            self.state.params, info = self.robust.aggregate(old, updates, subs, rms, self.method.aggregation,
+                                                            self.coverage, self.owners)
+            if info:
+                stats["robust"] = info
+            if not self._broken and not all(bool(torch.isfinite(p).all()) for p in self.state.params.values()):
+                self._broken = True   # a result (robust=none lets anything in), not a crash: said once
+                log.warning("round %d: the global model now holds non-finite values (robust=%s)", rnd,
+                            self.robust.rule)
             trained = {u.level for u in updates}
             for t in self.trackers:   # analyses see the clients that were aggregated
                 t.on_round(rnd, [(u.client, u.level) for u in updates], {lv: subs[lv] for lv in trained},
@@ -220,13 +249,6 @@ def _metrics_round(line: str) -> float:
         return json.loads(line)["round"]
     except (ValueError, KeyError, TypeError):
         return math.inf
-
-
-def atomic_write(path: Path, write) -> None:
-    """Write via a temporary file and rename, so a crash never leaves a half-written file."""
-    tmp = path.with_name(path.name + ".tmp")
-    write(tmp)
-    os.replace(tmp, path)
 
 
 def config_changes(saved: dict, cfg: Config) -> set[str]:
@@ -307,7 +329,7 @@ def run_experiment(cfg: Config, resume: bool = False, progress: bool = True, run
 
 
 # evaluation-only keys: a finished run can be evaluated again under other values of these
-EVAL_KEYS = ("eval_order", "eval_batch_size", "device", "threads")
+EVAL_KEYS = tagged("eval")   # the settings `fedlase evaluate` may change (Options tagged "eval")
 
 
 def evaluate_run(run_dir, overrides: list[str] = ()) -> dict:
@@ -318,6 +340,7 @@ def evaluate_run(run_dir, overrides: list[str] = ()) -> dict:
         raise UserError(f"{run_dir}: no checkpoint.pt; a run folder holds one once its first checkpoint is written")
     state = torch.load(ckpt, map_location="cpu", weights_only=False)
     raw = dict(state["config"])
+    raw["out"] = str(run_dir)   # where the run is now: the folder it was written to may be gone (a copied run)
     for item in overrides:
         key, value = parse_override(item)
         if key not in EVAL_KEYS:

@@ -95,7 +95,8 @@ def fairness(accs: list[float]) -> dict:
     if not accs:
         return {"mean": float("nan"), "std": float("nan"), "worst10": float("nan")}
     a = np.sort(np.asarray(accs))
-    return {"mean": float(a.mean()), "std": float(a.std()), "worst10": float(a[: max(1, math.ceil(0.1 * len(a)))].mean())}
+    worst = a[: max(1, math.ceil(0.1 * len(a)))]
+    return {"mean": float(a.mean()), "std": float(a.std()), "worst10": float(worst.mean())}
 
 
 # ---- the evaluation step -------------------------------------------------------------------------------------

@@ -104,12 +104,6 @@ class System:
         """The level of a client under the fixed assignment."""
         return self.levels[self.client_level[client]]
 
-    def by_name(self, name: str) -> Level:
-        for lv in self.levels:
-            if lv.name == name:
-                return lv
-        raise KeyError(name)
-
     def find(self, fraction) -> Level | None:
         """The level whose fraction is exactly `fraction` (a Fraction, a '1/4' text or a float), or None."""
         try:

@@ -94,7 +94,8 @@ class Submodel:
                 masks[n] = torch.stack([s.masks[n] if n in s.masks else torch.ones_like(g, dtype=torch.bool)
                                         for s in subs]).to(g.device)
             if any(n in s.scales for s in subs):
-                scales[n] = torch.tensor([s.scales.get(n, 1.0) for s in subs], dtype=g.dtype, device=g.device).view(view)
+                scales[n] = torch.tensor([s.scales.get(n, 1.0) for s in subs], dtype=g.dtype,
+                                         device=g.device).view(view)
         ste = subs[0].ste
         if thresholds and any(s.ste != ste for s in subs):
             raise ValueError("clients of a batched group use different ste modes")

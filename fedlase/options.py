@@ -15,6 +15,17 @@ _KINDS = {bool: "true or false", int: "an integer", float: "a number", str: "a s
           list: "a list"}
 
 
+# An Option's `tags`, so that a list of keys that some code treats alike is read from the declarations (a new key
+# is declared once, with its tags), never kept by hand beside them:
+TAGS = {
+    "eval": "an evaluation setting: `fedlase evaluate` may change it on a finished run",
+    "raw": "written as a raw string in key=value overrides, not read as YAML",
+    "parsed": "a raw string that validation parses with its own rule (the system, the participation)",
+    "path": "a file or folder of the run (a raw string; a Ray task gets it as an absolute path)",
+    "submitter": "a file of the submitting machine only (a path): not sent to Flower's apps on other machines",
+}
+
+
 @dataclass(frozen=True)
 class Option:
     default: Any
@@ -27,6 +38,11 @@ class Option:
     high_open: bool = False
     check: Callable[[Any], str | None] | None = None   # extra rule: returns why a value is wrong, or None
     affects_result: bool = True                  # False: may differ between a checkpoint and its resume
+    tags: tuple[str, ...] = ()                   # what code elsewhere treats alike: one of TAGS each
+
+    def __post_init__(self):
+        if unknown := [t for t in self.tags if t not in TAGS]:
+            raise ValueError(f"unknown Option tags {unknown}; known: {', '.join(TAGS)}")
 
     @property
     def type(self) -> type | None:

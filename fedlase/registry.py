@@ -15,8 +15,9 @@ from __future__ import annotations
 import dataclasses
 import os
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 from .errors import ConfigError
 
@@ -112,8 +113,10 @@ class ModelEntry:
     """build(cfg, dataset) -> nn.Module (dataset: the loaded fedlase.data.Dataset).
 
     `check(cfg)`, optional, runs at config validation, before the model is built: it raises ConfigError on a
-    value this model cannot take (max_length beyond its positions) and may return a dict with
-    `eval_sample_bytes`, the memory one sample takes in an evaluation forward (for the eval_batch_size check)."""
+    value this model cannot take (max_length beyond its positions) and may return the model's sizes for the
+    memory checks of fedlase/resources.py (`check_run`): `params` (parameter count), `sample_bytes` (all the
+    activations of one sample's forward) and `largest_bytes` (its largest activation). Without them, the
+    sizes are measured on torch's meta device (`resources.model_sizes`)."""
     build: Callable[[Any, Any], Any]
     kind: str = "image"
     help: str = ""

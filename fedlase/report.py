@@ -387,6 +387,96 @@ def plot_magnitudes(g: Group, path: Path, max_rounds: int = 4) -> bool:
     return True
 
 
+# ---- cost and simulated time (fedlase/cost.py, fedlase/simtime.py) -------------------------------------------
+CHARGES = ("dense", "sparse")
+
+
+def run_clocks(groups: list[Group]) -> tuple[dict, dict]:
+    """({group id: its cost table}, {run id: {charge: SimClock}}), recomputed from each run's config without
+    training: the cost table of the group's first run (its initial model, round 1's submodels; no memory
+    measurement) and each run's own sampling. A group whose config cannot be rebuilt here (its data absent) is
+    left out, with a warning."""
+    from .config import config_from_dict
+    from .cost import level_costs, untimed
+    from .engine import Experiment
+    from .simtime import SimClock, client_steps
+    tables, clocks = {}, {}
+    for g in groups:
+        try:
+            exp = Experiment(untimed(dict(g.runs[0].summary["config"])))
+            tables[id(g)] = costs = level_costs(exp)
+            for r in g.runs:
+                cfg = config_from_dict(dict(r.summary["config"]))
+                steps = client_steps(exp) if cfg.local_epochs is None else client_steps(Experiment(untimed(
+                    dict(r.summary["config"]))))
+                clocks[id(r)] = {c: SimClock(cfg, costs, steps, c) for c in CHARGES}
+        except Exception as e:   # a report without these sections beats no report
+            log.warning("report: no cost table or simulated time for %s (%s)", g.label, e)
+    return tables, clocks
+
+
+def _time_curve(r: Run, clock, metric: str = "global_acc") -> list[tuple[float, float]]:
+    """(simulated seconds at the end of the round, metric) at each evaluated round of a run."""
+    return [(clock.elapsed(ln["round"]), ln[metric]) for ln in r.curve() if ln.get(metric) is not None]
+
+
+def equal_time_table(groups: list[Group], clocks: dict) -> tuple[str, list, list] | None:
+    """(budgets, header, rows): per charge, the common budget T (the shortest group's mean simulated time to its
+    last round) and each group's global accuracy (mean over levels) at T, linearly interpolated between the two
+    evaluations around it (each run's, then the mean over its runs); and each group's time to finish."""
+    timed = [g for g in groups if all(id(r) in clocks for r in g.runs)]
+    if not timed:
+        return None
+    header, rows, budgets = ["group", "runs"], {id(g): [g.label, str(len(g.runs))] for g in timed}, []
+    for c in CHARGES:
+        ends = {id(g): float(np.mean([clocks[id(r)][c].elapsed(r.summary["rounds"]) for r in g.runs])) for g in timed}
+        T = min(ends.values())
+        budgets.append(f"T = {T:.4g} s under the {c} charge")
+        header += [f"time to finish, {c} (s)", f"acc at T, {c} (%)"]
+        for g in timed:
+            accs = []
+            for r in g.runs:
+                pts = _time_curve(r, clocks[id(r)][c])
+                if pts and pts[0][0] <= T:
+                    accs.append(float(np.interp(T, [t for t, _ in pts], [a for _, a in pts])))
+            cell = _cell(float(np.mean(accs)), float(np.std(accs, ddof=1)) if len(accs) > 1 else 0.0, len(accs)) \
+                if accs else "—"
+            rows[id(g)] += [f"{ends[id(g)]:.4g}", cell]
+    return "; ".join(budgets), header, list(rows.values())
+
+
+def plot_time(groups: list[Group], clocks: dict, path: Path) -> bool:
+    """Global accuracy (mean over levels) against rounds, and against simulated time under each charge."""
+    timed = [g for g in groups if all(id(r) in clocks for r in g.runs)]
+    if not timed:
+        return False
+    plt = _plt()
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.8 + 0.22 * len(timed)), sharey=True)
+    for g in timed:
+        for ax, c in zip(axes, (None, *CHARGES)):
+            xs, ys = [], []
+            for r in g.runs:
+                pts = ([(ln["round"], ln["global_acc"]) for ln in r.curve() if ln.get("global_acc") is not None]
+                       if c is None else _time_curve(r, clocks[id(r)][c]))
+                xs.append([p[0] for p in pts])
+                ys.append([100 * p[1] for p in pts])
+            n = min(len(y) for y in ys)
+            if n == 0:
+                continue
+            ax.plot(np.mean([x[:n] for x in xs], axis=0), np.mean([y[:n] for y in ys], axis=0), marker=".",
+                    label=g.label if c is None else None)
+    for ax, title in zip(axes, ("rounds", "simulated time, dense charge (s)", "simulated time, sparse charge (s)")):
+        ax.set_xlabel(title)
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("global accuracy, mean over levels (%)")
+    fig.suptitle("Accuracy against rounds and against simulated time (mean over seeds)")
+    fig.legend(loc="lower center", ncol=min(3, len(timed)), fontsize=8, frameon=False)
+    fig.tight_layout(rect=(0, 0.04 + 0.05 * math.ceil(len(timed) / 3), 1, 1))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
 # ---- the report ------------------------------------------------------------------------------------------------
 def paired_t(diffs: list[float]) -> tuple[float, float, float]:
     """(mean difference, t, two-sided p) of a paired t-test on per-seed differences (scipy's one-sample t-test
@@ -421,8 +511,9 @@ def paired_table(groups: list[Group], baseline: str) -> tuple[list, list]:
 
 
 def make_report(dirs: list[str], out: str | Path, group_by: list[str] | None = None,
-                paired_against: str | None = None) -> Path:
-    """Write report.md, results.csv, runs.csv and plots/ under `out`; return the path of report.md."""
+                paired_against: str | None = None, cost: bool = True) -> Path:
+    """Write report.md, results.csv, runs.csv and plots/ under `out`; return the path of report.md. `cost`: add
+    each group's cost table and the runs' simulated time (rebuilds each group's experiment: data and a step)."""
     runs = find_runs(dirs)
     groups = group_runs(runs, group_by)
     levels = levels_of(groups)
@@ -462,16 +553,31 @@ def make_report(dirs: list[str], out: str | Path, group_by: list[str] | None = N
         table = magnitude_table(g)
         if table is not None:
             sections.append(("Per-layer parameter magnitudes (weights; first and last layers left out)", table))
+    tables, clocks = run_clocks(groups) if cost else ({}, {})
+    timed = equal_time_table(groups, clocks)
+    if timed is not None:
+        sections.append((f"Accuracy at equal simulated time (fedlase/simtime.py; each run's device_model, unset: "
+                         f"the defaults): global accuracy, mean over levels, at the common budget T (the shortest "
+                         f"group's time to finish; interpolated between evaluations): {timed[0]}", timed[1:]))
     if paired_against is not None:
         sections.append((f"Paired by seed against {paired_against} (difference in points, paired t-test)",
                          paired_table(groups, paired_against)))
     for title, (header, rows) in sections:
         md += [f"\n## {title}\n", markdown_table(header, rows)]
+    if tables:
+        from .cost import format_cost_table
+        md.append("\n## Cost per level (fedlase/cost.py: one local step of one batch, round 1's submodels of the "
+                  "initial model; `fedlase cost CONFIG` also measures the peak memory)\n")
+        for g in groups:
+            if id(g) in tables:
+                md += [f"\n### {g.label}\n", format_cost_table(tables[id(g)]).split("\n\n", 1)[1]]
 
     plots = []
     for metric in ("global_acc", "local_acc"):
         if plot_accuracy(groups, levels, metric, out / "plots" / f"accuracy_{metric}.png"):
             plots.append((f"{METRICS[metric].capitalize()} over rounds", f"plots/accuracy_{metric}.png"))
+    if plot_time(groups, clocks, out / "plots" / "accuracy_time.png"):
+        plots.append(("Accuracy against rounds and simulated time", "plots/accuracy_time.png"))
     if plot_updates(groups, out / "plots" / "update_counts.png"):
         plots.append(("Cumulative update counts", "plots/update_counts.png"))
     tags: set[str] = set()

@@ -14,7 +14,7 @@ def run_config(cfg: Config, resume: bool = False, progress: bool = True) -> dict
     """Run (or resume, with `resume`) the experiment `cfg` on its engine; returns summary.json's content."""
     load_builtins()   # idempotent: every process that runs a config has its choices registered
     if cfg.engine.startswith("flower"):
-        from .flower import run_flower   # needs the `flower` extra
+        from .flower import run_flower  # needs the `flower` extra
         return run_flower(cfg, resume=resume, progress=progress)
     from .engine import run_experiment
     return run_experiment(cfg, resume=resume, progress=progress)

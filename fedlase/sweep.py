@@ -41,6 +41,7 @@ import yaml
 
 from .config import Config, config_from_dict, set_dotted
 from .errors import ConfigError, UserError
+from .resources import passive_openmp, usable_cpus
 
 log = logging.getLogger("fedlase")
 
@@ -235,11 +236,8 @@ def _fmt_time(seconds: float) -> str:
 
 
 def cpu_cores() -> int:
-    """CPU cores this process may use."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:   # not Linux
-        return os.cpu_count() or 1
+    """CPUs this process may use: its affinity and CPU quota (fedlase.resources.usable_cpus)."""
+    return usable_cpus()
 
 
 def run_sweep(path: str | Path, progress: bool = True, jobs: int = 1, ray: str | None = None) -> dict:
@@ -374,6 +372,7 @@ def _start(run: PlannedRun, threads: int) -> tuple[subprocess.Popen, object]:
     run.out.mkdir(parents=True, exist_ok=True)
     logf = open(run.out / "sweep.log", "a")
     root = str(Path(__file__).resolve().parents[1])   # the child imports this very package
+    passive_openmp()   # the child's OpenMP waits without spinning unless the user chose otherwise (inherited)
     env = {**os.environ, "FEDLASE_SWEEP_PARENT": str(os.getpid()),
            "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}
     # its own session: a Ctrl-C at the terminal reaches only the sweep, which then stops the children itself

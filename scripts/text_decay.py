@@ -2,8 +2,8 @@
 
     python scripts/text_decay.py runs/text-sweep/fedlase runs/text-decay/fedlase-random [...]
 
-Each argument is a run-folder prefix: every finished folder `PREFIX,seed=N` is one seed of that group. For each group and
-level it prints the global accuracy at every evaluated round (mean over seeds), the largest drop between two
+Each argument is a run-folder prefix: every finished folder `PREFIX,seed=N` is one seed of that group. For each group
+and level it prints the global accuracy at every evaluated round (mean over seeds), the largest drop between two
 consecutive evaluations (the swing; mean over seeds), and the local-minus-global gap at the last round (a level
 that fits its own clients' label mix has a large one). Reads metrics.jsonl only; trains and evaluates nothing."""
 from __future__ import annotations

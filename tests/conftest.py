@@ -67,13 +67,14 @@ def one_thread():
 
 # ---- numerics: tests that compare floats computed in different ways ------------------------------------------
 # (stored results, sliced against masked, batched against sequential, an algorithm against its hand computation).
-# .ci/run runs them a second time under ATEN_CPU_CAPABILITY=default, so a bound that holds only on the CI
-# machine's CPU features fails there too. `pytest -m numerics` selects them.
-NUMERICS = {"test_reference.py", "test_sliced.py", "test_batched.py", "test_fidelity.py", "test_masks.py",
-            "test_aggregate.py", "test_fedlase.py", "test_structured.py", "test_engine.py"}
+# Each such file declares it (`pytestmark = pytest.mark.numerics`, or the mark on a test); .ci/run runs them a
+# second time under ATEN_CPU_CAPABILITY=default, so a bound that holds only on the CI machine's CPU features fails
+# there too. `pytest -m numerics` selects them.
 
 
+# ---- order: the tests that start Flower or Ray processes first -------------------------------------------------
+# They are the long ones and mostly wait on their processes; begun first, two xdist workers (`make test`) finish
+# them while the quick tests fill the gaps, instead of one worker ending with a 2-minute test alone. The marks are
+# the files' own (`flower`, `ray`); the sort is stable, so every other test keeps its order.
 def pytest_collection_modifyitems(items):
-    for item in items:
-        if item.path.name in NUMERICS:
-            item.add_marker(pytest.mark.numerics)
+    items.sort(key=lambda item: item.get_closest_marker("flower") is None and item.get_closest_marker("ray") is None)

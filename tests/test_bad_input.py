@@ -3,6 +3,11 @@ every registered method and every `analysis.*` option, bad values are derived fr
 (its type, range, choices; empty; non-finite), and `fedlase run` must exit 2 with exactly one line on stderr
 that names the key, and no traceback. A new option is covered without anyone writing a test for it.
 
+Bounds a type and a range cannot say are derived from declarations too: an option checked against the CPUs
+(`threads_rule`) gets counts beyond them; a folder a run writes (`writable_folder`) gets /proc, /sys and a
+path under a file; every method gets every runner (engine, batched_clients) its `runs_on` leaves out; and
+the data's size bounds `batch_size` and the client count.
+
 The cases go through the real command line, `fedlase.cli.main`, in this process (the whole file takes
 seconds); a few of them also in real subprocesses, which is what a user runs."""
 from __future__ import annotations
@@ -16,14 +21,20 @@ import pytest
 import yaml
 
 from fedlase.cli import main
-from fedlase.config import options
+from fedlase.config import load_config, options
+from fedlase.methods.base import RUNNERS
 from fedlase.options import Option
 from fedlase.registry import METHODS, TRACKERS
+from fedlase.resources import threads_rule, usable_cpus, writable_folder
 
 # A base run that is valid and tiny: if a bad value were accepted, the run would start (and the test fail).
 BASE = {"dataset": "digits", "model": "cnn", "width": 0.25, "system": "{1,1/4}_{2,2}", "participation": 0.5,
         "local_steps": 1, "batch_size": 16, "rounds": 1, "threads": 1, "device": "cpu"}
 EMPTY = object()   # the value `key=` on the command line
+UNDER_A_FILE = object()   # a folder below an existing file (the run's config file, see _argv)
+# the setting that puts a run on each of RUNNERS (a method's `runs_on` names them)
+RUNNER_SETTINGS = {"embedded": ("engine", "embedded"), "batched": ("batched_clients", True),
+                   "flower-sim": ("engine", "flower-sim"), "flower-deploy": ("engine", "flower-deploy")}
 
 
 def bad_values(opt: Option) -> list:
@@ -48,6 +59,10 @@ def bad_values(opt: Option) -> list:
     allowed = opt.allowed()
     if allowed and t is str:
         out.append("no_such_choice")
+    if opt.check is threads_rule:   # a count of CPUs: beyond those this process may use
+        out += [usable_cpus() + 1, 100_000]
+    if opt.check is writable_folder:   # a folder a run writes into
+        out += ["/proc/x", "/sys/fedlase", UNDER_A_FILE]
     return out
 
 
@@ -64,12 +79,15 @@ def cases() -> list[tuple[str, object, dict]]:
         out.append((f"analysis.{name}", 5, {}))   # an analysis is true, false or its options (a list, a text)
         for key, opt in cls.options_spec.items():
             out += [(f"analysis.{name}.{key}", v, {}) for v in bad_values(opt)]
+    for name, cls in METHODS.items():   # a runner the method does not declare: refused at validation
+        out += [(*RUNNER_SETTINGS[r], {"method": name}) for r in RUNNERS if r not in cls.runs_on]
+    out += [("batch_size", 10**6, {}), ("system", "{1}_{100000}", {})]   # beyond the data (known once loaded)
     return out
 
 
 def _id(case) -> str:
     key, value, extra = case
-    shown = "EMPTY" if value is EMPTY else repr(value)
+    shown = "EMPTY" if value is EMPTY else "UNDER_A_FILE" if value is UNDER_A_FILE else repr(value)
     return f"{key}={shown}" + (f"[{extra['method']}]" if "method" in extra else "")
 
 
@@ -77,6 +95,9 @@ def _argv(tmp_path, key: str, value, extra: dict) -> list[str]:
     """`run FILE [key=]`: the base and the bad value in a YAML file (so every type can be written), or the
     empty value as an override."""
     raw = {**BASE, **extra, "out": str(tmp_path / "run")}
+    path = tmp_path / "bad.yaml"
+    if value is UNDER_A_FILE:
+        value = str(path / "x")
     override = []
     if value is EMPTY:
         override = [f"{key}="]
@@ -90,7 +111,6 @@ def _argv(tmp_path, key: str, value, extra: dict) -> list[str]:
             node[last] = value
         else:
             raw[key] = value
-    path = tmp_path / "bad.yaml"
     path.write_text(yaml.safe_dump(raw))
     return ["run", str(path), *override, "--quiet"]
 
@@ -103,6 +123,32 @@ def test_every_option_has_cases():
     assert set(options()) <= keys
     assert all(f"method_args.{k}" in keys for cls in METHODS._entries.values() for k in cls.options)
     assert len(CASES) > 200
+
+
+def test_the_bounds_are_declared_where_they_apply():
+    """The declarations the generated cases read: threads against the CPUs, every folder a run writes, and a
+    setting for every runner a method may declare."""
+    assert options()["threads"].check is threads_rule
+    assert options()["out"].check is writable_folder
+    assert TRACKERS.get("tensorboard").options_spec["dir"].check is writable_folder
+    assert set(RUNNER_SETTINGS) == set(RUNNERS)
+    assert all(cls.runs_on and set(cls.runs_on) <= set(RUNNERS) for _, cls in METHODS.items())
+
+
+@pytest.mark.parametrize("name", METHODS.names())
+def test_a_method_with_its_own_local_objective_declares_only_the_sequential_rounds(name, tmp_path):
+    """Flower and the vmapped step cannot run a method's own LocalObjective: a method whose submodels carry
+    one must say so in `runs_on` (else it would be refused only at run time); every runner it declares passes
+    validation."""
+    from fedlase.engine import Experiment
+    argv = [f"{k}={v}" for k, v in BASE.items()] + [f"method={name}", f"out={tmp_path / 'run'}"]
+    exp = Experiment(load_config(None, argv))
+    local = any(exp.method.submodel(exp.state.params, lvl, 1).local is not None for lvl in exp.levels)
+    if local:
+        assert tuple(METHODS.get(name).runs_on) == ("embedded",), METHODS.get(name).runs_on
+    for runner in METHODS.get(name).runs_on:
+        key, value = RUNNER_SETTINGS[runner]
+        load_config(None, [*argv, f"{key}={str(value).lower()}"])
 
 
 @pytest.mark.parametrize("case", CASES, ids=[_id(c) for c in CASES])
@@ -121,7 +167,8 @@ def test_a_bad_value_exits_2_with_one_line(case, tmp_path, capsys):
 
 
 # A few cases in real processes: the exit status, stderr and no traceback as a shell sees them.
-SUBPROCESS = [["coverage="], ["lr=nan"], ["method_args.ste=maybe"]]
+SUBPROCESS = [["coverage="], ["lr=nan"], ["method_args.ste=maybe"], ["threads=100000"],
+              ["analysis.tensorboard=/proc/x"], ["method=fjord", "engine=flower-sim"]]
 
 
 @pytest.mark.parametrize("override", SUBPROCESS, ids=[o[0] for o in SUBPROCESS])
@@ -132,4 +179,6 @@ def test_a_bad_value_exits_2_in_a_real_process(override, tmp_path):
                           text=True, timeout=120, env=env)
     assert proc.returncode == 2, proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr
-    assert override[0].split("=")[0].split(".")[-1] in proc.stderr
+    named = override[-1].split("=")[0]
+    assert (named if named.startswith("analysis.") else named.split(".")[-1]) in proc.stderr
+    assert not (tmp_path / "run").exists()   # refused at validation: nothing (no Flower process) started

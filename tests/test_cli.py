@@ -137,8 +137,8 @@ def test_good_idx_folder_runs(capsys, tmp_path):
     folder = tmp_path / "fmnist"
     write_idx_folder(folder, "none")
     rc, out, err = cli(capsys, "run", "--quiet", "dataset=fashion_mnist", f"data_dir={folder}", "system={1}_{2}",
-                       "participation=1", "width=0.25", "rounds=1", "local_steps=1", "threads=1", "device=cpu",
-                       f"out={tmp_path / 'run'}")
+                       "participation=1", "width=0.25", "rounds=1", "local_steps=1", "batch_size=8", "threads=1",
+                       "device=cpu", f"out={tmp_path / 'run'}")   # batch_size: at most the folder's 20 samples
     assert rc == 0, err
     assert "level" in out
 

@@ -29,7 +29,8 @@ from fedlase.config import load_config  # noqa: E402
 from fedlase.engine import run_experiment  # noqa: E402
 from fedlase.sweep import run_sweep  # noqa: E402
 
-pytestmark = pytest.mark.ray
+# one worker runs the whole module under `pytest -n 2 --dist loadgroup` (make test): its tests share one cluster
+pytestmark = [pytest.mark.ray, pytest.mark.xdist_group("ray-cluster")]
 
 RAY = str(Path(sys.executable).with_name("ray"))
 # Tiny runs on the bundled digits: a quarter-width CNN, 4 clients, 2 local steps, one thread.
@@ -147,7 +148,7 @@ def start_sweep(path: Path, cluster: dict, log_path: Path) -> subprocess.Popen:
 
 def test_a_run_whose_worker_is_killed_resumes_and_ends_bit_identical(cluster, tmp_path):
     out = tmp_path / "out"
-    long = {"rounds": 40, "eval_every": 10, "seed": 3}
+    long = {"rounds": 20, "eval_every": 10, "seed": 3}   # killed after its first checkpoint, far from its end
     path = write_sweep(tmp_path / "s.yaml", out, runs=[{"name": "long", **long}])
     run = out / "long"
     log_path = tmp_path / "sweep.out"
@@ -269,10 +270,10 @@ def test_ctrl_c_cancels_the_tasks_and_the_rerun_resumes_them(cluster, tmp_path):
     assert not (out / "sweep.jsonl").exists() or not (out / "sweep.jsonl").read_text().strip()
     _, alive = psutil.wait_procs(workers, timeout=20)
     assert not alive
-    # the rerun (finding the cluster through RAY_ADDRESS), a few rounds past where the runs stopped, resumes
+    # the rerun (finding the cluster through RAY_ADDRESS), one round past where the runs stopped, resumes
     # them from their checkpoints
     stopped_at = [torch.load(r / "checkpoint.pt", map_location="cpu", weights_only=False)["round"] for r in runs]
-    spec["runs"][0].update(rounds=max(stopped_at) + 3, eval_every=1)
+    spec["runs"][0].update(rounds=max(stopped_at) + 1, eval_every=1)
     write_sweep(path, out, **spec)
     res = subprocess.run([sys.executable, "-m", "fedlase", "sweep", str(path), "--quiet", "--ray", "auto"],
                          env={**cluster["env"], "RAY_ADDRESS": cluster["address"]}, capture_output=True,

@@ -6,7 +6,7 @@ import pytest
 
 from fedlase import registry
 from fedlase.config import (Config, config_from_dict, describe_keys, load_config, options, parse_override,
-                            parse_participation, parse_system, result_keys)
+                            parse_participation, result_keys)
 from fedlase.errors import ConfigError, UserError
 from fedlase.levels import Level, System
 from fedlase.registry import DATASETS, METHODS, MODELS, PARTITIONS
@@ -34,7 +34,7 @@ def pairs(system: System) -> list[tuple[Fraction, int]]:
 ])
 def test_parse_system_good(text, expected):
     # Execute
-    got = parse_system(text)
+    got = System.parse(text)
     # Assert
     assert isinstance(got, System) and got.text == text
     assert pairs(got) == expected
@@ -52,20 +52,20 @@ def written_pairs(text):
 
 
 def test_clients_follow_the_written_order():
-    system = parse_system("{1/4,1}_{5,1}")
+    system = System.parse("{1/4,1}_{5,1}")
     assert [system.levels[i].name for i in system.client_level] == ["1/4"] * 5 + ["1"]
 
 
 def test_level_names_floats_and_lookup():
     # Prepare
-    system = parse_system("{1,1/4,1/16,1/64}_{1,2,3,4}")
+    system = System.parse("{1,1/4,1/16,1/64}_{1,2,3,4}")
     # Assert
     assert [lv.name for lv in system] == ["1", "1/4", "1/16", "1/64"]
     assert [float(lv) for lv in system] == [1.0, 0.25, 0.0625, 0.015625]
     assert system.find(F(1, 4)) is system.levels[1]
     assert system.find("1/16") is system.levels[2] and system.find(0.015625) is system.levels[3]
     assert system.find(0.5) is None and system.find("x") is None
-    assert system.by_name("1/64") is system.smallest
+    assert system.find("1/64") is system.smallest
     assert len(system) == 4 and list(system) == list(system.levels)
     # the same system written in another order or from pairs gives the same levels
     assert pairs(System.of([(F(1, 4), 2), (1.0, 1), (0.0625, 3), ("1/64", 4)])) == pairs(system)
@@ -97,7 +97,7 @@ def test_level_names_floats_and_lookup():
 def test_parse_system_bad(text):
     # Execute / Assert
     with pytest.raises(ConfigError) as e:
-        parse_system(text)
+        System.parse(text)
     assert e.value.key == "system"
     assert str(e.value).startswith("system:")
     assert "\n" not in str(e.value)

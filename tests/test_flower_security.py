@@ -32,9 +32,10 @@ pytest.importorskip("flwr")
 from fedlase.catalog import load_builtins  # noqa: E402
 from fedlase.config import load_config  # noqa: E402
 from fedlase.engine import run_experiment  # noqa: E402
+from fedlase.errors import UserError  # noqa: E402
 from fedlase.flower.launch import descendants, write_app, write_connection  # noqa: E402
-from fedlase.flower.proxy import nginx_binary  # noqa: E402
-from fedlase.flower.security import fingerprint, make_node_key, node_cert  # noqa: E402
+from fedlase.flower.proxy import body_limit, largest_request, nginx_binary  # noqa: E402
+from fedlase.flower.security import fingerprint, make_credentials, make_node_key, node_cert  # noqa: E402
 from test_flower import SMALL, _env, _logs, _metrics, _params, _submit, _wait, same_params  # noqa: E402
 
 pytestmark = pytest.mark.flower
@@ -57,11 +58,12 @@ def dep(tmp_path_factory):
     fed.env["PYTHONPATH"] = _env()["PYTHONPATH"]
     fed.runs = []
     try:
-        fed.start_superlink()
+        max_body = body_limit(load_config(None, ARGS))   # what `start_all` gives the proxy for this run's model
+        fed.start_superlink(max_body=max_body)
         for i in range(3):
             fed.register(Path(f"{fed.creds.nodes[i]}.pub"))
         nodes = {0: fed.start_node(0, "1"), 1: fed.start_node(1, "1/4")}
-        yield SimpleNamespace(fed=fed, out=out, root=root, nodes=nodes)
+        yield SimpleNamespace(fed=fed, out=out, root=root, nodes=nodes, max_body=max_body)
     finally:
         for p in fed.runs:
             if p.poll() is None:
@@ -171,6 +173,74 @@ def test_a_node_certificate_reaches_the_fleet_api_and_nothing_else(dep):
         assert status != 404 and 400 <= status < 500, (path, status)
     status, _ = _https(fed.proxy, "GET", fleet[0], fed.creds.ca, cert)
     assert status == 403   # POST only
+
+
+def _post(address: str, path: str, ca: Path, cert: tuple[Path, Path], length: int, body: bytes = b"") -> int:
+    """A POST announcing a body of `length` bytes and sending `body` (b"": headers only); its status."""
+    ctx = ssl.create_default_context(cafile=str(ca))
+    ctx.load_cert_chain(*map(str, cert))
+    conn = http.client.HTTPSConnection("localhost", int(address.rsplit(":", 1)[1]), context=ctx, timeout=60)
+    try:
+        conn.putrequest("POST", path)
+        conn.putheader("Content-Type", "application/protobuf")
+        conn.putheader("Content-Length", str(length))
+        conn.endheaders(body or None)
+        return conn.getresponse().status
+    finally:
+        conn.close()
+
+
+def test_the_body_limit_is_the_models_largest_request():
+    """The limit grows with the model up to Flower's array chunk (a larger array travels in chunks), and is
+    never below one full reply of a small model."""
+    small = largest_request({"w": (1000,), "b": (10,)})
+    assert small > 4 * 1010   # the arrays' float32 bytes and Flower's framing
+    assert largest_request({"w": (200_000,)}) > 4 * 200_000 > small
+    chunked = largest_request({"w": (20_000_000,)})   # 80 MB: chunks of at most 5 MiB
+    assert chunked < 6 * 2**20 and body_limit() >= chunked
+    cfg = load_config(None, ARGS)
+    assert 2**20 <= body_limit(cfg) < 2**30
+
+
+def test_a_body_beyond_the_limit_is_refused_by_the_proxy_before_the_superlink(dep):
+    """nginx answers 413 to a request announcing one byte more than the limit: it is refused on its headers,
+    before a byte of its body is sent, so nothing reaches the SuperLink; a body at the limit is forwarded
+    (Flower itself then refuses the garbage)."""
+    fed, cert = dep.fed, node_cert(dep.fed.creds.folder, 0)
+    assert dep.max_body == body_limit(load_config(None, ARGS))
+    assert _post(fed.proxy, "/v1/fleet/push-object", fed.creds.ca, cert, dep.max_body + 1) == 413
+    status = _post(fed.proxy, "/v1/fleet/push-object", fed.creds.ca, cert, dep.max_body, b"\0" * dep.max_body)
+    assert 400 <= status < 500 and status not in (404, 413), status
+
+
+def _mode(path: Path) -> int:
+    return path.stat().st_mode & 0o777
+
+
+def test_the_credentials_tool_keeps_keys_private_and_never_writes_through_a_link(tmp_path):
+    """Over a world-readable key and a key that is a symlink: refused without --force (nothing written);
+    with it, every private key ends 0600, the link is replaced by a file of its own and its target is untouched."""
+    folder, target = tmp_path / "creds", tmp_path / "elsewhere"
+    folder.mkdir()
+    target.write_text("not a key")
+    target.chmod(0o644)
+    (folder / "superlink.key").write_text("old key")
+    (folder / "superlink.key").chmod(0o644)
+    (folder / "ca.key").symlink_to(target)
+    tool = [sys.executable, "-m", "fedlase.flower.security", str(folder), "--nodes", "1"]
+    res = subprocess.run(tool, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2 and len(res.stderr.strip().splitlines()) == 1 and "--force" in res.stderr, res.stderr
+    assert (folder / "superlink.key").read_text() == "old key" and not (folder / "ca.crt").exists()
+    res = subprocess.run([*tool, "--force"], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert target.read_text() == "not a key" and _mode(target) == 0o644   # the link's target: untouched
+    assert not (folder / "ca.key").is_symlink() and b"PRIVATE KEY" in (folder / "ca.key").read_bytes()
+    private = ["ca.key", "superlink.key", "node-0.key", "node-0.tls.key"]
+    assert all(_mode(folder / n) == 0o600 for n in private), {n: oct(_mode(folder / n)) for n in private}
+    assert all(_mode(folder / n) == 0o644 for n in ("ca.crt", "superlink.crt", "node-0.crt", "node-0.key.pub"))
+    assert not [p for p in folder.iterdir() if p.name.endswith(".tmp")]   # no temporary file left behind
+    with pytest.raises(UserError):   # the library function refuses the same way
+        make_credentials(folder, nodes=1)
 
 
 def test_a_node_claiming_another_partition_is_refused_and_the_run_matches_embedded(dep):

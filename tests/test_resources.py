@@ -112,3 +112,91 @@ def test_help_and_import_stay_light():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
                           env={**os.environ})
     assert proc.returncode == 0 and proc.stderr.strip() == "False", proc.stderr
+
+
+# ---- CPUs: affinity and cgroup quota ---------------------------------------------------------------------------
+def _tree(root, files: dict[str, str]) -> str:
+    for rel, text in files.items():
+        path = root / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    return str(root)
+
+
+@pytest.mark.parametrize("own, files, want", [
+    ("0::/job\n", {"cgroup.controllers": "cpu", "job/cpu.max": "150000 100000"}, 1.5),        # v2, its own quota
+    ("0::/a/b\n", {"cgroup.controllers": "cpu", "a/cpu.max": "200000 100000", "a/b/cpu.max": "max 100000"}, 2.0),
+    ("0::/\n", {"cgroup.controllers": "cpu", "cpu.max": "max 100000"}, None),                 # v2, no quota
+    ("4:cpu,cpuacct:/docker/x\n", {"cpu,cpuacct/docker/x/cpu.cfs_quota_us": "300000",          # v1
+                                   "cpu,cpuacct/docker/x/cpu.cfs_period_us": "100000"}, 3.0),
+    ("1:cpu:/elsewhere\n", {"cpu/cpu.cfs_quota_us": "50000", "cpu/cpu.cfs_period_us": "100000"}, 0.5),   # mount root
+    ("1:cpu:/\n", {"cpu/cpu.cfs_quota_us": "-1", "cpu/cpu.cfs_period_us": "100000"}, None),
+])
+def test_the_cgroup_cpu_quota_is_read_along_the_tree(tmp_path, own, files, want):
+    assert resources.cgroup_cpu_limit(_tree(tmp_path, files), own) == want
+
+
+def test_usable_cpus_is_the_affinity_capped_by_the_quota(monkeypatch):
+    affinity = len(os.sched_getaffinity(0))
+    monkeypatch.setattr(resources, "cgroup_cpu_limit", lambda: None)
+    assert resources.usable_cpus() == affinity
+    monkeypatch.setattr(resources, "cgroup_cpu_limit", lambda: 0.5)   # half a CPU: still one thread
+    assert resources.usable_cpus() == 1
+    monkeypatch.setattr(resources, "cgroup_cpu_limit", lambda: 1000.0)
+    assert resources.usable_cpus() == affinity
+
+
+def test_threads_beyond_the_usable_cpus_are_refused(monkeypatch):
+    monkeypatch.setattr(resources, "usable_cpus", lambda: 2)
+    with pytest.raises(ConfigError) as e:
+        load_config(None, ["dataset=digits", "threads=3"])
+    assert e.value.key == "threads" and "2 CPU(s)" in str(e.value) and "\n" not in str(e.value)
+    assert load_config(None, ["dataset=digits", "threads=2"]).threads == 2
+
+
+def test_the_default_threads_respect_the_usable_cpus_and_omp_num_threads(monkeypatch):
+    import torch
+    before = torch.get_num_threads()
+    try:
+        monkeypatch.setattr(resources, "usable_cpus", lambda: 1)
+        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+        assert resources.default_threads() == 1 and resources.apply_threads(0) == 1
+        monkeypatch.setenv("OMP_NUM_THREADS", "1")   # set by the user or by Ray: threads=0 leaves torch's
+        torch.set_num_threads(2)
+        assert resources.apply_threads(0) == 2
+        assert resources.apply_threads(1) == 1   # a count the config sets always holds
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_passive_openmp_is_set_before_torch_unless_the_user_chose():
+    code = ("import os, sys\nfrom fedlase.cli import main\nfrom fedlase.resources import passive_openmp\n"
+            "passive_openmp()\nprint(os.environ['OMP_WAIT_POLICY'], 'torch' in sys.modules)")
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
+    assert proc.stdout.split() == ["PASSIVE", "False"], proc.stderr
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                          env={**env, "OMP_WAIT_POLICY": "ACTIVE"})
+    assert proc.stdout.split() == ["ACTIVE", "False"], proc.stderr
+
+
+# ---- folders a run writes -------------------------------------------------------------------------------------
+def test_a_folder_a_run_writes_is_checked_without_creating_it(tmp_path):
+    a_file = tmp_path / "file"
+    a_file.write_text("x")
+    assert resources.writable_folder(tmp_path / "new" / "deeper") is None
+    assert not (tmp_path / "new").exists()   # checking creates nothing
+    for bad, why in [("/proc/x", "/proc"), ("/sys/fedlase", "/sys"), (a_file / "x", "not one"), (a_file, "not one")]:
+        assert why in resources.writable_folder(bad), bad
+
+
+# ---- the data's size, known once loaded ------------------------------------------------------------------------
+@pytest.mark.parametrize("overrides, key", [(["batch_size=100000"], "batch_size"), (["system={1}_{5000}"], "system")])
+def test_an_image_dataset_is_checked_right_after_loading(tmp_path, overrides, key):
+    """digits tells its size only by loading: the run stops before training, in one line naming the key."""
+    from fedlase.engine import Experiment
+    cfg = load_config(None, ["dataset=digits", "model=cnn", "width=0.25", "threads=1", f"out={tmp_path / 'run'}",
+                             *overrides])
+    with pytest.raises(ConfigError) as e:
+        Experiment(cfg)
+    assert e.value.key == key and "1437 training samples" in str(e.value)

@@ -13,6 +13,9 @@ from fedlase.methods.heterofl import HeteroFL
 from fedlase.models import ResNet18, SmallCNN
 from fedlase.train import LocalWork, local_train
 
+# floats computed in different ways are compared here: .ci/run runs these again on torch's portable kernels
+pytestmark = pytest.mark.numerics
+
 STRUCTURED = ["heterofl", "fedrolex", "fedavg_small"]
 # every level trains every round; rounds 2.. roll FedRolex's window
 ALL_LEVELS = ["system={1,1/4,1/16}_{1,1,1}", "participation=1.0"]
@@ -91,7 +94,8 @@ def test_resumed_sliced_run_equals_uninterrupted(tiny_cfg, tmp_path):
 
 # ---- slices as data --------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("make", [lambda: SmallCNN(width=0.25, bn="static"), lambda: ResNet18(width=0.125, bn="static")])
+@pytest.mark.parametrize("make", [lambda: SmallCNN(width=0.25, bn="static"),
+                                  lambda: ResNet18(width=0.125, bn="static")])
 @pytest.mark.parametrize("rnd", [1, 6])
 def test_slices_hold_exactly_the_masks(make, rnd):
     from fedlase.methods.fedrolex import FedRolex
@@ -170,7 +174,8 @@ def _old_scaler_train(model, params, sub, s, x, y, batches, work):
             h.remove()
 
 
-@pytest.mark.parametrize("make", [lambda: SmallCNN(width=0.25, image_size=8), lambda: ResNet18(width=0.125, in_channels=1)])
+@pytest.mark.parametrize("make", [lambda: SmallCNN(width=0.25, image_size=8),
+                                  lambda: ResNet18(width=0.125, in_channels=1)])
 @pytest.mark.parametrize("level", [1 / 4, 1 / 16, 0.3])
 def test_folded_scaler_equals_the_old_conv_output_scaler(make, level):
     torch.manual_seed(0)

@@ -1,7 +1,11 @@
 """The package's import graph, read from the source: no import circle, and the engine names no method, no
 analysis and no dataset or model module (it reaches them through fedlase.registry)."""
 import ast
+import functools
+import re
 from pathlib import Path
+
+import pytest
 
 PKG = Path(__file__).resolve().parent.parent / "fedlase"
 
@@ -34,8 +38,14 @@ def imports(path: Path) -> set[str]:
     return out - {me}
 
 
+@functools.lru_cache(maxsize=1)
+def _graph() -> dict[str, frozenset[str]]:
+    return {module_name(p): frozenset(imports(p)) for p in PKG.rglob("*.py")}
+
+
 def graph() -> dict[str, set[str]]:
-    return {module_name(p): imports(p) for p in PKG.rglob("*.py")}
+    """module -> the fedlase modules it imports; read once per session (a copy each call)."""
+    return {m: set(names) for m, names in _graph().items()}
 
 
 def find_cycle(g: dict[str, set[str]]) -> list[str] | None:
@@ -80,17 +90,54 @@ def test_engine_names_no_method_analysis_dataset_or_model():
     assert not banned
 
 
-def test_no_private_flower_module():
-    """Only Flower's public API: no `flwr.*._private` module anywhere in fedlase/."""
+# Flower's and Ray's modules fedlase may use: their documented API, each module by its exact name (so a private
+# module without an underscore fails too, not only `flwr.*._*`).
+PUBLIC = {"flwr.app", "flwr.clientapp", "flwr.serverapp", "flwr.simulation",
+          "ray", "ray.exceptions", "ray.util.scheduling_strategies", "grpc"}
+# Used although not documented API, because Flower or Ray offers none; the line must carry its reason (a comment
+# there, the full one beside it) and pyproject.toml pins the tested range (docs/flower.md, "Flower versions").
+OUTSIDE = {"flwr.proto": "fedlase/flower/proxy.py",                  # the Fleet API's routes
+           "ray._private.ray_constants": "fedlase/flower/launch.py",  # the loopback switch, after `import ray`
+           "/ray.rpc.": "fedlase/cluster.py"}                        # is this port a Ray head, in seconds
+
+
+def _third_party_uses(path: Path) -> list[tuple[int, str]]:
+    """(line, name) of every Flower/Ray/gRPC module the file imports, and of every string naming one."""
+    out = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and not node.level:
+            out.append((node.lineno, node.module or ""))
+            out += [(node.lineno, f"{node.module}.{a.name}") for a in node.names if a.name.startswith("_")]
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and \
+                (re.fullmatch(r"(flwr|ray|grpc)(\.\w+)+", node.value) or "/ray.rpc." in node.value):
+            out.append((node.lineno, node.value))
+    return [(ln, m) for ln, m in out if re.match(r"(flwr|ray|grpc)\b|/ray\.rpc\.", m)]
+
+
+def test_only_the_named_flower_and_ray_modules_are_used():
+    """Every Flower, Ray and gRPC module fedlase/ uses is in PUBLIC, or in OUTSIDE, from its one file, on a line
+    that says why."""
     bad = []
-    for p in PKG.rglob("*.py"):
-        for node in ast.walk(ast.parse(p.read_text())):
-            mods = [a.name for a in node.names] if isinstance(node, ast.Import) else \
-                [node.module or ""] + [f"{node.module}.{a.name}" for a in node.names] \
-                if isinstance(node, ast.ImportFrom) and not node.level else []
-            bad += [f"{p.name}: {m}" for m in mods
-                    if m.startswith("flwr") and any(part.startswith("_") for part in m.split("."))]
+    for p in sorted(PKG.rglob("*.py")):
+        lines = p.read_text().splitlines()
+        rel = str(p.relative_to(PKG.parent))
+        for ln, name in _third_party_uses(p):
+            if name in PUBLIC:
+                continue
+            where = next((f for m, f in OUTSIDE.items() if name == m or (m.startswith("/") and m in name)), None)
+            if where != rel or "#" not in lines[ln - 1]:
+                bad.append(f"{rel}:{ln}: {name}")
     assert not bad, bad
+
+
+def test_the_module_check_catches_a_private_module_without_an_underscore(tmp_path):
+    f = tmp_path / "m.py"
+    f.write_text("from flwr.superlink.routers.fleet.router import router\nimport ray._raylet\nx = 'ray._private.w'\n")
+    names = [m for _, m in _third_party_uses(f)]
+    assert names == ["flwr.superlink.routers.fleet.router", "ray._raylet", "ray._private.w"]
+    assert not set(names) & PUBLIC
 
 
 # ---- the config is a plain record low in the graph (issue 22) -------------------------------------------------
@@ -98,38 +145,37 @@ def test_no_private_flower_module():
 HEAVY = ("fedlase.methods", "fedlase.models", "fedlase.data", "fedlase.analysis", "fedlase.catalog")
 
 
-def _loaded_by(module: str) -> list[str]:
-    """fedlase modules a fresh interpreter holds after importing `module`."""
+def _loaded_by(module: str) -> tuple[list[str], int]:
+    """(fedlase modules a fresh interpreter holds after importing `module`, entries registered by then): one
+    interpreter for both, as each start imports torch."""
     import subprocess
     import sys
-    code = f"import sys, {module}; print(' '.join(m for m in sys.modules if m.startswith('fedlase')))"
+    code = (f"import sys, {module}\nfrom fedlase.registry import DATASETS, METHODS, MODELS, PARTITIONS, TRACKERS\n"
+            "print(' '.join(m for m in sys.modules if m.startswith('fedlase')))\n"
+            "print(sum(len(r.names()) for r in (DATASETS, METHODS, MODELS, PARTITIONS, TRACKERS)))")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
-    return proc.stdout.split()
+    modules, registered = proc.stdout.splitlines()
+    return modules.split(), int(registered)
 
 
 def test_importing_the_config_loads_no_method_model_or_dataset():
-    loaded = _loaded_by("fedlase.config")
+    loaded, _ = _loaded_by("fedlase.config")
     assert "fedlase.config" in loaded
     assert not [m for m in loaded if m.startswith(HEAVY)], loaded
 
 
 def test_importing_the_engine_loads_no_method_model_or_dataset_loader_and_registers_nothing():
     """The engine needs the partition and augmentation code only: no method, model, loader, analysis or catalog."""
-    loaded = _loaded_by("fedlase.engine")
+    loaded, registered = _loaded_by("fedlase.engine")
     assert "fedlase.engine" in loaded
     allowed = {"fedlase.data", "fedlase.data.partition", "fedlase.data.augment"}
     assert not [m for m in loaded if m.startswith(HEAVY) and m not in allowed], loaded
-    import subprocess
-    import sys
-    code = ("import fedlase.engine\nfrom fedlase.registry import DATASETS, METHODS, MODELS, PARTITIONS, TRACKERS\n"
-            "print(sum(len(r.names()) for r in (DATASETS, METHODS, MODELS, PARTITIONS, TRACKERS)))")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0 and proc.stdout.split() == ["0"], proc.stdout + proc.stderr
+    assert registered == 0
 
 
 def test_the_config_imports_nothing_above_it():
-    """Its imports (and theirs) are the low layer: errors, levels, options, registry, resources."""
+    """Its imports (and theirs) are the low layer: errors, levels, options, registry, resources, util."""
     g, seen, todo = graph(), set(), ["fedlase.config"]
     while todo:
         for n in g.get(todo.pop(), ()):
@@ -137,7 +183,7 @@ def test_the_config_imports_nothing_above_it():
                 seen.add(n)
                 todo.append(n)
     assert seen <= {"fedlase", "fedlase.errors", "fedlase.levels", "fedlase.options", "fedlase.registry",
-                    "fedlase.resources"}, seen
+                    "fedlase.resources", "fedlase.util"}, seen
     assert not any(m.startswith(HEAVY) for m in seen)
 
 
@@ -145,4 +191,46 @@ def test_only_the_edges_register_the_built_ins():
     """catalog (which imports every built-in) is imported by the programs' entry points only."""
     importers = {m for m, names in graph().items() if "fedlase.catalog" in names}
     assert importers <= {"fedlase", "fedlase.cli", "fedlase.api", "fedlase.runner", "fedlase.sweep",
-                         "fedlase.flower.server_app", "fedlase.flower.client_app"}, importers
+                         "fedlase.flower.server_app", "fedlase.flower.client_app",
+                         "fedlase.flower.proxy"}, importers   # proxy: `python -m fedlase.flower.proxy front --config`
+
+
+# ---- the README's method table is the registry's (issue 29) ---------------------------------------------------
+
+def test_readme_method_table_is_the_generated_one():
+    """README.md's table between the markers equals fedlase.catalog.method_table(), so every built-in method is
+    listed with its options; `fedlase methods --readme README.md` rewrites it."""
+    from fedlase.catalog import method_table, readme_table
+    from fedlase.registry import METHODS
+    readme = (PKG.parent / "README.md").read_text()
+    table = readme_table(readme)
+    assert table is not None, "README.md lost the method table's markers"
+    assert table == method_table(), "README.md's method table is out of date: run `fedlase methods --readme README.md`"
+    builtins = [n for n, cls in METHODS.items() if cls.__module__.startswith("fedlase.")]
+    assert len(builtins) >= 9 and all(f"| `{n}` |" in table for n in builtins)
+
+
+@pytest.mark.flower
+def test_the_proxys_fleet_routes_are_the_superlinks():
+    """fedlase.flower.proxy derives the Fleet API's paths from Flower's wire protocol; the SuperLink's own router
+    (Flower internals, fine in a test) must serve exactly those, or the proxy forwards the wrong set."""
+    import pytest
+    pytest.importorskip("flwr")
+    from flwr.superlink.routers.fleet.router import router
+
+    from fedlase.flower.proxy import fleet_routes
+    assert fleet_routes() == sorted({r.path for r in router.routes})
+
+
+def test_the_readme_command_rewrites_only_the_marked_table(tmp_path, capsys):
+    from fedlase.catalog import TABLE_END, TABLE_START, method_table
+    from fedlase.cli import main
+    readme = tmp_path / "README.md"
+    readme.write_text(f"intro\n{TABLE_START}\n| stale |\n{TABLE_END}\nrest\n")
+    assert main(["methods", "--readme", str(readme)]) == 0 and "updated" in capsys.readouterr().out
+    assert readme.read_text() == f"intro\n{TABLE_START}\n{method_table()}\n{TABLE_END}\nrest\n"
+    assert main(["methods", "--readme", str(readme)]) == 0 and "already up to date" in capsys.readouterr().out
+    assert main(["methods", "--markdown"]) == 0 and capsys.readouterr().out.strip() == method_table()
+    readme.write_text("no markers\n")
+    assert main(["methods", "--readme", str(readme)]) == 2
+    assert "no method table markers" in capsys.readouterr().err and readme.read_text() == "no markers\n"

@@ -375,7 +375,7 @@ def cfg_for(folder, data_dir=None, max_length=16, seed=0):
 @pytest.fixture
 def cache(tmp_path, monkeypatch):
     d = tmp_path / "cache"
-    monkeypatch.setenv("FEDLASE_CACHE_DIR", str(d))
+    monkeypatch.setenv("FEDLASE_CACHE", str(d))
     return d
 
 

@@ -15,6 +15,10 @@ Sections (each prints one Markdown table; `--only` picks some):
   batched   `batched_clients=true` against the sequential engine, and how far their results differ.
   sliced    width-slice methods (heterofl, fedrolex, fedavg_small): sliced training against the masked
             full-size path (`sliced=false`), per round, and how far their results differ.
+  contention `fedlase run configs/demo.yaml` (a few rounds) as a user runs it, wall time of the whole process,
+            under each thread setting: on the machine as it is, and beside two CPU-bound processes. The
+            default (`threads=0`: the usable CPUs, OpenMP waiting passively) against fixed counts and
+            against OpenMP's own spinning wait (what fedlase did before); settings alternate run by run.
 
 Timings follow one warm-up round; the measured rounds are then replayed `repeats` times from the state after
 the warm-up (a run is deterministic, and a replay passes each round exactly as the run does: FedRolex's window
@@ -48,7 +52,7 @@ from fedlase.levels import System
 from fedlase.report import markdown_table
 
 CHECKOUT = Path(__file__).resolve().parents[1]   # the folder holding fedlase/ and tools/
-SECTIONS = ("overhead", "sliced", "masks", "memory", "comm", "batched")
+SECTIONS = ("overhead", "sliced", "masks", "memory", "comm", "batched", "contention")
 MEMORY_CLIENTS = (100, 1000, 10000)
 LEVELS = (1.0, 0.25, 0.0625, 0.015625)
 SYSTEM_LEVELS = System.of(list(LEVELS))   # methods take Levels (fedlase/levels.py)
@@ -456,6 +460,73 @@ def section_sliced(args, scen: dict) -> str:
                             "max param diff after a round"], rows))
 
 
+# ---- a shared CPU ---------------------------------------------------------------------------------------------
+SPIN = "while True: pass"   # a CPU-bound competitor
+# libgomp's own wait before fedlase chose PASSIVE: spin this many times, then sleep (GOMP_SPINCOUNT overrides
+# the policy's spin count, so this brings the old wait back under OMP_WAIT_POLICY=PASSIVE)
+OLD_WAIT = {"GOMP_SPINCOUNT": "300000"}
+
+
+def demo_run(threads: int, rounds: int, out: Path, env: dict, data: list[str]) -> float:
+    """Wall seconds of one `fedlase run configs/demo.yaml` in a fresh process (start-up and loading included)."""
+    cmd = [sys.executable, "-m", "fedlase", "run", str(CHECKOUT / "configs" / "demo.yaml"), *data,
+           f"rounds={rounds}", f"eval_every={rounds}", "checkpoint_every=0", f"threads={threads}", f"out={out}",
+           "--quiet"]
+    start = time.perf_counter()
+    res = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=CHECKOUT)
+    if res.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed: {res.stderr.strip()[-500:]}")
+    return time.perf_counter() - start
+
+
+def section_contention(args, data: dict) -> str:
+    """The demo config under each thread setting, quiet (the machine as it is) and beside two CPU-bound
+    processes; settings alternate run by run, each one's median kept. Goal (issue 27): under contention the
+    default within 1.2x of the best fixed count, on a quiet machine within 1.05x of all CPUs."""
+    from fedlase.resources import default_threads, usable_cpus
+    rounds, repeats = (2, 2) if args.quick else (3, 3)
+    cpus, base = usable_cpus(), {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    passive = {**base, "OMP_WAIT_POLICY": "PASSIVE"}   # what `fedlase run` sets unless the user chose
+    variants = [("threads=0 (default)", 0, passive, "default"),
+                (f"threads={cpus} (all usable CPUs)", cpus, passive, "fixed"),
+                ("threads=1", 1, passive, "fixed"),
+                (f"threads={cpus}, OpenMP's spinning wait (as before)", cpus, {**base, **OLD_WAIT}, "old")]
+    if cpus == 1:
+        variants = [v for v in variants if v[1] != cpus or v[3] == "default"]
+    rows, goals = [], []
+    with tempfile.TemporaryDirectory(prefix="fedlase-contention-") as tmp:
+        for state, competitors in (("as it is", 0), ("2 CPU-bound processes", 2)):
+            spinners = [subprocess.Popen([sys.executable, "-c", SPIN]) for _ in range(competitors)]
+            try:
+                times: dict[str, list[float]] = {v[0]: [] for v in variants}
+                for r in range(repeats):
+                    for i, (name, threads, env, _) in enumerate(variants):
+                        out = Path(tmp) / f"{competitors}-{r}-{i}"
+                        times[name].append(demo_run(threads, rounds, out, env, data["fmnist"]))
+            finally:
+                for p in spinners:
+                    p.kill()
+                    p.wait()
+            median = {k: float(np.median(v)) for k, v in times.items()}
+            fixed = [median[n] for n, _, _, kind in variants if kind == "fixed"]
+            best = min(fixed) if fixed else median[variants[0][0]]   # one CPU: the default is the one count
+            for name, _, _, kind in variants:
+                rows.append([state, name, f"{median[name]:.1f}", f"{median[name] / best:.2f}x",
+                             " ".join(f"{t:.1f}" for t in times[name])])
+            default = median[variants[0][0]]
+            if competitors:
+                goals.append(f"beside {competitors} CPU-bound processes, the default is {default / best:.2f}x the "
+                             "best fixed count (goal: at most 1.2x)")
+            elif cpus > 1:
+                goals.append(f"on the machine as it is, the default is {default / median[variants[1][0]]:.2f}x "
+                             f"all {cpus} CPUs (goal on a quiet machine: at most 1.05x)")
+    return (f"### A shared CPU: `fedlase run configs/demo.yaml rounds={rounds}`, wall seconds of the whole "
+            f"process (median of {repeats}, settings alternating); {cpus} usable CPU(s), default threads "
+            f"{default_threads()}\n\n"
+            + markdown_table(["machine", "setting", "wall s", "vs best fixed", "runs"], rows)
+            + "\n\n" + "; ".join(goals) + ".")
+
+
 # ---- the command ----------------------------------------------------------------------------------------------
 def machine() -> str:
     cpu = platform.processor() or platform.machine()
@@ -504,6 +575,8 @@ def run(args) -> str:
                 parts.append(section_comm(args))
             elif section == "batched":
                 parts.append(section_batched(args, scen))
+            elif section == "contention":
+                parts.append(section_contention(args, data))
     load = os.getloadavg()
     parts.append(f"Finished in {time.perf_counter() - started:.0f} s; load average at the end: "
                  f"{load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")

@@ -5,7 +5,11 @@
 - the front proxy (nginx, `fedlase.flower.proxy.front_config`) is the one address node machines reach:
   mutual TLS with the federation's CA, the Fleet API's routes only;
 - each SuperNode talks TLS to its own sidecar (nginx, `sidecar_config`) on loopback, which holds that node's
-  client certificate and opens the mutual-TLS connection to the proxy.
+  client certificate and opens the mutual-TLS connection to the proxy;
+- beside each SuperNode, its warm worker (fedlase/flower/worker.py) in a private folder of its own, named in the
+  node's config (`worker-dir`) and watching the SuperNode's pid, so it dies with it (`workers=False`: none,
+  every message trains in its ClientApp process);
+- every Flower process polls as `launch.NODE_ENV` says (unless the environment sets it).
 
 Every process is a process group of its own with its log in `<out>/flower-logs/`; `stop()` (or leaving the
 `with` block) ends them all, and what they started. `<out>/deployment.json` says where everything is.
@@ -27,9 +31,10 @@ from pathlib import Path
 import psutil
 
 from fedlase.errors import UserError
-from fedlase.flower.launch import QUIET_ENV, descendants, flwr_command, reap, write_connection
-from fedlase.flower.proxy import front_config, nginx_binary, nginx_command, sidecar_config, sidecar_files
+from fedlase.flower.launch import NODE_ENV, QUIET_ENV, descendants, flwr_command, reap, write_connection
+from fedlase.flower.proxy import body_limit, front_config, nginx_binary, nginx_command, sidecar_config, sidecar_files
 from fedlase.flower.security import INSECURE_WARNING, Credentials, fingerprint, make_credentials, node_cert
+from fedlase.flower.worker import SOCKET, listening
 
 log = logging.getLogger("fedlase")
 
@@ -42,9 +47,11 @@ def free_port() -> int:
 
 class LocalFederation:
     """A SuperLink, its front proxy, and SuperNodes each behind its sidecar, all on loopback. `creds`: the
-    federation's files (made in `<out>/flower-tls` when not given, with `nodes` nodes)."""
+    federation's files (made in `<out>/flower-tls` when not given, with `nodes` nodes). `workers`: a warm worker
+    beside each SuperNode."""
 
-    def __init__(self, out: Path, creds: Credentials | None = None, insecure: bool = False, nodes: int = 0):
+    def __init__(self, out: Path, creds: Credentials | None = None, insecure: bool = False, nodes: int = 0,
+                 workers: bool = True):
         self.out = Path(out)
         self.logs = self.out / "flower-logs"
         self.logs.mkdir(parents=True, exist_ok=True)
@@ -53,11 +60,14 @@ class LocalFederation:
             log.warning(INSECURE_WARNING)
         else:
             nginx_binary()   # fail now, in one line, rather than after the SuperLink started
-        self.creds = None if insecure else creds or make_credentials(self.out / "flower-tls", nodes=nodes)
+        self.creds = None if insecure else creds or make_credentials(self.out / "flower-tls", nodes=nodes,
+                                                                             force=True)   # throwaway ones
         self.bindir = str(Path(sys.executable).parent)   # flower-superlink, flower-supernode, flwr live beside python
         self.home = Path(tempfile.mkdtemp(prefix="fedlase-flwr-"))   # FLWR_HOME: connection, app bundles
-        self.env = {**os.environ, **QUIET_ENV, "FLWR_HOME": str(self.home),
+        self.env = {**NODE_ENV, **os.environ, **QUIET_ENV, "FLWR_HOME": str(self.home),
                     "PATH": self.bindir + os.pathsep + os.environ.get("PATH", "")}
+        self.workers = workers
+        self.worker_dirs: dict[str, Path] = {}   # node name -> its worker's private folder
         self.port = free_port()
         self.address = f"127.0.0.1:{self.port}"    # the SuperLink: Control and Runtime APIs, this host only
         self.proxy: str | None = None               # what node machines reach (None: insecure, no proxy)
@@ -67,7 +77,7 @@ class LocalFederation:
                            "ca": self.creds and str(self.creds.ca), "nodes": {}}
         write_connection(self.home, self.address, self.creds and str(self.creds.ca), insecure)
 
-    def __enter__(self) -> "LocalFederation":
+    def __enter__(self) -> LocalFederation:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -96,9 +106,9 @@ class LocalFederation:
         (self.out / "deployment.json").write_text(json.dumps(self.deployment, indent=1) + "\n")
 
     # ---- the SuperLink's host ------------------------------------------------------------------------------
-    def start_superlink(self, timeout: float = 60.0) -> str:
-        """The SuperLink on loopback and, unless insecure, the front proxy; returns the proxy's address (the
-        SuperLink's without a proxy)."""
+    def start_superlink(self, timeout: float = 60.0, max_body: int | None = None) -> str:
+        """The SuperLink on loopback and, unless insecure, the front proxy (request bodies up to `max_body`
+        bytes: `fedlase.flower.proxy.body_limit`); returns the proxy's address (the SuperLink's without one)."""
         tls = ["--insecure"] if self.insecure else [
             "--ssl-ca-certfile", str(self.creds.ca), "--ssl-certfile", str(self.creds.cert),
             "--ssl-keyfile", str(self.creds.key), "--enable-supernode-auth"]
@@ -111,7 +121,7 @@ class LocalFederation:
             work = self.out / "flower-proxy" / "front"
             cmd = nginx_command(work, front_config(work.resolve(), f"127.0.0.1:{port}", self.address,
                                                    *(p.resolve() for p in (self.creds.ca, self.creds.cert,
-                                                                           self.creds.key))))
+                                                                           self.creds.key)), max_body=max_body))
             self._wait_listening(self._start("proxy", cmd), port, "proxy", timeout)
             self.proxy = f"127.0.0.1:{port}"
         self.deployment["proxy"] = self.proxy
@@ -149,9 +159,14 @@ class LocalFederation:
 
     def start_node(self, partition: int, level: str, key: Path | None = None, cert: tuple[Path, Path] | None = None,
                    name: str | None = None) -> subprocess.Popen:
-        """A SuperNode declaring `partition` at `level`, behind a sidecar of its own. `key`: its node private key,
-        `cert`: its client certificate and key (default: the credentials' own for that partition)."""
+        """A SuperNode declaring `partition` at `level`, behind a sidecar of its own, and its worker. `key`: its
+        node private key, `cert`: its client certificate and key (default: the credentials' own for that
+        partition)."""
         name = name or f"supernode-{partition}"
+        node_config = f"partition-id={partition} level='{level}'"
+        if self.workers:   # short and private: a Unix socket path has at most 107 bytes
+            self.worker_dirs[name] = Path(tempfile.mkdtemp(prefix="fedlase-node-"))
+            node_config += f" worker-dir='{self.worker_dirs[name]}'"
         entry = {"partition": partition, "level": level}
         if self.insecure:
             auth, target = ["--insecure"], self.address
@@ -162,16 +177,39 @@ class LocalFederation:
             auth = ["--root-certificates", str(root), "--auth-supernode-private-key", str(key)]
             entry.update(sidecar=target, sidecar_cert=str(root), client_cert=str(cert[0]),
                          public_key=f"{key}.pub", fingerprint=fingerprint(Path(f"{key}.pub").read_bytes()))
+        node = self._start(name, [f"{self.bindir}/flower-supernode", *auth, "--superlink", target,
+                                  "--port", str(free_port()), "--node-config", node_config])
+        if self.workers:
+            entry["worker"] = str(self.worker_dirs[name] / SOCKET)
+            self.start_worker(name, partition, node.pid)
         self.deployment["nodes"][name] = entry
         self._write_deployment()
-        return self._start(name, [f"{self.bindir}/flower-supernode", *auth, "--superlink", target,
-                                  "--port", str(free_port()),
-                                  "--node-config", f"partition-id={partition} level='{level}'"])
+        return node
+
+    def start_worker(self, name: str, partition: int, node_pid: int, timeout: float = 60.0) -> subprocess.Popen:
+        """Node `name`'s warm worker, watching its SuperNode's pid; returns once its socket listens (it binds
+        before it imports torch, so a message that comes early waits for it rather than finding none)."""
+        folder = self.worker_dirs[name]
+        w = self._start(f"worker-{name}", [sys.executable, "-m", "fedlase.flower.worker", "--dir", str(folder),
+                                            "--partition-id", str(partition), "--watch-pid", str(node_pid)])
+        deadline = time.monotonic() + timeout
+        while not listening(folder):
+            if w.poll() is not None or time.monotonic() > deadline:
+                raise UserError(f"the worker of {name} did not start; see {self.logs}/worker-{name}.log")
+            time.sleep(0.05)
+        return w
+
+    def worker(self, name: str) -> subprocess.Popen | None:
+        """The live worker process of node `name`, if any."""
+        for key, p in self.procs.items():
+            if key.startswith(f"worker-{name}#") and p.poll() is None:
+                return p
+        return None
 
     def start_all(self, cfg) -> dict[int, subprocess.Popen]:
         """The SuperLink and its proxy, every node key registered, one SuperNode per client of `cfg` declaring
         the level its system spec gives it; returns the SuperNodes by partition."""
-        self.start_superlink()
+        self.start_superlink(max_body=body_limit(cfg))   # the run's model sets the proxy's body limit
         if not self.insecure:
             for pid in range(cfg.num_clients):
                 self.register(Path(f"{self.creds.nodes[pid]}.pub"))
@@ -223,3 +261,5 @@ class LocalFederation:
             p.wait()
         reap(tree, grace=3.0)
         shutil.rmtree(self.home, ignore_errors=True)
+        for folder in self.worker_dirs.values():
+            shutil.rmtree(folder, ignore_errors=True)

@@ -1,22 +1,27 @@
 """Where a Deployment Engine message's time goes: a loopback deployment (tools/flower_local.py) whose nodes run a
 timing ClientApp, then a table of the per-message medians.
 
-    python -m tools.flower_profile [CONFIG] key=value ...     (the arguments of `fedlase run`; run from the repo root)
+    python -m tools.flower_profile [CONFIG] key=value ... [--no-worker]   (the arguments of `fedlase run`; from
+                                                                          the repo root)
     python -m tools.flower_profile --imports OUT/flower-app/pyproject.toml     (a ClientApp's loads, one by one)
 
 The timing ClientApp (`app` below) does exactly what fedlase's does, through the public steps of
 fedlase/flower/client_app.py, with a clock between them, and writes one line per message to stderr (the node's
 log): `start` (process start -> this module imported: interpreter, Flower's imports, pulling the message,
-the app bundle's install), `wait` (-> the handler), `imports` (fedlase's training code and torch, imported by
-the first TRAIN message), `config`, `trainer` (the partition from the node cache, the model), `decode`,
-`train`, `encode`, `reply` (pushing the reply and the process's exit) and `total`. Timers only: the weights
-are the ones fedlase's own ClientApp gives. Flower's polling intervals come from the environment
-(`FLWR_SUPEREXEC_TASK_POLL_INTERVAL`, ...), passed on to the nodes as set."""
+the app bundle's install), `wait` (-> the handler), then either, with the node's warm worker (the default),
+`handover` (the arrays to the worker and the reply back, the worker's own steps not counted) and the worker's
+`trainer`, `decode`, `train`, `encode`; or, with `--no-worker`, `imports` (fedlase's training code and torch),
+`config`, `trainer` (the partition from the node cache, the model), `decode`, `train`, `encode`; then `reply`
+(pushing the reply and the process's exit), `total`, and `torch` (1 if the ClientApp process imported torch).
+Timers only: the weights are the ones fedlase's own ClientApp gives, and the run is compared with the embedded
+engine's at the end. Flower's polling intervals are tools/flower_local.py's (`launch.NODE_ENV`) unless the
+environment sets them (`FLWR_SUPEREXEC_TASK_POLL_INTERVAL`), passed on to the nodes as set."""
 from __future__ import annotations
 
 import os
 import sys
 import time
+from pathlib import Path
 
 _IMPORTED = time.time()
 
@@ -41,13 +46,15 @@ class Clock:
     def done(self) -> None:
         """Write the line at the process's exit, so that `reply` holds the reply's push."""
         import atexit
+
         import psutil
         created = psutil.Process().create_time()
         first = {"start": _IMPORTED - created, "wait": self.t0 - _IMPORTED}
         end = time.time()
 
         def write():
-            steps = {**first, **self.steps, "reply": time.time() - end, "total": time.time() - created}
+            steps = {**first, **self.steps, "reply": time.time() - end, "total": time.time() - created,
+                     "torch": float("torch" in sys.modules)}
             line = " ".join(f"{k}={v:.3f}" for k, v in steps.items())
             print(f"fedlase-profile pid={os.getpid()} {self.kind} {line}", file=sys.stderr, flush=True)
         atexit.register(write)
@@ -65,12 +72,23 @@ def query(msg: Message, context: Context) -> Message:
 @app.train()
 def train(msg: Message, context: Context) -> Message:
     clock = Clock(msg)
+    pid, rnd = fedlase_app.task_of(msg, context)
+    if context.node_config.get("worker-dir"):
+        warm = fedlase_app.via_worker(msg, context, pid)
+        if warm is not None:
+            clock("handover")
+            header, content = warm
+            worker = header.get("times", {})
+            clock.steps["handover"] -= sum(worker.values())
+            clock.steps.update(worker)
+            clock.done()
+            return Message(content, reply_to=msg)
     import torch  # noqa: F401
+
     import fedlase.flower.codec  # noqa: F401
     import fedlase.flower.node_data  # noqa: F401
     clock("imports")
-    cfg = fedlase_app.run_config(context)
-    pid, rnd = fedlase_app.task_of(msg, context)
+    cfg = fedlase_app.context_config(context)
     clock("config")
     trainer = fedlase_app.trainer_for(cfg, pid)
     clock("trainer")
@@ -112,14 +130,16 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-# One fresh interpreter, timing in order what a ClientApp process loads: Flower, fedlase's ClientApp module,
-# the training code with torch, then the run's config read (as the ClientApp does) and validated (as before).
+# One fresh interpreter, timing in order what a ClientApp process loads: Flower's runtime (the floor of every
+# message), Flower's app API, fedlase's ClientApp module (all a message needs with a worker), the training code
+# with torch, then the run's config read (as the ClientApp does without a worker) and validated (as before).
 _STAGES = """
 import json, sys, time, tomllib
 t = time.perf_counter(); out = {}
 def stage(name):
     global t
     now = time.perf_counter(); out[name] = now - t; t = now
+import flwr.supernode.cli; stage("flower runtime")   # what `flwr-clientapp` imports before it pulls the message
 import flwr.app, flwr.clientapp; stage("flower")
 import fedlase.flower.client_app; stage("clientapp")
 import torch, fedlase.flower.codec, fedlase.flower.node_data; stage("torch+training")
@@ -137,15 +157,35 @@ def import_costs(app_toml: Path, reps: int = 5) -> str:
     import json
     import statistics
     import subprocess
-    runs = [json.loads(subprocess.run([sys.executable, "-c", _STAGES, str(app_toml)], capture_output=True,
-                                      text=True, check=True).stdout) for _ in range(reps)]
+    def bare() -> float:   # an interpreter that does nothing: start and exit
+        t = time.perf_counter()
+        subprocess.run([sys.executable, "-c", "pass"], check=True)
+        return time.perf_counter() - t
+    runs = [{"python": bare(), **json.loads(subprocess.run([sys.executable, "-c", _STAGES, str(app_toml)],
+                                                         capture_output=True, text=True, check=True).stdout)}
+            for _ in range(reps)]
     return " ".join(f"{k}={statistics.median(r[k] for r in runs):.2f}" for k in runs[0])
+
+
+def same_as_embedded(config: str | None, argv: list[str], out: Path) -> str:
+    """Whether the run's final weights are the embedded engine's for the same config, bit for bit."""
+    import shutil
+
+    import torch
+
+    from fedlase.config import load_config
+    from fedlase.engine import run_experiment
+    emb = out.with_name(out.name + "-embedded")
+    shutil.rmtree(emb, ignore_errors=True)
+    run_experiment(load_config(config, [*argv, f"out={emb}"]), progress=False)
+    a, b = (torch.load(d / "checkpoint.pt", map_location="cpu", weights_only=False)["params"] for d in (out, emb))
+    same = a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    return "identical to the embedded engine's" if same else "DIFFERENT from the embedded engine's"
 
 
 def main(argv: list[str]) -> int:
     import json
     import signal
-    from pathlib import Path
 
     from fedlase.catalog import load_builtins
     from fedlase.config import load_config
@@ -158,13 +198,15 @@ def main(argv: list[str]) -> int:
     if argv[:1] == ["--imports"]:
         print(import_costs(Path(argv[1])))
         return 0
+    workers = "--no-worker" not in argv
+    argv = [a for a in argv if a != "--no-worker"]
     config = argv.pop(0) if argv and "=" not in argv[0] else None
     root = str(Path(__file__).resolve().parents[1])
     try:
         load_builtins()
         base = load_config(config, argv)
         out = Path(base.out).resolve()
-        with LocalFederation(out, nodes=base.num_clients) as fed:
+        with LocalFederation(out, nodes=base.num_clients, workers=workers) as fed:
             fed.env["PYTHONPATH"] = os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])   # nodes import tools
             fed.env["FEDLASE_CACHE"] = os.environ.get("FEDLASE_CACHE", str(out / "node-cache"))
             fed.start_all(base)
@@ -178,8 +220,11 @@ def main(argv: list[str]) -> int:
         rows = read_lines(sorted((out / "flower-logs").glob("supernode-*.log")))
         times = [json.loads(x)["train_time"] for x in (out / "metrics.jsonl").read_text().splitlines()]
         rounds = [round(b - a, 2) for a, b in zip([0.0, *times], times)]
-        print(f"run: {wall:.1f} s submitted to finished; train_time per round (s): {rounds}")
+        print(f"run: {wall:.1f} s submitted to finished ({'with' if workers else 'without'} workers, "
+              f"FLWR_SUPEREXEC_TASK_POLL_INTERVAL={fed.env.get('FLWR_SUPEREXEC_TASK_POLL_INTERVAL', '1.0 (Flower)')}"
+              f"); train_time per round (s): {rounds}")
         print(table(rows))
+        print(f"weights: {same_as_embedded(config, argv, out)}")
         return 0
     except UserError as e:
         print(f"flower_profile: error: {e}", file=sys.stderr)

@@ -4,22 +4,24 @@ Both return a :class:`fedlase.data.sources.Dataset` whose x is int64 token ids (
 the tokenizer's pad id (the model trims each batch to its longest sequence), and y int64 labels. The tokenizer
 is the model's: the packaged MiniLM's for `model=minilm`, the `model_path` folder's otherwise.
 
-Tokenizing is done once per (dataset files, tokenizer files, max_length) and cached on disk, in
-`$FEDLASE_CACHE_DIR` or `$XDG_CACHE_HOME/fedlase` (default `~/.cache/fedlase`), under a name holding a hash of
-all three; a later load reads the cache in milliseconds and never imports transformers.
+Tokenizing is done once per (dataset files, tokenizer files, max_length) and cached on disk, in fedlase's cache
+folder (`fedlase.util.cache_dir()`: `$FEDLASE_CACHE`, else `$XDG_CACHE_HOME/fedlase`, else `~/.cache/fedlase`;
+`$FEDLASE_CACHE_DIR` is read as its deprecated name), under a name holding a hash of all three; a later load
+reads the cache in milliseconds and never imports transformers.
 """
 from __future__ import annotations
 
 import csv
 import hashlib
 import io
-import os
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from ..errors import ConfigError, DataError
+from ..models.transformer import max_length_of
+from ..util import atomic_write, cache_dir
 from .sources import Dataset
 
 BBC_CLASSES = ("business", "entertainment", "politics", "sports", "tech")
@@ -29,20 +31,6 @@ AGNEWS_CLASSES = 4
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt",
                     "vocab.json", "merges.txt", "sentencepiece.bpe.model", "spiece.model", "added_tokens.json")
 _CACHE_VERSION = "1"
-
-
-def cache_dir() -> Path:
-    root = os.environ.get("FEDLASE_CACHE_DIR")
-    if root:
-        return Path(root)
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "fedlase"
-
-
-def max_length_of(cfg) -> int:
-    n = getattr(cfg, "max_length", 128)
-    if not isinstance(n, int) or isinstance(n, bool) or n <= 0:
-        raise ConfigError("max_length", f"must be a positive number of tokens, got {n!r}")
-    return n
 
 
 def tokenizer_folder(cfg) -> Path:
@@ -109,9 +97,7 @@ def cached_tokens(name: str, data_key: str, read_fn, cfg) -> tuple[torch.Tensor,
     texts, labels = read_fn()
     ids, labels = tokenize(texts, folder, n), torch.as_tensor(labels, dtype=torch.int64)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    torch.save({"ids": ids, "labels": labels}, tmp)
-    os.replace(tmp, path)
+    atomic_write(path, lambda tmp: torch.save({"ids": ids, "labels": labels}, tmp))
     return ids, labels
 
 

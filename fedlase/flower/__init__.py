@@ -6,9 +6,11 @@ keys), `node_data` (a node's own cached samples), `server_app` and `client_app` 
 (`engine=flower-sim` / `engine=flower-deploy`), `security` (certificates, node keys, pins) and `proxy` (nginx in
 front of the SuperLink and beside each node). The loopback deployment is tools/flower_local.py. See
 docs/flower.md."""
+from ..resources import passive_openmp
 from .launch import QUIET_ENV, quiet_env
 
 quiet_env()   # before flwr or ray is imported anywhere below this package
+passive_openmp()   # a Flower app process (ServerApp, ClientApp) imports this before torch: OpenMP waits passively
 
 from .launch import run_flower  # noqa: E402
 

@@ -5,10 +5,13 @@ model, the trainer) and trains with `fedlase.client.ClientTrainer.update` (same 
 `local_train` as the embedded engine), so a node computes the very delta the embedded engine would.
 
 The Deployment Engine starts a process per message, so this module imports only Flower at load time: a QUERY
-answers from the node config alone (no config parsing, no torch), and the training code is imported by the
-first TRAIN message. The steps of a TRAIN message are public functions (`run_config`, `trainer_for`,
-`decode`, `train_step`, `encode`) so that a tool can time them (tools/flower_profile.py) without reaching into
-this module."""
+answers from the node config alone (no config parsing, no torch). A TRAIN message goes to the node's warm worker
+when its node config names one (`worker-dir`, fedlase/flower/worker.py): the arrays travel over a private Unix
+socket and the worker, which keeps torch, the partition and the model, trains with the very functions below
+(`train_content`), so this process never imports torch. Without a worker, or refused by it, the message trains
+here as before (said once in the node's log). The steps of a TRAIN message are public functions (`context_config`,
+`trainer_for`, `decode`, `train_step`, `encode`) so that a tool can time them (tools/flower_profile.py)
+without reaching into this module."""
 from __future__ import annotations
 
 from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
@@ -21,13 +24,19 @@ app = ClientApp()
 _CACHE: dict = {}
 
 
-def run_config(context: Context):
-    """The run's fedlase config (built-ins registered first: a program's edge). It is read, not validated
+def context_config(context: Context):
+    """The run's fedlase config, read from Flower's Context (its run config; fedlase.runner.run_config is the
+    other thing: it runs a config), built-ins registered first (a program's edge). It is read, not validated
     again: the server validated it before submitting, and validation's size check builds the model on the meta
     device, which imports torch._dynamo (1-4 s) in every ClientApp process, that is for every message."""
-    text = str(context.run_config["fedlase-config"])
+    return config_of(str(context.run_config["fedlase-config"]))
+
+
+def config_of(text: str):
+    """The config a run's `fedlase-config` text holds, parsed once per process (the worker's too)."""
     if _CACHE.get("text") != text:
         import json
+
         from ..catalog import load_builtins
         from ..config import config_from_dict
         from ..levels import System
@@ -67,10 +76,11 @@ def trainer_for(cfg, pid: int):
     return trainers[pid]
 
 
-def decode(msg: Message, trainer):
-    """The submodel and global parameters the message carries, on the trainer's device."""
+def decode(msg: Message | RecordDict, trainer):
+    """The submodel and global parameters the message (or its content) carries, on the trainer's device."""
     from .codec import decode_submodel
-    params, buffers, sub = decode_submodel(msg.content, dict(trainer.model.named_parameters()))
+    content = msg.content if isinstance(msg, Message) else msg
+    params, buffers, sub = decode_submodel(content, dict(trainer.model.named_parameters()))
     dev = trainer.x.device
     return {n: p.to(dev) for n, p in params.items()}, {n: b.to(dev) for n, b in buffers.items()}, sub.to(dev)
 
@@ -80,26 +90,67 @@ def train_step(trainer, pid: int, rnd: int, params: dict, buffers: dict, sub) ->
 
 
 def encode(msg: Message, delta: dict, sub, loss: float, pid: int, rnd: int) -> Message:
+    return Message(reply_content(delta, sub, loss, pid, rnd), reply_to=msg)
+
+
+def reply_content(delta: dict, sub, loss: float, pid: int, rnd: int) -> RecordDict:
     from .codec import encode_delta
-    content = RecordDict({"delta": encode_delta(delta, sub),
-                          "metrics": MetricRecord({"train-loss": loss, "partition-id": pid, "round": rnd})})
-    return Message(content, reply_to=msg)
+    return RecordDict({"delta": encode_delta(delta, sub),
+                       "metrics": MetricRecord({"train-loss": loss, "partition-id": pid, "round": rnd})})
 
 
-def task_of(msg: Message, context: Context) -> tuple[int, int]:
-    """(partition id, round) of a TRAIN message, refused if it was meant for another partition."""
-    pid = partition_id(context)
-    task = msg.content.config_records["task"]
+def train_content(cfg, content: RecordDict, pid: int, rnd: int, times: dict | None = None) -> RecordDict:
+    """A TRAIN message's reply content, computed here or in the node's worker (`times`: seconds per step)."""
+    import time
+    t = time.perf_counter()
+
+    def lap(step):
+        nonlocal t
+        if times is not None:
+            now = time.perf_counter()
+            times[step], t = now - t, now
+    trainer = trainer_for(cfg, pid)
+    lap("trainer")
+    params, buffers, sub = decode(content, trainer)
+    lap("decode")
+    delta, loss = train_step(trainer, pid, rnd, params, buffers, sub)
+    lap("train")
+    out = reply_content(delta, sub, loss, pid, rnd)
+    lap("encode")
+    return out
+
+
+def task_ids(content: RecordDict, pid: int) -> tuple[int, int]:
+    """(partition id, round) of a TRAIN message's content, refused if it was meant for a partition not `pid`."""
+    task = content.config_records["task"]
     if int(task["partition-id"]) != pid:   # the server's map is stale (e.g. a node restarted with another id)
         raise ValueError(f"sent partition {task['partition-id']}'s work, but this node is partition {pid}")
     return pid, int(task["round"])
 
 
+def task_of(msg: Message, context: Context) -> tuple[int, int]:
+    """(partition id, round) of a TRAIN message, refused if it was meant for another partition."""
+    return task_ids(msg.content, partition_id(context))
+
+
+def via_worker(msg: Message, context: Context, pid: int) -> tuple[dict, RecordDict] | None:
+    """The node's worker's (header, reply content) for this message, or None if the node names no worker
+    (`worker-dir` in its node config) or it cannot be used, which is said once in the node's log."""
+    folder = context.node_config.get("worker-dir")
+    if not folder:
+        return None
+    from .worker import WorkerError, ask, say_once
+    try:
+        return ask(str(folder), context.run_id, pid, str(context.run_config["fedlase-config"]), msg.content)
+    except WorkerError as e:
+        say_once(str(folder), context.run_id, str(e))
+        return None
+
+
 @app.train()
 def train(msg: Message, context: Context) -> Message:
-    cfg = run_config(context)
     pid, rnd = task_of(msg, context)
-    trainer = trainer_for(cfg, pid)
-    params, buffers, sub = decode(msg, trainer)
-    delta, loss = train_step(trainer, pid, rnd, params, buffers, sub)
-    return encode(msg, delta, sub, loss, pid, rnd)
+    warm = via_worker(msg, context, pid)
+    if warm is not None:
+        return Message(warm[1], reply_to=msg)
+    return Message(train_content(context_config(context), msg.content, pid, rnd), reply_to=msg)

@@ -2,8 +2,8 @@
 
 Down (server -> client), per parameter:
   - masked: the values on the submodel's support, in row-major order, plus the support as packed bits
-    (1 bit a coordinate; no bits when all are kept). For a threshold submodel the support is mask | (|w| >= tau), so the client's
-    |w| >= tau re-evaluation sees exactly the weights it would see with the whole model; everything else
+    (1 bit a coordinate; no bits when all are kept). For a threshold submodel the support is mask | (|w| >= tau),
+    so the client's |w| >= tau re-evaluation sees exactly the weights it would see with the whole model; everything else
     is rebuilt as 0, which the masked forward multiplies by 0 anyway. The credited mask travels as a
     second bit array only where it differs from the support (never for FIARSE, whose mask is |w| >= tau).
   - not masked: the dense tensor.
@@ -79,7 +79,8 @@ def encode_submodel(params: dict[str, torch.Tensor], buffers: dict[str, torch.Te
                         "threshold-values": [float(sub.thresholds[n]) for n in names],
                         "has-thresholds": sub.thresholds is not None,
                         "scale-names": scaled, "scale-values": [float(sub.scales[n]) for n in scaled],
-                        "slice-names": sorted(sub.slices), "slice-dims": [len(sub.slices[n]) for n in sorted(sub.slices)]})
+                        "slice-names": sorted(sub.slices),
+                        "slice-dims": [len(sub.slices[n]) for n in sorted(sub.slices)]})
     return RecordDict({"values": values, "bits": bits, "credit": credit, "slices": slices,
                        "buffers": ArrayRecord({n: _arr(b) for n, b in buffers.items()}),
                        "sub-buffers": ArrayRecord({n: _arr(b) for n, b in sub.buffers.items()}),
@@ -89,7 +90,8 @@ def encode_submodel(params: dict[str, torch.Tensor], buffers: dict[str, torch.Te
 def decode_submodel(content: RecordDict, template: dict[str, torch.Tensor]):
     """-> (params, buffers, Submodel), with params rebuilt as zeros off the support. `template` gives the
     names, shapes and dtypes of the client's own model."""
-    values, bits, credit = content.array_records["values"], content.array_records["bits"], content.array_records["credit"]
+    records = content.array_records
+    values, bits, credit = records["values"], records["bits"], records["credit"]
     params, masks = {}, {}
     for n, t in template.items():
         v = torch.from_numpy(values[n].numpy())

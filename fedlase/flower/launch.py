@@ -24,8 +24,9 @@ from pathlib import Path
 
 import psutil
 
-from ..config import Config
+from ..config import Config, tagged
 from ..errors import ConfigError, UserError
+from ..resources import usable_cpus
 
 log = logging.getLogger("fedlase")
 
@@ -40,8 +41,15 @@ def quiet_env() -> None:
     os.environ.update(QUIET_ENV)
 
 
+# The one Flower 1.42 polling interval a deployment may set: how often a SuperExec (one beside each SuperNode,
+# one beside the SuperLink) asks its own process for a task to start (default 1 s; a request on loopback).
+# The server's reply pull is fedlase's own (rounds.NodeRounds.POLL, 0.2 s). Fixed in Flower: a SuperNode with
+# no work asks the SuperLink again after 3 s, and waits for its ClientApp's reply in steps of 0.5 s.
+NODE_ENV = {"FLWR_SUPEREXEC_TASK_POLL_INTERVAL": "0.2"}
+
+
 # Files of the submitting machine: they mean nothing to the ServerApp and ClientApps on other machines.
-LOCAL_FILES = ("tls_ca", "tls_cert", "tls_key", "node_keys")
+LOCAL_FILES = tagged("submitter")   # tls_ca, tls_cert, tls_key, node_keys (their Options are tagged so)
 
 
 def app_config(cfg: Config) -> dict:
@@ -187,7 +195,13 @@ def configured_apps(server_app: str, client_app: str, run_config: dict):
 
 class _DropDeprecation(logging.Filter):
     """fedlase calls `run_simulation` for the user: its deprecation notice (which says to use `flwr run`)
-    is Flower talking to fedlase, not to them."""
+    is Flower talking to fedlase, not to them.
+
+    Why the deprecated function stays: it is the only Python API of Flower 1.42 that runs a simulation in this
+    process. Its replacement, `flwr run` on a simulation federation, starts a SuperLink process and runs the
+    app from a built FAB, which would give up what `engine=flower-sim` is for: one process, the run's own Ray,
+    nothing left running after it. pyproject.toml pins the tested range (flwr>=1.42,<1.43); a Flower that
+    removes the function fails tests/test_flower.py."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         return "run_simulation` function is deprecated" not in record.getMessage()
@@ -200,7 +214,7 @@ def simulation_backend(cfg: Config) -> dict:
     if cfg.ray_address is not None:
         from ..cluster import simulation_join
         return simulation_join(cfg)
-    cpus = max(1, os.cpu_count() or 1)
+    cpus = usable_cpus()   # affinity and CPU quota: a container's share, not the host's cores
     gpu = 0.0
     if cfg.device == "cuda" or (cfg.device == "auto" and _has_cuda()):
         gpu = 1.0 / max(1, min(cpus, cfg.num_clients, 4))
@@ -220,6 +234,9 @@ def _has_cuda() -> bool:
 # `ray.init(address="local")` binds its GCS, raylet and workers on every interface (measured with Ray 2.55: '::'),
 # and Ray has no authentication: whoever reaches the machine could submit code to it. Off, all of them listen on
 # 127.0.0.1 only. Ray reads it when it is imported; the processes it starts read it from the environment.
+# The variable is Ray's documented switch (its docs on clusters under Windows and macOS); Ray offers no public
+# API to set it after `import ray`, hence ray._private.ray_constants below (Ray 2.55.1, the version flwr 1.42
+# pins; pyproject.toml pins flwr>=1.42,<1.43). tests/test_flower.py checks what it is for: the ports bound.
 SINGLE_MACHINE_RAY = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 
 
@@ -228,7 +245,7 @@ def loopback_ray():
     """While it is open, a Ray started by this process listens on loopback only (SINGLE_MACHINE_RAY)."""
     before = os.environ.get(SINGLE_MACHINE_RAY)
     os.environ[SINGLE_MACHINE_RAY] = "0"
-    constants = sys.modules.get("ray._private.ray_constants")
+    constants = sys.modules.get("ray._private.ray_constants")   # private: no public setter (see SINGLE_MACHINE_RAY)
     was = getattr(constants, "ENABLE_RAY_CLUSTER", None)
     if constants is not None:   # Ray was imported before (a test, a notebook): it has read the switch already
         constants.ENABLE_RAY_CLUSTER = False
@@ -248,9 +265,11 @@ def simulate(cfg: Config, app_dir: Path, client_app: str = "fedlase.flower.clien
     """Flower's Simulation Engine in this process (`flwr.simulation.run_simulation`): the ServerApp in a
     thread, the ClientApps in Ray actors, one virtual SuperNode per client. No SuperLink is started, so no
     process outlives the call. `client_app` lets tests run a ClientApp that misbehaves."""
-    from flwr.simulation import run_simulation
-    for name in ("flwr", "alembic"):   # Flower's per-message and state-database chatter (after its import,
-        logging.getLogger(name).setLevel(logging.WARNING)   # which sets its own level)
+    # alembic (Flower's state database) logs "setup plugin ..." at INFO when it is imported: quiet before
+    # the import; its warnings and errors still show
+    logging.getLogger("alembic").setLevel(logging.WARNING)
+    from flwr.simulation import run_simulation   # deprecated, still the only in-process API (_DropDeprecation)
+    logging.getLogger("flwr").setLevel(logging.WARNING)   # per-message chatter (after its import: it sets its own)
     srv, cli = configured_apps(server_app, client_app, _run_config(app_dir))
     # Ray's raylet, gcs and workers are started below this process, but Flower shuts Ray down itself and
     # the orphaned workers then linger for tens of seconds: note them while they are ours, reap them after.

@@ -11,20 +11,21 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import shutil
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from ..data import Dataset
 from ..client import ClientSettings, ClientTrainer, build_model_for, client_splits
+from ..data import Dataset
 from ..registry import DATASETS
+from ..resources import apply_threads
+from ..util import atomic_write, cache_dir
 
 
 def default_cache_dir() -> Path:
-    return Path(os.environ.get("FEDLASE_CACHE", Path.home() / ".cache" / "fedlase")) / "clients"
+    """The `clients/` folder of fedlase's cache (fedlase.util.cache_dir(): `$FEDLASE_CACHE`, ...)."""
+    return cache_dir() / "clients"
 
 
 class ReadKeys:
@@ -42,16 +43,6 @@ class ReadKeys:
 def cache_key(cfg, pid: int, keys) -> str:
     spec = json.dumps({k: getattr(cfg, k) for k in sorted(keys)}, sort_keys=True, default=repr)
     return f"{hashlib.sha256(spec.encode()).hexdigest()[:20]}-{pid}"
-
-
-def _write_atomic(path: Path, write) -> None:
-    """`write(tmp)` fills a temporary sibling, which then replaces `path` in one step (concurrent nodes)."""
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    write(tmp)
-    try:
-        os.replace(tmp, path)
-    except OSError:   # a folder another process wrote first
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def client_dataset(cfg, pid: int, cache_dir: Path | None = None) -> Dataset:
@@ -74,14 +65,14 @@ def client_dataset(cfg, pid: int, cache_dir: Path | None = None) -> Dataset:
     meta = {"name": data.name, "num_classes": data.num_classes, "augment": data.augment}
     keys |= seen.read
     root.mkdir(parents=True, exist_ok=True)
-    _write_atomic(keys_file, lambda t: t.write_text(json.dumps(sorted(keys))))
+    atomic_write(keys_file, lambda t: t.write_text(json.dumps(sorted(keys))))
 
     def entry(tmp: Path) -> None:
         tmp.mkdir(parents=True, exist_ok=True)
         np.save(tmp / "x.npy", x.numpy())
         np.save(tmp / "y.npy", y.numpy())
         (tmp / "meta.json").write_text(json.dumps(meta))
-    _write_atomic(root / cache_key(cfg, pid, keys), entry)
+    atomic_write(root / cache_key(cfg, pid, keys), entry)
     return Dataset(meta["name"], x, y, x[:0], y[:0], meta["num_classes"], meta["augment"])
 
 
@@ -89,8 +80,7 @@ def client_trainer(cfg, pid: int, device: torch.device, cache_dir: Path | None =
                    data: Dataset | None = None) -> ClientTrainer:
     """What partition `pid`'s node needs to train: its samples (`data`, else from the cache), the model, the
     local work."""
-    if cfg.threads:   # as the embedded engine does: the run's torch CPU threads hold on the nodes too
-        torch.set_num_threads(cfg.threads)
+    apply_threads(cfg.threads)   # as the embedded engine does: the run's torch CPU threads hold on the nodes too
     data = data if data is not None else client_dataset(cfg, pid, cache_dir)
     model = build_model_for(cfg, data).to(device)
     x, y = data.x_train.to(device), data.y_train.to(device)

@@ -28,11 +28,18 @@ import sys
 from pathlib import Path
 
 from ..errors import UserError
+from ..util import split_host_port
 
 INSTALL_HINT = ("the Flower deployment needs nginx (the mutual-TLS proxy in front of the SuperLink and beside each "
                 "SuperNode): apt-get install nginx (Debian/Ubuntu; `make deploy-deps` installs it)")
 SIDECAR_CERT, SIDECAR_KEY = "sidecar.crt", "sidecar.key"
-BODY_LIMIT = "1g"   # a message's arrays travel as objects; a large model's must pass whole
+# The largest request body the front proxy lets through (`client_max_body_size`; nginx answers 413 to a
+# larger one before anything reaches the SuperLink). A SuperNode's largest legitimate request is one object
+# of its reply (Flower pushes a message as objects, an array cut into chunks of at most
+# FLWR_PRIVATE_MAX_ARRAY_CHUNK_SIZE bytes), measured for the run's model by `largest_request`.
+BODY_MARGIN = 2          # over the measured request: metrics, framing a Flower upgrade may add
+BODY_FLOOR = 1 << 20     # the Fleet API's other requests (activate, heartbeat, a message's object tree): KBs
+SIDECAR_BODY_LIMIT = "1g"   # the sidecar forwards its own node's requests; the front proxy is the bound
 
 
 def nginx_binary() -> str:
@@ -45,22 +52,28 @@ def nginx_binary() -> str:
 
 
 def fleet_routes() -> list[str]:
-    """The Fleet API's paths, as Flower's own Fleet router declares them (so a Flower upgrade that adds one is
-    forwarded, and nothing else is)."""
-    from flwr.superlink.routers.fleet.router import router
-    paths = sorted({r.path for r in router.routes})
-    bad = [p for p in paths if not re.fullmatch(r"/v1/fleet/[a-z-]+", p)]
-    if bad or not paths:
-        raise UserError(f"unexpected Fleet API routes in this Flower version: {bad or 'none'}; "
-                        "fedlase's proxy forwards only /v1/fleet/<name>")
+    """The Fleet API's HTTP paths: one per call of the Fleet service in Flower's wire protocol, named as the
+    SuperLink serves them (`RegisterNode` -> /v1/fleet/register-node). So a Flower upgrade that adds a call is
+    forwarded, and nothing else is; tests/test_structure.py checks these are exactly the SuperLink
+    router's paths.
+
+    Not a documented API: Flower publishes no list of the Fleet API's routes. The wire protocol's service
+    (`flwr.proto`, the messages SuperNode and SuperLink exchange) is the stable part, where the SuperLink's own
+    router (`flwr.superlink.routers...`) is server internals; the `/v1/fleet/` naming is what Flower
+    1.42 serves (pyproject.toml pins the tested range, flwr>=1.42,<1.43)."""
+    from flwr.proto import fleet_pb2   # not documented API: see the docstring
+    calls = [m.name for m in fleet_pb2.DESCRIPTOR.services_by_name["Fleet"].methods]
+    paths = sorted("/v1/fleet/" + re.sub(r"(?<!^)(?=[A-Z])", "-", name).lower() for name in calls)
+    if not paths:
+        raise UserError("this Flower version's wire protocol has no Fleet service; fedlase's proxy cannot "
+                        "forward its API (tested with flwr 1.42)")
     return paths
 
 
 def split_address(address: str) -> tuple[str, int]:
-    host, sep, port = address.rpartition(":")
-    if not sep or not port.isdigit():
+    if (parsed := split_host_port(address)) is None:
         raise UserError(f"address {address!r}: expected host:port")
-    return host.strip("[]"), int(port)
+    return parsed
 
 
 def _is_ip(host: str) -> bool:
@@ -75,7 +88,52 @@ def _is_loopback(host: str) -> bool:
     return host == "localhost" or (_is_ip(host) and ipaddress.ip_address(host).is_loopback)
 
 
-def _frame(workdir: Path, body: str) -> str:
+FRAMING = 512   # a request's bytes around one object: node and run ids, object and session ids, length prefixes
+TREE_ENTRY = 80  # an object's entry in the object tree a `push-messages` request lists: its id and nesting
+
+
+def _objects(obj):
+    """`obj` and every object below it, as Flower sends a message: each pushed on its own."""
+    yield obj
+    for child in (obj.children or {}).values():
+        yield from _objects(child)
+
+
+def largest_request(shapes: dict[str, tuple[int, ...]]) -> int:
+    """Bytes of the largest request body a SuperNode sends for a reply whose update holds a float32 array of
+    each of `shapes` (the whole model: at most what any client's reply holds), through Flower's own
+    serialization: the reply message is split into objects (message, records, arrays, array chunks), each
+    deflated and pushed in its own `push-object` request, after one `push-messages` request listing the
+    object tree (Flower's public Message and record classes; the request framing is a fixed allowance)."""
+    import numpy as np
+    from flwr.app import Array, ArrayRecord, Message, Metadata, MetricRecord, RecordDict
+    big = 2**63 - 1   # the largest ids: the most bytes they take
+    content = RecordDict({"delta": ArrayRecord({n: Array(np.zeros(s, np.float32)) for n, s in shapes.items()}),
+                          "metrics": MetricRecord({"train-loss": 0.0, "partition-id": big, "round": big})})
+    msg = Message(content, metadata=Metadata(big, "x" * 64, big, big, "x" * 64, "x" * 64, 0.0, 1e9, "train",
+                                             big, big))
+    objects = list(_objects(msg))
+    return FRAMING + max(max(len(o.deflate()) for o in objects), TREE_ENTRY * len(objects))
+
+
+def body_limit(cfg=None) -> int:
+    """`client_max_body_size` in bytes for a run's model: BODY_MARGIN times its `largest_request` (every
+    parameter and buffer of the full model), at least BODY_FLOOR. Without a config: the bound for any model
+    whose arrays Flower chunks, measured on one 32 MiB array (larger than a chunk, so it travels as chunks)."""
+    if cfg is None:
+        shapes = {"array": (8 * 2**20,)}
+    else:
+        from ..registry import DATASETS, MODELS
+        from ..resources import meta_model
+        model = meta_model(MODELS.get(cfg.model).build, cfg, DATASETS.get(cfg.dataset))
+        if model is None:   # a model that needs its data to be built (the text models): built for real, once
+            from ..client import build_model_for
+            model = build_model_for(cfg, DATASETS.get(cfg.dataset).load(cfg))
+        shapes = {n: tuple(t.shape) for n, t in [*model.named_parameters(), *model.named_buffers()]}
+    return max(BODY_FLOOR, BODY_MARGIN * largest_request(shapes))
+
+
+def _frame(workdir: Path, body: str, body_limit: int | str) -> str:
     """One nginx process of its own: config, pid, logs and temp files in `workdir`, run by the current user."""
     tmp = workdir / "tmp"
     tmp.mkdir(parents=True, exist_ok=True)
@@ -95,7 +153,7 @@ http {{
     access_log {workdir / 'access.log'};
 {temps}
     server_tokens off;
-    client_max_body_size {BODY_LIMIT};
+    client_max_body_size {body_limit};
     proxy_http_version 1.1;
     proxy_set_header Connection "";
     proxy_request_buffering off;
@@ -106,9 +164,11 @@ http {{
 """
 
 
-def front_config(workdir: Path, listen: str, superlink: str, ca: Path, cert: Path, key: Path) -> str:
+def front_config(workdir: Path, listen: str, superlink: str, ca: Path, cert: Path, key: Path,
+                 max_body: int | None = None) -> str:
     """nginx.conf of the front proxy: mutual TLS on `listen`, the Fleet routes (POST only) to the SuperLink's
-    loopback address `superlink` (TLS, verified with the CA as `localhost`), a 404 for everything else."""
+    loopback address `superlink` (TLS, verified with the CA as `localhost`), a 404 for everything else; request
+    bodies over `max_body` bytes (default: `body_limit()`, any model's bound) refused with 413."""
     link_host, link_port = split_address(superlink)
     if not _is_loopback(link_host):
         raise UserError(f"the SuperLink must listen on loopback behind the proxy, not {superlink}")
@@ -133,7 +193,7 @@ def front_config(workdir: Path, listen: str, superlink: str, ca: Path, cert: Pat
         }}
         location / {{ return 404; }}
     }}
-""")
+""", body_limit() if max_body is None else max_body)
 
 
 def sidecar_config(workdir: Path, listen: str, proxy: str, ca: Path, cert: Path, key: Path) -> str:
@@ -166,7 +226,7 @@ def sidecar_config(workdir: Path, listen: str, proxy: str, ca: Path, cert: Path,
         }}
         location / {{ return 404; }}
     }}
-""")
+""", SIDECAR_BODY_LIMIT)
 
 
 def sidecar_files(workdir: Path) -> Path:
@@ -203,6 +263,9 @@ def main(argv: list[str] | None = None) -> int:
     f.add_argument("--superlink", required=True, help="the SuperLink's loopback address, e.g. 127.0.0.1:9093")
     f.add_argument("--cert", required=True, help="the SuperLink host's certificate (superlink.crt)")
     f.add_argument("--key", required=True, help="its private key (superlink.key)")
+    f.add_argument("--config", help="the run's config file (fedlase run's YAML): its model sets the largest "
+                   "request body let through (default: the bound for any model, one Flower array chunk)")
+    f.add_argument("--max-body", type=int, metavar="BYTES", help="the largest request body, instead of --config's")
     s = sub.add_parser("sidecar", help="on a node's machine: what its SuperNode connects to")
     s.add_argument("--listen", required=True, help="loopback host:port for the SuperNode, e.g. 127.0.0.1:9444")
     s.add_argument("--proxy", required=True, help="the front proxy's name:port (as in its certificate)")
@@ -219,7 +282,13 @@ def main(argv: list[str] | None = None) -> int:
             if not os.access(p, os.R_OK):
                 raise UserError(f"cannot read {p}")
         if a.role == "front":
-            config = front_config(work, a.listen, a.superlink, *files)
+            limit = a.max_body
+            if limit is None and a.config:
+                from ..catalog import load_builtins
+                from ..config import load_config
+                load_builtins()
+                limit = body_limit(load_config(a.config))
+            config = front_config(work, a.listen, a.superlink, *files, max_body=limit)
         else:
             work.mkdir(parents=True, exist_ok=True)
             root = sidecar_files(work)

@@ -15,6 +15,7 @@ which fedlase keeps in its engine so that every engine computes the same thing."
 from __future__ import annotations
 
 import logging
+import math
 import time
 
 from flwr.app import ConfigRecord, Message, MessageType, RecordDict
@@ -162,6 +163,7 @@ class NodeRounds:
         self.cfg = exp.cfg
         self.discover(exp.cfg, wait=not self.nodes)
         payload = {lvl: encode_submodel(exp.params, exp.buffers, s) for lvl, s in subs.items()}
+        # this round's sampled clients and rejected replies, for collect(); the metrics line reports them
         self.pending, self.last = {}, {"sampled": [c for c, _ in picked], "rejected": {}}
         msgs = []
         for pid, lvl in picked:
@@ -204,6 +206,8 @@ class NodeRounds:
                     raise ReplyError(f"reply for partition {m['partition-id']} round {m['round']}")
                 delta = validate_reply(reply.content.array_records["delta"], exp.params, sub)
                 loss = float(m["train-loss"])
+                if not math.isfinite(loss):   # the engine's screen would too; refused here with the wire's checks
+                    raise ReplyError(f"non-finite train-loss ({loss})")
             except (KeyError, TypeError, ValueError) as e:   # ReplyError is a ValueError
                 log.warning("round %d: rejected client %d's reply: %s", rnd, pid, e)
                 self.last["rejected"][pid] = str(e)
@@ -215,12 +219,10 @@ class NodeRounds:
         b = self._bytes(exp, received)
         for key in self.bytes_total:
             self.bytes_total[key] += b[key]
-        self.last.update(failed=failed, bytes=b, clients=len(good))
         stats = {"sampled": len(self.last["sampled"]), "failed": failed,
                  "rejected": {str(k): v for k, v in self.last["rejected"].items()},
                  "refused": self.events["refused"], "moved": self.events["moved"],
                  "bytes": b, "bytes_total": dict(self.bytes_total)}
-        self.last.update(refused=self.events["refused"], moved=self.events["moved"])
         self.events = {"refused": {}, "moved": {}}
         return RoundResult(good, stats)
 

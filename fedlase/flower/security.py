@@ -1,8 +1,9 @@
 """Credentials of a Flower deployment, and the config's checks of them.
 
-- `check_security(cfg)`: the config's certificate and key files (`tls_ca`, `tls_cert`, `tls_key`,
-  `node_keys`) exist and can be read, and `engine=flower-deploy` has a CA to verify the SuperLink with
-  unless `insecure=true`. Called by `fedlase.config.validate`; raises `ConfigError(key, one line)`.
+- `check_security(cfg)`, defined in fedlase/config.py (the config checks itself, low in the import graph) and
+  re-exported here beside the credentials it checks: the config's certificate and key files (`tls_ca`,
+  `tls_cert`, `tls_key`, `node_keys`) exist and can be read, and `engine=flower-deploy` has a CA to verify the
+  SuperLink with unless `insecure=true`. Called by `fedlase.config.validate`; raises `ConfigError(key, one line)`.
 - `make_credentials(folder, hosts, nodes)`: a CA, a certificate for the SuperLink's host signed by it (valid
   for `hosts`; the TLS proxy in front of the SuperLink and the SuperLink itself serve it), and for each
   SuperNode a key pair (Flower's node authentication) and a client certificate with its key (the node's
@@ -28,8 +29,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..config import check_security  # noqa: F401  (the config's own check, used here too)
-from ..errors import ConfigError
+from ..config import check_security  # noqa: F401  (re-exported: see the docstring)
+from ..errors import ConfigError, UserError
 
 log = logging.getLogger("fedlase")
 
@@ -102,10 +103,34 @@ class Credentials:
 
 
 def _write(path: Path, data: bytes, private: bool) -> None:
+    """Write `path` whole or not at all, never through a symlink and with exactly its mode (0600 private, 0644
+    public) whatever the file there had: the bytes go into a new file of this folder (O_EXCL: never an
+    existing file or link), which then replaces the name (a link at `path` is replaced, its target untouched)."""
+    path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600 if private else 0o644)
-    with os.fdopen(fd, "wb") as f:
-        f.write(data)
+    mode = 0o600 if private else 0o644
+    tmp = path.with_name(f".{path.name}.{os.urandom(6).hex()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), mode)
+    try:
+        os.fchmod(fd, mode)   # the umask may have taken bits away; a public file needs its 0644
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def existing(folder: Path | str, nodes: int) -> list[Path]:
+    """The files of a credentials folder for `nodes` nodes that are already there (links included, even a
+    dangling one): make_credentials replaces none of them unless asked."""
+    folder = Path(folder)
+    names = [CA_CERT, CA_KEY, SERVER_CERT, SERVER_KEY]
+    for i in range(nodes):
+        names += [node_key(folder, i).name, f"{node_key(folder, i).name}.pub", *(p.name for p in node_cert(folder, i))]
+    return [folder / n for n in names if os.path.lexists(folder / n)]
 
 
 def make_node_key(path: Path, comment: str = "") -> None:
@@ -120,10 +145,16 @@ def make_node_key(path: Path, comment: str = "") -> None:
 
 
 def make_credentials(folder: Path | str, hosts: list[str] = ("127.0.0.1", "localhost"), nodes: int = 0,
-                     days: int = 365) -> Credentials:
+                     days: int = 365, force: bool = False) -> Credentials:
     """Write a CA (ca.crt, ca.key), a SuperLink certificate for `hosts` (superlink.crt, superlink.key; IP
     addresses and DNS names) signed by it, and for each of `nodes` SuperNodes a key pair (node-<i>.key,
-    node-<i>.key.pub) and a client certificate with its key (node-<i>.crt, node-<i>.tls.key)."""
+    node-<i>.key.pub) and a client certificate with its key (node-<i>.crt, node-<i>.tls.key). Private keys
+    are 0600, and no file is written through a symlink (`_write`). If any of these files exists, nothing is
+    written (UserError) unless `force`: a federation's keys are never replaced by accident."""
+    there = existing(folder, nodes)
+    if there and not force:
+        raise UserError(f"{there[0]} exists ({len(there)} of the credentials' files are there); nothing was "
+                        "written: pass --force (force=True) to replace them")
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes, serialization
     from cryptography.hazmat.primitives.asymmetric import ec
@@ -217,7 +248,9 @@ def main(argv: list[str] | None = None) -> int:
                                  description="Make the credentials of a Flower federation: a CA, the SuperLink's "
                                              "certificate, and per SuperNode a key pair and a client "
                                              "certificate.")
-    ap.add_argument("folder", help="where to write them (created; files are overwritten)")
+    ap.add_argument("folder", help="where to write them (created; existing credentials are kept unless --force)")
+    ap.add_argument("--force", action="store_true", help="replace credentials already in the folder (a symlink "
+                    "is replaced by a new file, its target left alone)")
     ap.add_argument("--host", action="append", default=[],
                     help="a name or IP address the nodes use to reach the SuperLink (repeatable; "
                          "127.0.0.1 and localhost are always added)")
@@ -226,7 +259,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--days", type=int, default=365, help="validity of the certificates in days")
     a = ap.parse_args(argv)
     hosts = list(dict.fromkeys([*a.host, "127.0.0.1", "localhost"]))
-    c = make_credentials(a.folder, hosts, a.nodes, a.days)
+    try:
+        c = make_credentials(a.folder, hosts, a.nodes, a.days, force=a.force)
+    except (UserError, OSError) as e:
+        print(f"python -m fedlase.flower.security: error: {e}", file=sys.stderr)
+        return 2
     print(f"wrote {c.ca} (every machine), {c.cert} and {c.key} (the SuperLink's host only), "
           f"{c.folder / CA_KEY} (keep offline), and for each of {a.nodes} nodes node-<i>.key, node-<i>.crt, "
           f"node-<i>.tls.key (node i only) and node-<i>.key.pub (node i and the SuperLink's host) in {c.folder}")

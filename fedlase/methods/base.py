@@ -43,6 +43,7 @@ class LocalObjective:
         return F.cross_entropy(forward(weights, buffers, xb), yb)
 
 
+RUNNERS = ("embedded", "batched", "flower-sim", "flower-deploy")   # what a method's `runs_on` may list
 METHOD_STREAM = 3   # the stream tag of a method's draws, after fedlase/sampling.py's sampling, batches, dropout
 
 
@@ -51,6 +52,10 @@ class Method:
     name: ClassVar[str] = ""
     options: ClassVar[dict[str, Option]] = {}
     coverage: ClassVar[str] = "mask"   # the aggregation's coverage rule unless the config sets one
+    # Where its clients can train, checked at config validation: of RUNNERS, "embedded" is the sequential
+    # rounds and "batched" the embedded engine's batched_clients=true. A method whose submodels carry their
+    # own LocalObjective declares ("embedded",): neither Flower nor the vmapped step runs that objective.
+    runs_on: ClassVar[tuple[str, ...]] = RUNNERS
 
     def __init__(self, model: nn.Module, system: System | list = (1.0,), *, run_seed: int | None = None,
                  **options):

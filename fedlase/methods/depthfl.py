@@ -58,6 +58,7 @@ class DepthObjective(LocalObjective):
 class DepthFL(Method):
     """DepthFL: each level trains the model's first stages with a classifier after each, distilling mutually."""
     name = "depthfl"
+    runs_on = ("embedded",)   # its own LocalObjective: the sequential embedded rounds only
     options = {
         "heads": Option("bottleneck", "exit classifiers after the inner stages: bottleneck (DepthFL's own: "
                         "attention, separable convs widening to the last stage, linear) or linear (pooling and "

@@ -18,10 +18,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..errors import ConfigError
 from ..masks import Submodel
 from .base import LocalObjective, Method, Option
-from .slicing import group_keep, width_rate, width_slices
+from .slicing import channel_groups, group_keep, width_rate, width_slices
 
 
 def top_channels(score: torch.Tensor, keep: int) -> torch.Tensor:
@@ -53,6 +52,7 @@ class ActivationExtraction(LocalObjective):
 class FedDSE(Method):
     """FedDSE: each client keeps, per layer, the channels most activated on its own data (within its budget)."""
     name = "feddse"
+    runs_on = ("embedded",)   # its own LocalObjective: the sequential embedded rounds only
     coverage = "nonzero"   # the client's mask is known from its update's support
     options = {
         "score": Option("mean", "a channel's score on the client's data (a guess): mean (its mean activation "
@@ -66,10 +66,7 @@ class FedDSE(Method):
 
     def __init__(self, model, system=(1.0,), **options):
         super().__init__(model, system, **options)
-        if not hasattr(model, "channel_groups"):
-            raise ConfigError("method", f"feddse selects channels; model {type(model).__name__} declares no "
-                              "channel_groups()")
-        self.groups = model.channel_groups()
+        self.groups = channel_groups(model, "feddse")
         # which BN layer scores which group: the group of its weight (a residual stage: the mean of its BNs)
         self.scored = {name: self.groups[f"{name}.weight"][0] for name, mod in model.named_modules()
                        if isinstance(mod, nn.modules.batchnorm._BatchNorm) and f"{name}.weight" in self.groups}

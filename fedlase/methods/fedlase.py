@@ -29,9 +29,12 @@ from .base import Option, ThresholdMethod
 def water_fill(weights: list[float], sizes: list[int], total: int) -> list[int]:
     """Integers k_l <= sizes[l] with sum == total (<= sum of sizes), proportional to weights where no cap
     binds: capped layers are kept whole and the rest is re-shared among the others. Remainders go to the
-    largest fractional parts (ties to the earlier layer), so the total is met exactly."""
+    largest fractional parts (ties to the earlier layer), so the total is met exactly. Non-finite weights
+    (scores of a model that holds NaN or Inf) share by size."""
     n = len(sizes)
     total = min(total, sum(sizes))
+    if not all(math.isfinite(w) for w in weights):   # a model holding NaN/Inf (robust=none): no usable signal
+        weights = [float(s) for s in sizes]
     alloc = [0.0] * n
     free = [i for i in range(n) if sizes[i] > 0]
     left = float(total)

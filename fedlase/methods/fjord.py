@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from ..errors import ConfigError
 from ..masks import Submodel
 from .base import LocalObjective, Method, Option
-from .slicing import width_rate, width_slices
+from .slicing import channel_groups, width_rate, width_slices
 
 UNIFORM5 = (0.2, 0.4, 0.6, 0.8, 1.0)   # FjORD's own width set ("uniform-5")
 
@@ -62,6 +62,7 @@ class OrderedDropout(LocalObjective):
 class FjORD(Method):
     """FjORD: ordered dropout, a width drawn per local batch from the nested widths the client's level allows."""
     name = "fjord"
+    runs_on = ("embedded",)   # its own LocalObjective: the sequential embedded rounds only
     options = {
         "widths": Option("levels", "the width rates a batch may train: levels (sqrt of each of the system's "
                          "levels, the rates of HeteroFL's slices), uniform5 (0.2,0.4,0.6,0.8,1: FjORD's own) or "
@@ -72,9 +73,7 @@ class FjORD(Method):
 
     def __init__(self, model, system=(1.0,), **options):
         super().__init__(model, system, **options)
-        if not hasattr(model, "channel_groups"):
-            raise ConfigError("method", f"fjord slices channels; model {type(model).__name__} declares no "
-                              "channel_groups()")
+        channel_groups(model, "fjord")
         spec = self.args["widths"]
         rates = ([width_rate(float(lv)) for lv in self.system.levels] if spec == "levels"
                  else UNIFORM5 if spec == "uniform5" else [float(v) for v in spec.split(",")])

@@ -23,8 +23,8 @@ class HeteroFL(Method):
     options = {
         "scaler": Option(None, "true: in local training, multiply the output of every layer the model names in "
                          "scaler_names() by 1/rate (the official code's Scaler; folded into those layers' weights); "
-                         "false: no scaling; unset (None): the model's choice (true for the CNN and ResNet-18, false for "
-                         "pretrained transformers, docs/text.md)", kind=bool, choices=(True, False)),
+                         "false: no scaling; unset (None): the model's choice (true for the CNN and ResNet-18, false "
+                         "for pretrained transformers, docs/text.md)", kind=bool, choices=(True, False)),
     }
 
     def __init__(self, model, system=(1.0,), **options):

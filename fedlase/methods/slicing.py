@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from ..errors import ConfigError
+from ..levels import level_name
 from ..masks import Submodel
 
 
@@ -66,10 +67,20 @@ def _masks(groups, params, keep) -> dict[str, torch.Tensor]:
     return masks
 
 
+def channel_groups(model: nn.Module, method: str) -> dict[str, tuple]:
+    """`model.channel_groups()`, or the one-line ConfigError of a method that cuts channels (`method`: its name,
+    for the message) on a model that declares none."""
+    if not hasattr(model, "channel_groups"):
+        raise ConfigError("method", f"{method} slices channels; model {type(model).__name__} declares no "
+                          "channel_groups()")
+    return model.channel_groups()
+
+
 def width_slices(model: nn.Module, params: dict[str, torch.Tensor], rate: float, roll: int = 0,
                  keep: dict[str, torch.Tensor] | None = None) -> tuple[dict[str, torch.Tensor], dict[str, tuple]]:
-    """(masks, slices) of the width slice: the masks of the kept channels (`group_keep`), and per sliced parameter (and BN running statistic
-    of a sliced BN) the kept indices of its output and input dims, for `Submodel.slices`. Indices are sorted:
+    """(masks, slices) of the width slice: the masks of the kept channels (`group_keep`), and per sliced parameter
+    (and BN running statistic of a sliced BN) the kept indices of its output and input dims, for
+    `Submodel.slices`. Indices are sorted:
     a permutation applied to every tensor of a group alike leaves the network's function unchanged.
 
     Slices only for a model that declares `sliceable = True` (its forward takes every shape from the
@@ -111,9 +122,7 @@ class WidthSlicer:
     at rate r carries them as `Submodel.scales` of 1/r."""
 
     def __init__(self, model: nn.Module, scaled: list[str] = (), method: str = "width slices"):
-        if not hasattr(model, "channel_groups"):
-            raise ConfigError("method", f"{method} slices channels; model {type(model).__name__} declares no "
-                              "channel_groups()")
+        channel_groups(model, method)
         self.model, self.scaled = model, list(scaled)
         self._last: dict = {}
 
@@ -124,9 +133,10 @@ class WidthSlicer:
         if rate >= 1:
             return Submodel()   # the whole model: no masks to apply or count
         key = (rate, roll, next(iter(params.values())).device)
-        hit = self._last.get(float(level))
+        name = level_name(level)   # an exact fraction's name, never a float key
+        hit = self._last.get(name)
         if hit is None or hit[0] != key:
             masks, slices = width_slices(self.model, params, rate, roll)
-            hit = self._last[float(level)] = (key, Submodel(masks, slices=slices,
-                                                            scales={n: 1.0 / rate for n in self.scaled}))
+            hit = self._last[name] = (key, Submodel(masks, slices=slices,
+                                                    scales={n: 1.0 / rate for n in self.scaled}))
         return hit[1]

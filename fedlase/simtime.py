@@ -1,0 +1,115 @@
+"""Simulated time (issue 30): how long each round would take on the clients' own devices.
+
+A device model gives each level a compute speed (FLOP/s), a bandwidth (bytes/s) and optionally a memory (bytes).
+Config `device_model` (unset: the defaults below): each of `speed`, `bandwidth`, `memory` is either one number,
+a level-1 device's (a level-l device gets l of it: the papers' reading, a device of level l holds and computes l of
+the model), or a list with one value per level, largest level first. Defaults: speed 1e10 FLOP/s, bandwidth
+1.25e6 bytes/s (10 Mbit/s), no memory limit; assumptions, to be set to the devices one has in mind.
+
+A sampled client's time = its step FLOPs x its local steps / its speed + (down + up payload) / its bandwidth,
+with the step FLOPs of fedlase/cost.py: `sim_charge=dense` charges what fedlase computes (a masked method the
+full model's FLOPs), `sparse` the FLOPs if the submodel's sparsity were exploited (the same for a width slice).
+A synchronous round lasts as long as its slowest client. With `deadline` (simulated seconds), a client that would
+take longer is dropped before it trains (recorded, `missed_deadline`), and a round with a dropped client lasts
+the deadline (the server waits for it). A client whose level's measured training peak (fedlase/cost.py) exceeds
+its device's memory is flagged (`over_memory`), not dropped.
+
+Everything follows from the config, the round's sampled clients (fedlase/sampling.py: a function of the seed
+and the round) and the cost table, so the time of a finished run can be recomputed without training again
+(`fedlase report`), except under a deadline, which changes who trains: deadline runs must be trained. The cost
+table is taken once, on round 1's submodels: a method whose submodel sizes follow the weights (fedlase_width's
+widths, a threshold method's payload) is charged its round-1 sizes throughout."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .config import DEVICE_KEYS
+
+DEFAULTS = dict(zip(DEVICE_KEYS, (1e10, 1.25e6, None)))   # speed, bandwidth, memory of a level-1 device
+CHARGES = ("dense", "sparse")
+
+
+@dataclass(frozen=True)
+class DeviceModel:
+    """Per level (largest first): speed in FLOP/s, bandwidth in bytes/s, memory in bytes (None: unlimited)."""
+    speed: tuple[float, ...]
+    bandwidth: tuple[float, ...]
+    memory: tuple[float | None, ...]
+
+    @classmethod
+    def of(cls, value: dict | None, fractions: list[float]) -> DeviceModel:
+        got = {**DEFAULTS, **(value or {})}
+
+        def per_level(key):
+            v = got[key]
+            if v is None:
+                return tuple(None for _ in fractions)
+            return tuple(float(x) for x in v) if isinstance(v, list) else tuple(float(v) * f for f in fractions)
+        return cls(per_level("speed"), per_level("bandwidth"), per_level("memory"))
+
+
+class SimClock:
+    """The simulated time of a run's rounds, from its config and cost table (`fedlase.cost.level_costs`).
+    `steps[c]`: client c's local steps a round."""
+
+    def __init__(self, cfg, costs, steps: dict[int, int], charge: str | None = None):
+        from .sampling import Sampling
+        self.cfg, self.costs, self.steps = cfg, costs, steps
+        self.charge = charge or cfg.sim_charge
+        self.device = DeviceModel.of(cfg.device_model, [c.fraction for c in costs])
+        self.deadline = cfg.deadline
+        self.sampling = Sampling.from_config(cfg)
+        self._ends: list[float] = [0.0]   # cumulative time at the end of round r (index r)
+
+    def client_time(self, client: int, level_index: int) -> float:
+        c, d = self.costs[level_index], self.device
+        flops = c.step_flops if self.charge == "dense" else c.sparse_flops
+        compute = flops * self.steps[client] / d.speed[level_index]
+        return compute + (c.down_bytes + c.up_bytes) / d.bandwidth[level_index]
+
+    def round(self, rnd: int, picked=None) -> dict:
+        """This round's clients' fates: {"time", "kept" [(client, level)], "missed" [clients], "over_memory"
+        [clients]}. `picked`: the round's sampled (client, level) pairs (default: drawn from the config)."""
+        from .sampling import sample_clients
+        picked = sample_clients(self.sampling, rnd) if picked is None else picked
+        times = {c: self.client_time(c, lvl.index) for c, lvl in picked}
+        missed = [c for c, t in times.items() if self.deadline is not None and t > self.deadline]
+        kept = [(c, lvl) for c, lvl in picked if c not in missed]
+        slowest = max((times[c] for c, _ in kept), default=0.0)
+        over = [c for c, lvl in picked if self.device.memory[lvl.index] is not None
+                and self.costs[lvl.index].peak_bytes is not None
+                and self.costs[lvl.index].peak_bytes > self.device.memory[lvl.index]]
+        return {"time": self.deadline if missed else slowest, "kept": kept, "missed": missed, "over_memory": over}
+
+    def elapsed(self, rnd: int) -> float:
+        """Simulated time at the end of round `rnd` (rounds 1..rnd, computed once each)."""
+        while len(self._ends) <= rnd:
+            self._ends.append(self._ends[-1] + self.round(len(self._ends))["time"])
+        return self._ends[rnd]
+
+    def admit(self, picked, rnd: int):
+        """(the clients that train, the metrics fields of this round) for the engine's round loop."""
+        fate = self.round(rnd, picked)
+        stats = {"sim_time": self.elapsed(rnd - 1) + fate["time"], "sim_round_time": fate["time"]}
+        if fate["missed"]:
+            stats["missed_deadline"] = fate["missed"]
+        if fate["over_memory"]:
+            stats["over_memory"] = fate["over_memory"]
+        return fate["kept"], stats
+
+
+def client_steps(exp) -> dict[int, int]:
+    """Every client's local steps a round (fixed unless local_epochs is set)."""
+    tr = exp.trainer
+    return {c: tr.work.num_steps(len(idx)) for c, idx in tr.train_idx.items()}
+
+
+def clock_for(exp, charge: str | None = None):
+    """The SimClock of an Experiment, or None when its config asks for no simulated time (no device_model and
+    no deadline). Measures memory (child processes) only when the device model gives one."""
+    cfg = exp.cfg
+    if cfg.device_model is None and cfg.deadline is None and charge is None:
+        return None
+    from .cost import level_costs
+    memory = bool(cfg.device_model and cfg.device_model.get("memory"))
+    return SimClock(cfg, level_costs(exp, memory=memory), client_steps(exp), charge)

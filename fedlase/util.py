@@ -1,0 +1,59 @@
+"""Small helpers that several layers need, each written once: an atomic file write, fedlase's cache folder and
+host:port addresses. Imports nothing of fedlase, so any module may import it (the config included)."""
+from __future__ import annotations
+
+import os
+import shutil
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+
+CACHE_ENV = "FEDLASE_CACHE"            # the cache folder
+DEPRECATED_CACHE_ENV = "FEDLASE_CACHE_DIR"   # its old name (the text track's), still read when CACHE_ENV is unset
+
+
+def atomic_write(path: Path, write: Callable[[Path], object]) -> None:
+    """`write(tmp)` fills a temporary sibling of `path` (a file or a folder), which then replaces `path` in one
+    step, so a crash never leaves half a file and a reader never sees one. The temporary name holds the pid, so
+    processes writing the same path at once (Flower nodes, sweep runs) never share one. A folder that another
+    process put in place first is kept (its contents are the same by construction) and ours is dropped."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except OSError:
+        if not (tmp.is_dir() and path.is_dir()):   # os.replace refuses a non-empty folder: a racing writer won
+            raise
+    finally:
+        if tmp.is_dir():
+            shutil.rmtree(tmp, ignore_errors=True)
+        elif tmp.exists():
+            tmp.unlink()
+
+
+def cache_dir() -> Path:
+    """fedlase's cache folder: `$FEDLASE_CACHE`, else `$XDG_CACHE_HOME/fedlase`, else `~/.cache/fedlase`. The text
+    track's tokens lie in it, a Flower node's partitions in its `clients/` folder. `$FEDLASE_CACHE_DIR` is the
+    deprecated name of `$FEDLASE_CACHE`, read (with a warning) when only it is set."""
+    root = os.environ.get(CACHE_ENV)
+    if not root and os.environ.get(DEPRECATED_CACHE_ENV):
+        warnings.warn(f"{DEPRECATED_CACHE_ENV} is deprecated: set {CACHE_ENV} instead", DeprecationWarning,
+                      stacklevel=2)
+        root = os.environ[DEPRECATED_CACHE_ENV]
+    if root:
+        return Path(root)
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "fedlase"
+
+
+def split_host_port(address: str) -> tuple[str, int] | None:
+    """'host:port' -> (host, port); an IPv6 host may be bracketed ('[::1]:8000' -> ('::1', 8000)). None when
+    `address` is not that: no host, a host with blanks or slashes, a port that is not a number in 1..65535.
+    Callers raise their own error, which names their key or option."""
+    host, sep, port = str(address).rpartition(":")
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        return None
+    if any(c.isspace() or c == "/" for c in host):
+        return None
+    return host, int(port)
