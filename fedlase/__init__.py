@@ -6,8 +6,8 @@ The Python API (docs/library.md): `make_config`, `run`, `read_summary`, `read_me
 Everything else is loaded on first use: `import fedlase` imports no torch."""
 __version__ = "0.1.0"
 
-from . import errors   # noqa: E402  (light: the one module a caller needs to catch fedlase's errors)
-from .errors import ConfigError, DataError, UserError   # noqa: E402
+from . import errors  # noqa: E402  (light: the one module a caller needs to catch fedlase's errors)
+from .errors import ConfigError, DataError, UserError  # noqa: E402
 
 _API = {
     "make_config": "api", "run": "api", "read_summary": "api", "read_metrics": "api",

@@ -23,8 +23,8 @@ batches and augmentation draws are exactly the sequential ones. See docs/benchma
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 from copy import deepcopy
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -35,8 +35,7 @@ from .errors import ConfigError
 from .masks import Submodel
 from .train import LocalWork, has_tied_weights, make_optimizer
 
-
-_TRAINING_COPIES: "weakref.WeakKeyDictionary[nn.Module, nn.Module]" = weakref.WeakKeyDictionary()
+_TRAINING_COPIES: weakref.WeakKeyDictionary[nn.Module, nn.Module] = weakref.WeakKeyDictionary()
 
 
 def _without_running_stats(model: nn.Module) -> nn.Module:

@@ -59,7 +59,7 @@ class ClientSettings:
     label_split: bool = False    # each client trains and is credited with its classes' classifier rows only
 
     @classmethod
-    def from_config(cls, cfg: Config) -> "ClientSettings":
+    def from_config(cls, cfg: Config) -> ClientSettings:
         work = LocalWork(cfg.local_steps, cfg.local_epochs, cfg.batch_size, cfg.optimizer, cfg.lr, cfg.momentum,
                          cfg.weight_decay, tuple(cfg.betas), cfg.clip_norm)
         return cls(cfg.seed, work, cfg.sliced, cfg.label_split)

@@ -150,10 +150,11 @@ class Config:
                                    "and memory (bytes) of a level-1 device, a level-l device getting l of each, or "
                                    "lists per level; set (even {}) to record sim_time in metrics.jsonl; unset: "
                                    "none recorded, `fedlase report` computes it with the defaults (1e10, 1.25e6, "
-                                   "no memory limit)", kind=dict, affects_result=False)
+                                   "no memory limit); with `deadline` it decides who is dropped, so it is part of "
+                                   "the result",
+                                   kind=dict)
     sim_charge: str = _f("dense", "simulated time of masked methods: dense (the FLOPs fedlase computes) or sparse "
-                         "(the FLOPs if their sparsity were exploited)", choices=("dense", "sparse"),
-                         affects_result=False)
+                         "(the FLOPs if their sparsity were exploited)", choices=("dense", "sparse"))
     deadline: float | None = _f(None, "simulated seconds a round waits: clients whose simulated time exceeds it are "
                                 "dropped before training (metrics: missed_deadline); unset: none", kind=float,
                                 low=0, low_open=True)
@@ -177,8 +178,10 @@ class Config:
                           low=1, affects_result=False)
     reply_timeout: float = _f(600.0, "Flower: seconds the server waits for a round's replies, > 0",
                               affects_result=False, **_positive())
-    superlink: str = _f("127.0.0.1:8000", "Flower: the SuperLink address (host:port) that engine=flower-deploy submits to", affects_result=False)
-    tls_ca: str | None = _f(None, "Flower: CA certificate (PEM) that signed the SuperLink's; engine=flower-deploy and the "
+    superlink: str = _f("127.0.0.1:8000", "Flower: the SuperLink address (host:port) that engine=flower-deploy "
+                        "submits to", affects_result=False)
+    tls_ca: str | None = _f(None, "Flower: CA certificate (PEM) that signed the SuperLink's; "
+                            "engine=flower-deploy and the "
                             "SuperNodes verify the SuperLink with it (docs/flower.md)", kind=str, affects_result=False,
                             tags=("path", "submitter"))
     tls_cert: str | None = _f(None, "Flower: the SuperLink's TLS certificate (PEM), for scripts/flower-deploy-local.py "
@@ -321,15 +324,16 @@ def validate(cfg: Config) -> Config:
                           f"{'batched_clients=true' if runner == 'batched' else 'engine=' + cfg.engine}")
     data, model = DATASETS.get(cfg.dataset), MODELS.get(cfg.model)
     if data.kind != model.kind:
-        raise ConfigError("model", f"{cfg.model} is a model for {model.kind} data but dataset {cfg.dataset} is {data.kind}; "
-                          f"pick a {data.kind} model ({', '.join(n for n, m in MODELS.items() if m.kind == data.kind)})")
+        fitting = ", ".join(n for n, m in MODELS.items() if m.kind == data.kind)
+        raise ConfigError("model", f"{cfg.model} is a model for {model.kind} data but dataset {cfg.dataset} is "
+                          f"{data.kind}; pick a {data.kind} model ({fitting})")
     if cfg.local_epochs is None and cfg.local_steps is None:
         raise ConfigError("local_steps", "must be a positive integer (or set local_epochs)")
     if cfg.partition == "pathological" and cfg.classes_per_client > data.num_classes:
         raise ConfigError("classes_per_client", f"must be between 1 and the {data.num_classes} classes of "
                           f"{cfg.dataset}, got {cfg.classes_per_client}")
     check_analysis(cfg.analysis)
-    from .robust import check_attack, check_robust   # (imports torch: only when a config is validated)
+    from .robust_config import check_attack, check_robust
     check_robust(cfg.robust, cfg.robust_args)
     check_attack(cfg.attack, cfg.attack_args, cfg.levels)
     check_device_model(cfg.device_model, len(cfg.levels.levels))
@@ -347,7 +351,8 @@ def validate(cfg: Config) -> Config:
         raise ConfigError("batched_clients", f"{cfg.model} is a text model, which vmap cannot batch; "
                           "set batched_clients=false")
     if cfg.head_norm != "none" and model.kind != "text":
-        raise ConfigError("head_norm", f"applies to text models; {cfg.model} is an image model (its BN layers follow `bn`)")
+        raise ConfigError("head_norm", f"applies to text models; {cfg.model} is an image model "
+                          "(its BN layers follow `bn`)")
     if cfg.batched_clients and cfg.label_split:   # per-client submodels: not in the vmapped step
         raise ConfigError("batched_clients", "label_split needs the sequential path; set batched_clients=false")
     if cfg.batched_clients and cfg.clip_norm is not None:   # one norm per client: not in the vmapped step

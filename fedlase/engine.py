@@ -67,7 +67,7 @@ class RoundResult:
 
 class RoundRunner(Protocol):
     """Trains one round's clients. The engine aggregates what it returns."""
-    def train(self, exp: "Experiment", rnd: int, picked: list[tuple[int, Level]],
+    def train(self, exp: Experiment, rnd: int, picked: list[tuple[int, Level]],
               subs: dict[Level, Submodel]) -> RoundResult: ...
 
     def state_dict(self) -> dict: ...
@@ -98,7 +98,7 @@ class BatchedRounds(SequentialRounds):
     """The round's clients train together in vmapped groups (fedlase/batched.py); equal up to float rounding."""
 
     def train(self, exp, rnd, picked, subs):
-        from .batched import train_clients_batched   # torch.func.vmap machinery, loaded only when used
+        from .batched import train_clients_batched  # torch.func.vmap machinery, loaded only when used
         results = train_clients_batched(exp.trainer, exp.state.params, exp.state.buffers, picked, subs, rnd)
         return RoundResult([Update(c, lvl, d, loss) for (c, lvl), (d, loss) in zip(picked, results)])
 
@@ -124,7 +124,8 @@ class Experiment:
         self.sampling = Sampling.from_config(cfg)
         self.method = METHODS.get(cfg.method)(self.model, cfg.levels, run_seed=cfg.seed, **cfg.method_args)
         self.trainer = ClientTrainer(ClientSettings.from_config(cfg), self.model, self.x_train, self.y_train,
-                                     {c: torch.as_tensor(i, device=self.device) for c, i in enumerate(self.client_train)},
+                                     {c: torch.as_tensor(i, device=self.device)
+                                      for c, i in enumerate(self.client_train)},
                                      d.augment)
         g = torch.Generator().manual_seed(cfg.seed)
         bn_sample = torch.randperm(len(d.y_train), generator=g)[:BN_RECOMPUTE_SAMPLES].to(self.device)
@@ -144,7 +145,7 @@ class Experiment:
         self.attack = check_attack(cfg.attack, cfg.attack_args, cfg.levels)
         self.attackers = attackers(cfg.attack, self.attack, cfg.levels, cfg.seed)
         self._broken = False
-        from .simtime import clock_for   # simulated time (device_model, deadline); None unless asked for
+        from .simtime import clock_for  # simulated time (device_model, deadline); None unless asked for
         self.clock = clock_for(self)
 
     # the global model, as trackers and runners read it

@@ -13,7 +13,6 @@ from torch.func import functional_call
 
 from .train import label_mask_logits
 
-
 EVAL_ORDERS = ("test", "clients")
 OFFICIAL_EVAL_BATCH_SIZE = 20   # FIARSE's README runs use --bsz 20, also the server's test loader's batch size
 
@@ -109,7 +108,7 @@ class EvalSettings:
     sliced: bool = True
 
     @classmethod
-    def from_config(cls, cfg) -> "EvalSettings":
+    def from_config(cls, cfg) -> EvalSettings:
         return cls(cfg.eval_order, cfg.eval_batch_size, cfg.sliced)
 
     @property

@@ -54,7 +54,7 @@ class System:
     written: tuple[int, ...] = ()   # level indices in the order written (empty: largest first)
 
     @classmethod
-    def parse(cls, text: str, key: str = "system") -> "System":
+    def parse(cls, text: str, key: str = "system") -> System:
         m = _SYSTEM.match(str(text).replace(" ", ""))
         if not m:
             raise ConfigError(key, f"cannot parse {text!r}; {_ALLOWED}")
@@ -77,7 +77,7 @@ class System:
         return cls.of(pairs, text)
 
     @classmethod
-    def of(cls, pairs, text: str = "") -> "System":
+    def of(cls, pairs, text: str = "") -> System:
         """From (fraction, count) pairs in any order; a bare list of fractions gives each one client."""
         pairs = [(p, 1) if not isinstance(p, tuple) else p for p in pairs]
         pairs = [(Fraction(f).limit_denominator(1 << 20) if not isinstance(f, Fraction) else f, n) for f, n in pairs]

@@ -76,7 +76,7 @@ class Submodel:
         return not self.masks and not self.thresholds and not (train and self.scales)
 
     @classmethod
-    def stack(cls, subs: list["Submodel"], params: dict[str, torch.Tensor]) -> "Submodel":
+    def stack(cls, subs: list[Submodel], params: dict[str, torch.Tensor]) -> Submodel:
         """One submodel over C clients' parameters stacked as (C, *shape) (fedlase/batched.py): `apply` on the
         stacked parameters is then every client's own masked forward. Masks stack (all ones where a client
         keeps a parameter whole: w * 1 == w), thresholds and scales become one value per client (a threshold
@@ -118,7 +118,7 @@ class Submodel:
                 out[n] = t
         return out
 
-    def inner(self) -> "Submodel":
+    def inner(self) -> Submodel:
         """What trains the gathered slice: the same scales, and masks only where the gathered mask is not
         whole (a width slice is; a label-split restriction ANDed into it need not be). Computed once: every
         client of a level shares its submodel."""
@@ -132,7 +132,7 @@ class Submodel:
         self.__dict__["_inner"] = Submodel(masks, scales=self.scales, local=self.local)
         return self.__dict__["_inner"]
 
-    def masked(self) -> "Submodel":
+    def masked(self) -> Submodel:
         """This submodel without its slices: trained and evaluated as masks over the full-size model."""
         return Submodel(self.masks, self.thresholds, self.ste, self.buffers, {}, self.scales, self.local)
 
@@ -148,7 +148,7 @@ class Submodel:
         """How many of the named parameters' coordinates this submodel holds."""
         return sum(int(self.masks[n].sum()) if n in self.masks else params[n].numel() for n in names)
 
-    def to(self, device) -> "Submodel":
+    def to(self, device) -> Submodel:
         return Submodel({k: v.to(device) for k, v in self.masks.items()}, self.thresholds, self.ste,
                         {k: v.to(device) for k, v in self.buffers.items()},
                         {k: tuple(None if i is None else i.to(device) for i in v) for k, v in self.slices.items()},

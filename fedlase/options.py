@@ -6,8 +6,9 @@ value (from YAML or `key=value`) into a checked one or raises a one-line ConfigE
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from .errors import ConfigError
 

@@ -17,8 +17,8 @@ Checked at config validation (fedlase/config.py), in this order:
 The estimates are rough upper bounds, meant to stop what cannot run, not to plan one: an update is counted
 at full model size (a width slice's is smaller), and the batch estimates are made only for a dataset that
 reports its sample counts before loading (the text datasets; an image dataset's `check` may add them), since
-a batch is never larger than the data it is cut from. A model's parameters and activation sizes come from building it on torch's
-`meta` device (no memory, no weights read) and one forward of a single sample there; a model that cannot be
+a batch is never larger than the data it is cut from. A model's parameters and activation sizes come from building it on
+torch's `meta` device (no memory, no weights read) and one forward of a single sample there; a model that cannot be
 built or run on `meta` (the text models: their forward trims batches by value) gives its sizes through its
 registry entry's `check`, or is not estimated."""
 from __future__ import annotations

@@ -4,8 +4,8 @@ Every round and client draws from its own seeded stream, so any engine (embedded
 computes the same draws, and a resumed run draws exactly what an uninterrupted one would."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import numpy as np
 import torch
@@ -34,7 +34,7 @@ class Sampling:
     assignment: str = "fixed"   # fixed, random or dynamic (see sample_clients)
 
     @classmethod
-    def from_config(cls, cfg) -> "Sampling":
+    def from_config(cls, cfg) -> Sampling:
         return cls(cfg.seed, cfg.levels, tuple(cfg.participation), cfg.assignment)
 
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 import dataclasses
 import math
 import weakref
+from collections.abc import Callable
 from copy import deepcopy
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -168,7 +168,7 @@ def _steps(batch_loss: Callable, plist: list[torch.Tensor], x: torch.Tensor, y: 
     return float(total) / max(len(batches), 1)
 
 
-_TRAINING_MODULES: "weakref.WeakKeyDictionary[nn.Module, tuple]" = weakref.WeakKeyDictionary()
+_TRAINING_MODULES: weakref.WeakKeyDictionary[nn.Module, tuple] = weakref.WeakKeyDictionary()
 
 
 def _training_module(model: nn.Module) -> tuple[nn.Module, dict, dict, dict]:

@@ -25,9 +25,8 @@ import sys
 import types
 
 import torch
+from text_linear_probe import linear_probe, pooled  # scripts/ is on sys.path when run as a script
 from torch.func import functional_call
-
-from text_linear_probe import linear_probe, pooled   # scripts/ is on sys.path when run as a script
 
 LEVELS = [1.0, 1 / 4, 1 / 16, 1 / 64]
 

@@ -2,7 +2,6 @@
 import pytest
 import torch
 
-from fedlase import batched
 from fedlase.batched import local_train_batched, train_clients_batched
 from fedlase.engine import Experiment
 from fedlase.errors import ConfigError

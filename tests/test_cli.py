@@ -13,7 +13,6 @@ import numpy as np
 import pytest
 
 from conftest import TINY, idx_bytes, write_fmnist
-
 from fedlase.cli import main
 from fedlase.config import Config
 from fedlase.registry import METHODS

@@ -5,8 +5,16 @@ from fractions import Fraction
 import pytest
 
 from fedlase import registry
-from fedlase.config import (Config, config_from_dict, describe_keys, load_config, options, parse_override,
-                            parse_participation, result_keys)
+from fedlase.config import (
+    Config,
+    config_from_dict,
+    describe_keys,
+    load_config,
+    options,
+    parse_override,
+    parse_participation,
+    result_keys,
+)
 from fedlase.errors import ConfigError, UserError
 from fedlase.levels import Level, System
 from fedlase.registry import DATASETS, METHODS, MODELS, PARTITIONS

@@ -103,8 +103,8 @@ def test_evaluation_uses_the_submodel_trained_that_round(random_mask, tmp_path, 
 
 
 def test_the_generator_is_a_function_of_seed_round_and_level():
-    from fedlase.models import build_model
     from fedlase.methods import FedAvg
+    from fedlase.models import build_model
     model = build_model("cnn", 1, 10, 0.25, image_size=8)
     system = [1.0, 0.25]
 

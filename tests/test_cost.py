@@ -111,3 +111,15 @@ def test_cost_command_prints_the_table(tiny_cfg, tmp_path, capsys):
     out = capsys.readouterr().out
     assert out.count("(dense)") == 4 and "| 1/64 |" in out
     assert main(["cost", "dataset=digits", "device_model.x=1", f"out={tmp_path}"]) == 2
+
+
+def test_report_has_the_cost_table_and_the_simulated_time(tiny_cfg, tmp_path):
+    from fedlase.report import make_report
+    for method in ("heterofl", "fedlase_width"):
+        run_experiment(tiny_cfg(*FOUR, f"method={method}", out=str(tmp_path / "runs" / method)), progress=False)
+    md = make_report([str(tmp_path / "runs")], tmp_path / "report").read_text()
+    assert "## Cost per level" in md and md.count("(slice)") == 6   # levels 1/4..1/64 of both methods
+    assert "Accuracy at equal simulated time" in md and "time to A, sparse" in md
+    assert (tmp_path / "report" / "plots" / "accuracy_time.png").is_file()
+    plain = make_report([str(tmp_path / "runs")], tmp_path / "plain", cost=False).read_text()
+    assert "Cost per level" not in plain

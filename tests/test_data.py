@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from conftest import idx_bytes, write_fmnist
-
 from fedlase.data import DEFAULT_DATA_DIRS, Dataset, augment_batch, load_dataset, local_test_split, partition
 from fedlase.errors import ConfigError, DataError
 from fedlase.registry import DATASETS, PARTITIONS

@@ -11,20 +11,17 @@ import torch
 from torch import nn
 
 from conftest import TINY
-
 from fedlase.config import load_config
 from fedlase.engine import Experiment, RoundResult, SequentialRounds, run_experiment
-from fedlase.evaluate import fairness
-from fedlase.levels import level_name
 from fedlase.errors import UserError
-from fedlase.levels import Level
+from fedlase.evaluate import fairness
+from fedlase.levels import Level, level_name
 from fedlase.masks import Submodel, maskable_names
 from fedlase.methods import build_method
 from fedlase.models import build_model
 from fedlase.registry import METHODS
 from fedlase.sampling import Sampling, client_job, derive_seed, sample_clients
 from fedlase.train import LocalWork, client_batches, local_train
-
 
 # floats computed in different ways are compared here: .ci/run runs these again on torch's portable kernels
 pytestmark = [pytest.mark.numerics,

@@ -11,8 +11,15 @@ from fedlase.data.partition import balanced_dirichlet, partition
 from fedlase.evaluate import global_eval_set, predict
 from fedlase.masks import Submodel, threshold_mask
 from fedlase.models import build_model
-from fedlase.train import (LocalWork, class_keep, classifier_names, label_mask_logits, label_split_masks,
-                           local_train, restrict_submodel)
+from fedlase.train import (
+    LocalWork,
+    class_keep,
+    classifier_names,
+    label_mask_logits,
+    label_split_masks,
+    local_train,
+    restrict_submodel,
+)
 
 # floats computed in different ways are compared here: .ci/run runs these again on torch's portable kernels
 pytestmark = pytest.mark.numerics

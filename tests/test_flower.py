@@ -31,8 +31,10 @@ from flwr.supercore.task_identity import TaskIdentity  # noqa: E402
 
 from fedlase.config import load_config  # noqa: E402
 from fedlase.engine import Experiment, run_experiment  # noqa: E402
-from fedlase.flower import QUIET_ENV  # noqa: E402
-from fedlase.flower import client_app  # noqa: E402
+from fedlase.flower import (
+    QUIET_ENV,  # noqa: E402
+    client_app,  # noqa: E402
+)
 from fedlase.flower.codec import ReplyError, decode_submodel, encode_delta, encode_submodel, validate_reply  # noqa: E402
 from fedlase.flower.rounds import NodeRounds  # noqa: E402
 from fedlase.masks import Submodel  # noqa: E402
@@ -293,6 +295,7 @@ def test_partitions_are_pinned_to_node_keys(tmp_path, task_identity):
     line. A legitimate node re-registered under a new node id is followed, and the move is in the next line."""
     from cryptography.hazmat.primitives import serialization
     from flwr.proto.node_pb2 import NodeInfo
+
     from fedlase.flower.security import make_node_key, node_key, partition_keys
     cfg = small_cfg(tmp_path, "system={1,1/4}_{1,2}")
     for i in range(4):
@@ -312,12 +315,14 @@ def test_partitions_are_pinned_to_node_keys(tmp_path, task_identity):
         sent.extend(msgs)
         return grid.send_and_receive(msgs)
     wire = type("Wire", (), {"send_and_receive": staticmethod(deliver), "get_node_ids": grid.get_node_ids,
-                             "get_nodes": staticmethod(lambda: [NodeInfo(node_id=n, public_key=pem(k)) for n, k in keys.items()])})
+                             "get_nodes": staticmethod(lambda: [NodeInfo(node_id=n, public_key=pem(k))
+                                                                 for n, k in keys.items()])})
     runner = NodeRounds(wire(), reply_timeout=2, pins=pins)   # partition 2 has no node: wait 2 s for one
     exp = Experiment(cfg, runner)
     stats = exp.run_round(1)
     assert runner.nodes == {0: 100, 1: 101}
-    assert stats["refused"]["103"]["partition"] is None and "pinned to no partition" in stats["refused"]["103"]["reason"]
+    refused = stats["refused"]["103"]
+    assert refused["partition"] is None and "pinned to no partition" in refused["reason"]
     assert stats["refused"]["104"]["partition"] == 1 and "pinned to partition 2" in stats["refused"]["104"]["reason"]
     assert 103 not in {m.metadata.dst_node_id for m in sent}                   # never even asked
     assert {m.metadata.dst_node_id for m in sent if m.metadata.message_type == "train"} == {100, 101}
@@ -362,7 +367,7 @@ def test_node_cache_key_is_what_the_data_code_reads(tmp_path, monkeypatch):
             self.entry = entry
 
         def load(self, c):
-            c.width
+            _ = c.width
             return self.entry.load(c)
     monkeypatch.setattr(node_data, "DATASETS", type("R", (), {"get": staticmethod(lambda n: Probe(DATASETS.get(n)))}))
     cache = tmp_path / "plugin-cache"
@@ -676,6 +681,7 @@ def test_made_credentials_verify(tmp_path):
     from cryptography.hazmat.primitives import serialization
     from cryptography.hazmat.primitives.asymmetric import ec
     from cryptography.x509.oid import ExtendedKeyUsageOID
+
     from fedlase.flower.security import fingerprint, make_credentials, node_cert, partition_keys
     creds = make_credentials(tmp_path, ["10.0.0.5", "link.example"], nodes=2)
     ca = x509.load_pem_x509_certificate(creds.ca.read_bytes())

@@ -29,6 +29,8 @@ import pytest
 os.environ.setdefault("FEDLASE_CACHE", tempfile.mkdtemp(prefix="fedlase-cache-"))
 pytest.importorskip("flwr")
 
+from test_flower import SMALL, _env, _logs, _metrics, _params, _submit, _wait, same_params  # noqa: E402
+
 from fedlase.catalog import load_builtins  # noqa: E402
 from fedlase.config import load_config  # noqa: E402
 from fedlase.engine import run_experiment  # noqa: E402
@@ -36,9 +38,8 @@ from fedlase.errors import UserError  # noqa: E402
 from fedlase.flower.launch import descendants, write_app, write_connection  # noqa: E402
 from fedlase.flower.proxy import body_limit, largest_request, nginx_binary  # noqa: E402
 from fedlase.flower.security import fingerprint, make_credentials, make_node_key, node_cert  # noqa: E402
-from test_flower import SMALL, _env, _logs, _metrics, _params, _submit, _wait, same_params  # noqa: E402
 
-pytestmark = pytest.mark.flower
+pytestmark = [pytest.mark.flower, pytest.mark.xdist_group("deployment")]   # one module-scoped federation
 ARGS = [*SMALL, "system={1,1/4}_{1,1}", "rounds=2", "reply_timeout=150"]
 
 

@@ -175,7 +175,8 @@ def test_importing_the_engine_loads_no_method_model_or_dataset_loader_and_regist
 
 
 def test_the_config_imports_nothing_above_it():
-    """Its imports (and theirs) are the low layer: errors, levels, options, registry, resources, util."""
+    """Its imports (and theirs) are the low layer: errors, levels, options, registry, resources, robust_config,
+    util."""
     g, seen, todo = graph(), set(), ["fedlase.config"]
     while todo:
         for n in g.get(todo.pop(), ()):
@@ -183,7 +184,7 @@ def test_the_config_imports_nothing_above_it():
                 seen.add(n)
                 todo.append(n)
     assert seen <= {"fedlase", "fedlase.errors", "fedlase.levels", "fedlase.options", "fedlase.registry",
-                    "fedlase.resources", "fedlase.util"}, seen
+                    "fedlase.resources", "fedlase.robust_config", "fedlase.util"}, seen
     assert not any(m.startswith(HEAVY) for m in seen)
 
 
@@ -192,7 +193,8 @@ def test_only_the_edges_register_the_built_ins():
     importers = {m for m, names in graph().items() if "fedlase.catalog" in names}
     assert importers <= {"fedlase", "fedlase.cli", "fedlase.api", "fedlase.runner", "fedlase.sweep",
                          "fedlase.flower.server_app", "fedlase.flower.client_app",
-                         "fedlase.flower.proxy"}, importers   # proxy: `python -m fedlase.flower.proxy front --config`
+                         "fedlase.flower.proxy", "fedlase.measure"}, importers
+    # proxy: `python -m fedlase.flower.proxy front --config`; measure: the child process of `fedlase cost`
 
 
 # ---- the README's method table is the registry's (issue 29) ---------------------------------------------------

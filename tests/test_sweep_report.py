@@ -272,6 +272,7 @@ def test_bad_jobs_is_a_one_line_error(tmp_path, capsys, jobs):
 
 def test_paired_t_matches_the_closed_form_and_a_hand_case():
     import math
+
     from fedlase.report import paired_t
     mean, t, p = paired_t([1.0, 2.0, 3.0])             # n = 3: df = 2, p = 1 - |t| / sqrt(2 + t^2)
     assert mean == 2.0 and math.isclose(t, 2 * math.sqrt(3)) and math.isclose(p, 1 - t / math.sqrt(2 + t * t))
@@ -282,6 +283,7 @@ def test_paired_t_matches_the_closed_form_and_a_hand_case():
 
 def test_magnitude_table_is_the_rebuttal_layout(tmp_path):
     import numpy as np
+
     from fedlase.report import Group, Run, magnitude_table
     (tmp_path / "analysis").mkdir()
     layers = np.array(["a.weight", "a.bias", "b.weight", "c.weight", "d.weight"])

@@ -40,7 +40,7 @@ def tiny_model(heads=4, dropout=0.0, num_classes=3, pooler=True, seed=0, **kw):
     torch.manual_seed(seed)
     enc = transformers.BertModel(tiny_config(heads, dropout), add_pooling_layer=pooler)
     with torch.no_grad():   # BERT initialises biases and LayerNorms to constants: make every tensor distinct
-        for n, p in enc.named_parameters():
+        for p in enc.parameters():
             if p.dim() == 1:
                 p.add_(0.05 * torch.randn_like(p))
     return TransformerClassifier(enc, num_classes, pad_id=0, seed=seed, **kw)
@@ -321,6 +321,7 @@ def test_the_scaler_is_off_by_default_on_transformers_and_the_text_experiments_s
     transformer, on for the CNNs); experiments/text.yaml runs HeteroFL and FedRolex unscaled and
     experiments/text-scaler.yaml keeps the official codes' Scaler as the ablation, each set explicitly."""
     import yaml
+
     from fedlase.models.cnn import SmallCNN
     for cls in (HeteroFL, FedRolex):
         assert cls(tiny_model(), LEVELS).scaler is False and cls(tiny_model(), LEVELS, scaler=True).scaler is True

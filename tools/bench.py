@@ -19,6 +19,7 @@ Sections (each prints one Markdown table; `--only` picks some):
             under each thread setting: on the machine as it is, and beside two CPU-bound processes. The
             default (`threads=0`: the usable CPUs, OpenMP waiting passively) against fixed counts and
             against OpenMP's own spinning wait (what fedlase did before); settings alternate run by run.
+            Run only when asked for (`--only contention`): it takes minutes and loads the machine on purpose.
 
 Timings follow one warm-up round; the measured rounds are then replayed `repeats` times from the state after
 the warm-up (a run is deterministic, and a replay passes each round exactly as the run does: FedRolex's window
@@ -53,6 +54,8 @@ from fedlase.report import markdown_table
 
 CHECKOUT = Path(__file__).resolve().parents[1]   # the folder holding fedlase/ and tools/
 SECTIONS = ("overhead", "sliced", "masks", "memory", "comm", "batched", "contention")
+# run when no --only is given: contention takes minutes of wall time and loads the machine on purpose
+DEFAULT_SECTIONS = tuple(s for s in SECTIONS if s != "contention")
 MEMORY_CLIENTS = (100, 1000, 10000)
 LEVELS = (1.0, 0.25, 0.0625, 0.015625)
 SYSTEM_LEVELS = System.of(list(LEVELS))   # methods take Levels (fedlase/levels.py)
@@ -177,7 +180,8 @@ def tight_round(exp, model, picked, subs, jobs, rnd: int, params: dict) -> tuple
             loss.backward()
             opt.step()
         with torch.no_grad():   # the update a client must return is part of its work
-            small = {n: (p - params[n] if not sub.slices else p - sub.gather({n: params[n]})[n]) for n, p in train.items()}
+            small = {n: (p - params[n] if not sub.slices else p - sub.gather({n: params[n]})[n])
+                     for n, p in train.items()}
             small = {n: d * inner.masks[n] if n in inner.masks else d for n, d in small.items()}
             deltas.append(sub.scatter(small, params) if sub.slices else small)
         seconds += _now(exp.device) - t0
@@ -288,6 +292,7 @@ def _full_models(args):
         models["resnet18 (32x32x3)"] = build_model("resnet18", 3, 10, 1.0, "batch", 32)
     if _text_available() and (wanted is None or "minilm" in wanted):
         from types import SimpleNamespace
+
         from fedlase.models.transformer import build_minilm
         models["minilm (5 classes)"] = build_minilm(SimpleNamespace(model="minilm", max_length=128, seed=0),
                                                     SimpleNamespace(num_classes=5))
@@ -318,7 +323,8 @@ def section_masks(args) -> str:
             rows.append([f"{mname}, {size / 1e6:.2f}M", method, f"{sum(per):.3f}"] + [f"{s * 1e3:.1f}" for s in per])
     what = "wall" if args.device == "cuda" else "CPU"
     return (f"### Mask extraction at full size ({what} time; all four levels of one round, no training)\n\n" +
-            markdown_table(["model", "method", "s per round", "ms at 1", "ms at 1/4", "ms at 1/16", "ms at 1/64"], rows))
+            markdown_table(["model", "method", "s per round", "ms at 1", "ms at 1/4", "ms at 1/16", "ms at 1/64"],
+                           rows))
 
 
 # ---- memory against the number of clients ---------------------------------------------------------------------
@@ -442,7 +448,8 @@ def section_batched(args, scen: dict) -> str:
             print(f"  batched {name} {method}: {rows[-1][4]}", file=sys.stderr)
     what = "wall" if args.device == "cuda" else "CPU"
     return (f"### Batched clients against the sequential engine ({what} s per round)\n\n" +
-            markdown_table(["scenario", "method", "sequential", "batched", "speedup", "max param diff after a round"], rows))
+            markdown_table(["scenario", "method", "sequential", "batched", "speedup",
+                            "max param diff after a round"], rows))
 
 
 def section_sliced(args, scen: dict) -> str:
@@ -510,7 +517,7 @@ def section_contention(args, data: dict) -> str:
             median = {k: float(np.median(v)) for k, v in times.items()}
             fixed = [median[n] for n, _, _, kind in variants if kind == "fixed"]
             best = min(fixed) if fixed else median[variants[0][0]]   # one CPU: the default is the one count
-            for name, _, _, kind in variants:
+            for name, _, _, _kind in variants:
                 rows.append([state, name, f"{median[name]:.1f}", f"{median[name] / best:.2f}x",
                              " ".join(f"{t:.1f}" for t in times[name])])
             default = median[variants[0][0]]
@@ -544,13 +551,14 @@ def run(args) -> str:
     """The report of the sections `args` asks for (the command line's arguments, left as they are)."""
     args = argparse.Namespace(**vars(args))
     args.rounds, args.repeats = (1, 2) if args.quick else (2, 2)
-    only = SECTIONS if not args.only else [s.strip() for s in args.only.split(",")]
+    only = DEFAULT_SECTIONS if not args.only else [s.strip() for s in args.only.split(",")]
     torch.set_num_threads(args.threads)
     started = time.perf_counter()
     load = os.getloadavg()
     opts = [*(["--quick"] if args.quick else []), *([f"--only {args.only}"] if args.only else []),
             *([f"--device {args.device}"] if args.device != "cpu" else []),
-            *([f"--threads {args.threads}"] if args.threads != 1 else []), *([f"--models {args.models}"] if args.models else []),
+            *([f"--threads {args.threads}"] if args.threads != 1 else []),
+            *([f"--models {args.models}"] if args.models else []),
             *([f"--out {args.out}"] if args.out else [])]
     parts = [f"Machine: {machine()}", f"Command: `{' '.join(['python -m tools.bench', *opts])}`",
              f"Torch threads: {args.threads}; device: {args.device}; load average at start: "
@@ -609,7 +617,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true", help="fewer rounds and steps")
     p.add_argument("--out", metavar="FILE", help="also write the Markdown report to FILE")
     p.add_argument("--only", metavar="SECTIONS", help=f"comma-separated subset of: {', '.join(SECTIONS)} "
-                   "[default: all]")
+                   "[default: all but contention]")
     p.add_argument("--models", metavar="MODELS", help="comma-separated subset of the scenarios' models: cnn, "
                    "resnet18, minilm (minilm needs the text extras) [default: all]")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="[default: cpu]")

@@ -139,7 +139,7 @@ def via_worker(msg: Message, context: Context, pid: int) -> tuple[dict, RecordDi
     folder = context.node_config.get("worker-dir")
     if not folder:
         return None
-    from .worker import WorkerError, ask, say_once
+    from .worker_link import WorkerError, ask, say_once
     try:
         return ask(str(folder), context.run_id, pid, str(context.run_config["fedlase-config"]), msg.content)
     except WorkerError as e:

@@ -268,7 +268,7 @@ def simulate(cfg: Config, app_dir: Path, client_app: str = "fedlase.flower.clien
     # alembic (Flower's state database) logs "setup plugin ..." at INFO when it is imported: quiet before
     # the import; its warnings and errors still show
     logging.getLogger("alembic").setLevel(logging.WARNING)
-    from flwr.simulation import run_simulation   # deprecated, still the only in-process API (_DropDeprecation)
+    from flwr.simulation import run_simulation  # deprecated, still the only in-process API (_DropDeprecation)
     logging.getLogger("flwr").setLevel(logging.WARNING)   # per-message chatter (after its import: it sets its own)
     srv, cli = configured_apps(server_app, client_app, _run_config(app_dir))
     # Ray's raylet, gcs and workers are started below this process, but Flower shuts Ray down itself and

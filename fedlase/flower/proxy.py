@@ -61,7 +61,7 @@ def fleet_routes() -> list[str]:
     (`flwr.proto`, the messages SuperNode and SuperLink exchange) is the stable part, where the SuperLink's own
     router (`flwr.superlink.routers...`) is server internals; the `/v1/fleet/` naming is what Flower
     1.42 serves (pyproject.toml pins the tested range, flwr>=1.42,<1.43)."""
-    from flwr.proto import fleet_pb2   # not documented API: see the docstring
+    from flwr.proto import fleet_pb2  # not documented API: see the docstring
     calls = [m.name for m in fleet_pb2.DESCRIPTOR.services_by_name["Fleet"].methods]
     paths = sorted("/v1/fleet/" + re.sub(r"(?<!^)(?=[A-Z])", "-", name).lower() for name in calls)
     if not paths:
@@ -143,7 +143,8 @@ def _frame(workdir: Path, body: str, body_limit: int | str) -> str:
         pw = pwd.getpwuid(os.geteuid())
         user = f"user {pw.pw_name} {grp.getgrgid(pw.pw_gid).gr_name};\n"
     temps = "\n".join(f"    {k}_temp_path {tmp / k};" for k in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi"))
-    return f"""# Written by fedlase (fedlase/flower/proxy.py); run: nginx -p {workdir} -c {workdir / 'nginx.conf'} -e stderr
+    conf = workdir / "nginx.conf"
+    return f"""# Written by fedlase (fedlase/flower/proxy.py); run: nginx -p {workdir} -c {conf} -e stderr
 daemon off;
 worker_processes 1;
 pid {workdir / 'nginx.pid'};

@@ -150,7 +150,8 @@ class NodeRounds:
                         nid, pid, level, cfg.system, expected.name)
             return
         if self.pins and self.keyed.get(nid) != pid:
-            self._refuse(nid, pid, f"it claims partition {pid} but its key is pinned to partition {self.keyed.get(nid)}")
+            self._refuse(nid, pid, f"it claims partition {pid} but its key is pinned to partition "
+                                   f"{self.keyed.get(nid)}")
             return
         if pid in self.nodes and self.nodes[pid] != nid:
             log.warning("partition %d moves from node %d to node %d", pid, self.nodes[pid], nid)

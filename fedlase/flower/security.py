@@ -161,7 +161,7 @@ def make_credentials(folder: Path | str, hosts: list[str] = ("127.0.0.1", "local
     from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
     folder = Path(folder)
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.UTC)
     start, end = now - datetime.timedelta(minutes=5), now + datetime.timedelta(days=days)
 
     def pem_key(k) -> bytes:
@@ -229,7 +229,7 @@ def self_signed(cert_path: Path, key_path: Path, host: str = "127.0.0.1", days: 
     from cryptography.hazmat.primitives import hashes, serialization
     from cryptography.hazmat.primitives.asymmetric import ec
     from cryptography.x509.oid import NameOID
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.UTC)
     key = ec.generate_private_key(ec.SECP384R1())
     name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, f"fedlase sidecar {host}")])
     cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())

@@ -35,7 +35,7 @@ class ActivationExtraction(LocalObjective):
     """At the client's start: score every channel on its data with the global model, keep the best of each
     group; the rest of training is the plain cross-entropy on that mask."""
 
-    def __init__(self, method: "FedDSE", level, round: int):
+    def __init__(self, method: FedDSE, level, round: int):
         self.method, self.level, self.round = method, level, round
 
     def start(self, model, sub, params, buffers, x, batches):

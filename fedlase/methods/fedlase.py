@@ -112,7 +112,8 @@ class FedLASE(ThresholdMethod):
             weights = [float(s) for s in sizes]
         else:
             with torch.no_grad():
-                s = [float(params[n].abs().mean() if score == "mean" else params[n].abs().max()) for n in self.extracted]
+                s = [float(params[n].abs().mean() if score == "mean" else params[n].abs().max())
+                     for n in self.extracted]
             if self.args["transform"] == "share":
                 weights = [math.log1p(n * si) if log else n * si for n, si in zip(sizes, s)]
             else:
