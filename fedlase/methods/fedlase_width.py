@@ -20,6 +20,13 @@ Each round, for each level l < 1 (level 1 trains the whole model):
    with S(m) <= B = int(l * budgeted count), FIARSE's budget. One greedy pass then adds a channel to each group,
    largest fractional part first, where it still fits. So the budget is met (S <= B) at every level, unless even
    one channel per group exceeds it (then one channel per group).
+   With `budget=both` (the default) the same m must also meet a compute budget: the submodel's forward work
+   W(m) = sum of numel * uses * (k_out/K_out) * (k_in/K_in), where `uses` is how often one sample's forward pass
+   applies each weight coordinate (a conv weight at every output position, a linear weight once; measured once
+   by `forward_work`), is at most l times the full model's. A parameter budget alone lets the log-smoothed
+   shares give the small early layers of a CNN, which run at the highest resolution, most of their channels:
+   the same parameters then cost several times HeteroFL's compute (docs/results.md, issue 30). `budget=params`
+   is the parameter budget alone.
 5. Inside a group the k_g channels of largest magnitude are kept (`channels=magnitude`: the sum over the
    group's producing weights of each output channel's mean |w|; ties to the lower index), or its first k_g
    (`channels=first`, HeteroFL's window: isolates the effect of the widths alone).
@@ -52,6 +59,9 @@ class FedLASEWidth(Method):
                                      "own and hold what their groups' widths give them)", choices=(True, False)),
         "edge_layers": Option("model", "the layers left unscored: model (the model's edge_layers() if it declares "
                               "them, else its first and last layers) or first_last", choices=("model", "first_last")),
+        "budget": Option("both", "what the level bounds: both (parameters and forward compute, each at most l "
+                         "of the full model's) or params (parameters only, as FedLASE's masks)",
+                         choices=("both", "params")),
         "channels": Option("magnitude", "which channels a group keeps: magnitude (largest mean |w| of their "
                            "output rows) or first (HeteroFL's first channels)", choices=("magnitude", "first")),
     }
@@ -69,9 +79,11 @@ class FedLASEWidth(Method):
             for g, dim in ((out_g, 0), (in_g, 1)):
                 if g is not None:
                     self.sizes.setdefault(g, params[name].shape[dim])
+        self.uses = forward_work(model)
 
-    def _cost(self, keep: dict[str, int], params) -> int:
-        """Budgeted coordinates held when group g keeps keep[g] of its channels."""
+    def _cost(self, keep: dict[str, int], params, uses: dict[str, int] | None = None) -> int:
+        """Budgeted coordinates held when group g keeps keep[g] of its channels; with `uses`, each coordinate
+        weighted by its uses in one forward pass (the forward work)."""
         total = 0
         for n in self.maskable:
             out_g, in_g = self.groups.get(n, (None, None))
@@ -79,7 +91,7 @@ class FedLASEWidth(Method):
             for g in (out_g, in_g):
                 if g is not None:
                     size = size // self.sizes[g] * keep[g]
-            total += size
+            total += size * (uses.get(n, 0) if uses is not None else 1)
         return total
 
     def widths(self, params: dict[str, torch.Tensor], level) -> dict[str, int]:
@@ -105,22 +117,29 @@ class FedLASEWidth(Method):
             w[g] = src[0] / src[1] if src[1] > 0 else width_rate(lvl)
             w[g] = max(w[g], 1e-6)   # a layer given nothing still keeps a channel and scales with m
         budget = self.budget(params, lvl)
+        work_budget = None
+        if self.args["budget"] == "both":
+            work_budget = int(lvl * self._cost(dict(self.sizes), params, self.uses))
+
+        def fits(keep: dict[str, int]) -> bool:
+            return self._cost(keep, params) <= budget and (
+                work_budget is None or self._cost(keep, params, self.uses) <= work_budget)
 
         def keep_at(m: float) -> dict[str, int]:
             return {g: min(K, max(1, math.floor(m * w[g] * K + 1e-9))) for g, K in self.sizes.items()}
 
         lo, hi = 0.0, 1.0 / min(w.values()) + 1.0        # keep_at(hi) keeps every channel
-        if self._cost(keep_at(hi), params) <= budget:
+        if fits(keep_at(hi)):
             return keep_at(hi)
         for _ in range(60):
             mid = (lo + hi) / 2
-            lo, hi = (mid, hi) if self._cost(keep_at(mid), params) <= budget else (lo, mid)
+            lo, hi = (mid, hi) if fits(keep_at(mid)) else (lo, mid)
         keep = keep_at(lo)
         # one greedy pass: a channel more for each group, largest fractional part first, where it still fits
         for g in sorted(self.sizes, key=lambda g: -(lo * w[g] * self.sizes[g] - keep[g])):
             if keep[g] < self.sizes[g]:
                 keep[g] += 1
-                if self._cost(keep, params) > budget:
+                if not fits(keep):
                     keep[g] -= 1
         return keep
 
@@ -151,6 +170,36 @@ class FedLASEWidth(Method):
                 keep[g] = torch.arange(K, device=device) < counts[g]
         masks, slices = width_slices(self.model, params, 0.0, keep=keep)
         return Submodel(masks, slices=slices)
+
+
+@torch.no_grad()
+def forward_work(model: torch.nn.Module) -> dict[str, int]:
+    """Weight name -> how often one sample's forward pass applies each of its coordinates: a conv weight at
+    every output position, a linear weight once per token. Measured by hooks on one forward pass of a zero
+    batch of the model's `input_shape`; a model that declares none gets 1 for every weight (linear layers
+    applied once, where the forward work is proportional to the parameters)."""
+    weights = {n: p for n, p in model.named_parameters() if p.dim() >= 2}
+    shape = getattr(model, "input_shape", None)
+    if shape is None:
+        return {n: 1 for n in weights}
+    uses: dict[str, int] = {}
+    hooks = []
+    for prefix, module in model.named_modules():
+        w = getattr(module, "weight", None)
+        name = f"{prefix}.weight" if prefix else "weight"
+        if isinstance(w, torch.nn.Parameter) and name in weights:
+            def record(mod, inputs, out, name=name, rows=w.shape[0]):
+                uses[name] = out.numel() // (out.shape[0] * rows)   # output positions (or tokens) per sample
+            hooks.append(module.register_forward_hook(record))
+    was_training = model.training
+    try:
+        model.eval()
+        model(torch.zeros(2, *shape, device=next(model.parameters()).device))
+    finally:
+        model.train(was_training)
+        for h in hooks:
+            h.remove()
+    return {n: uses.get(n, 1) for n in weights}
 
 
 if FedLASEWidth.name not in METHODS:

@@ -30,6 +30,7 @@ class SmallCNN(nn.Module):
         self.features = nn.Sequential(*layers)
         self.classifier = nn.Linear(prev, num_classes)
         self.chans, self.num_classes, self.bn_mode = chans, num_classes, bn
+        self.input_shape = (in_channels, image_size, image_size)   # one sample's (C, H, W)
         self.exit_heads = None   # DepthFL's exits, once attached (fedlase/models/exits.py)
 
     # every shape comes from the tensors (global pooling feeds the classifier): a width slice can train as

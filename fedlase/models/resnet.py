@@ -53,6 +53,7 @@ class ResNet18(nn.Module):
         self.layer1, self.layer2, self.layer3, self.layer4 = stages
         self.linear = nn.Linear(w[3], num_classes)
         self.widths, self.num_classes, self.bn_mode = w, num_classes, bn
+        self.input_shape = (in_channels, image_size, image_size)   # one sample's (C, H, W)
         self.exit_heads = None   # DepthFL's exits, once attached (fedlase/models/exits.py)
 
     # every shape comes from the tensors (residual adds within one channel group, global pooling feeds the
