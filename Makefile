@@ -32,13 +32,17 @@ demo: setup data
 	@$(BIN)/fedlase report runs/demo/fedlase runs/demo/fiarse --out runs/demo/report >/dev/null
 	@sed -n '/^## Local accuracy per level/,/^## Std of/p' runs/demo/report/report.md | sed '$$d'
 
-# Two pytest workers (pytest-xdist): the slow tests mostly wait on Flower and Ray processes, so two of them overlap
-# on two cores. --dist loadgroup keeps each module that shares one Ray cluster or federation on one worker (its
-# `xdist_group` mark) and spreads every other test. The Ray-cluster module runs after, in its own pytest process:
-# its in-process Ray driver once took an xdist worker down with it. `pytest -q` alone runs the same tests one at a time.
+# pytest-xdist workers for every test but the Ray-cluster module: the slow tests mostly wait on Flower processes,
+# so they overlap on two cores (tests/conftest.py begins the longest first). --dist loadgroup keeps each module
+# that shares one federation on one worker (its `xdist_group` mark). The Ray-cluster module runs beside them, in
+# its own pytest process (its in-process Ray driver once took an xdist worker down with it), its report printed
+# after theirs. `pytest -q` alone runs the same tests one at a time.
+TEST_WORKERS ?= 3
 test: setup data deploy-deps
-	$(BIN)/python -m pytest -q -n 2 --dist loadgroup -m 'not ray'
-	$(BIN)/python -m pytest -q -m ray
+	@$(BIN)/python -m pytest -q -p no:cacheprovider -m ray > .ray-tests.log 2>&1 & ray=$$!; \
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup -m 'not ray'; rest=$$?; \
+	wait $$ray; rc=$$?; echo "--- the Ray-cluster module (tests/test_cluster.py):"; cat .ray-tests.log; \
+	rm -f .ray-tests.log; [ $$rest -eq 0 ] && [ $$rc -eq 0 ]
 
 lint: setup
 	$(BIN)/ruff check .

@@ -165,7 +165,9 @@ class Aggregator:
 def aggregate(global_params: dict[str, torch.Tensor], updates: list[tuple[dict, Submodel]],
               mode: str = "coverage", coverage: str = "mask", owners: dict[str, list[str]] | None = None
               ) -> dict[str, torch.Tensor]:
-    """New global parameters from (delta, submodel) pairs."""
+    """New global parameters: the streaming mean (`Aggregator`) of (delta, submodel) pairs under `mode` and
+    `coverage`. The engine's server step ends here for every robust rule but the coordinate-wise ones
+    (fedlase/robust.py, `Robust.aggregate`); public API, for library code that aggregates updates of its own."""
     agg = Aggregator(global_params, mode, coverage, owners)
     for delta, sub in updates:
         agg.add(delta, sub)

@@ -16,6 +16,7 @@ bulky arrays go to `<out>/analysis/<name>.npz`, rewritten at every evaluation (s
 """
 from __future__ import annotations
 
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -250,10 +251,7 @@ class Updates(Tracker):
         self.clients = 0
 
     def on_round(self, rnd, picked, submodels, old_params, new_params):
-        per_level: dict[float, int] = {}
-        for _, lvl in picked:
-            per_level[lvl] = per_level.get(lvl, 0) + 1
-        for lvl, k in per_level.items():
+        for lvl, k in Counter(lvl for _, lvl in picked).items():   # keyed by Level, never by its float
             masks = submodels[lvl].masks
             for n, c in self.counts.items():
                 if n in masks:

@@ -208,6 +208,8 @@ class Config:
 
     # filled by validate()
     levels: System | None = field(default=None, init=False, repr=False, metadata={"derived": True})
+    # attack_args checked against the system, defaults filled (robust_config.check_attack): what the engine reads
+    attack_settings: dict | None = field(default=None, init=False, repr=False, metadata={"derived": True})
 
     @property
     def num_clients(self) -> int:
@@ -335,7 +337,7 @@ def validate(cfg: Config) -> Config:
     check_analysis(cfg.analysis)
     from .robust_config import check_attack, check_robust
     check_robust(cfg.robust, cfg.robust_args)
-    check_attack(cfg.attack, cfg.attack_args, cfg.levels)
+    cfg.attack_settings = check_attack(cfg.attack, cfg.attack_args, cfg.levels)
     check_device_model(cfg.device_model, len(cfg.levels.levels))
     if cfg.data_dir is not None and not Path(cfg.data_dir).is_dir():
         raise ConfigError("data_dir", f"folder {cfg.data_dir!r} does not exist")

@@ -25,18 +25,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .aggregate import Aggregator
-from .robust_config import (  # noqa: F401  (re-exported: the names belong to the rules)
-    ATTACK_ARGS,
-    ATTACK_OPTIONS,
-    ATTACK_WHO,
-    ATTACKS,
-    ROBUST_OPTIONS,
-    RULE_ARGS,
-    RULES,
-    check_attack,
-    check_robust,
-)
+from .aggregate import Aggregator, aggregate
+from .robust_config import check_robust
 
 log = logging.getLogger("fedlase")
 
@@ -148,13 +138,13 @@ class Robust:
 
     def aggregate(self, params: dict, updates: list, subs: dict, rms: list[float], mode: str, coverage: str,
                   owners) -> tuple[dict, dict]:
-        """(new global params, what the rule did for the metrics line) from the screened updates."""
-        agg = Aggregator(params, mode, coverage, owners)
+        """(new global params, what the rule did for the metrics line) from the screened updates. Every rule but
+        the coordinate-wise ones ends in the streaming mean (fedlase.aggregate.aggregate) of the pairs it keeps."""
         pairs = [(u.delta, u.sub or subs[u.level]) for u in updates]
         info: dict = {}
         if self.rule in ("clip", "adaptive_clip"):
             ref = low_median(rms)
-            clipped = 0
+            clipped, kept = 0, []
             for (delta, sub), r in zip(pairs, rms):
                 size = held(delta, sub, params)
                 bound = self.args["bound"] if self.rule == "clip" else self.args["factor"] * ref * math.sqrt(size)
@@ -162,17 +152,16 @@ class Robust:
                 if norm > bound:
                     delta = {n: d * (bound / norm) for n, d in delta.items()}
                     clipped += 1
-                agg.add(delta, sub)
-            return agg.result(), {"clipped": clipped}
-        if self.rule in ("trimmed_mean", "median"):
+                kept.append((delta, sub))
+            pairs, info = kept, {"clipped": clipped}
+        elif self.rule in ("trimmed_mean", "median"):
+            agg = Aggregator(params, mode, coverage, owners)
             return coordinatewise(agg, pairs, self.rule, self.args["trim"]), info
-        if self.rule == "multikrum":
-            chosen = multikrum(agg, pairs, self.args["faulty"])
+        elif self.rule == "multikrum":
+            chosen = multikrum(Aggregator(params, mode, coverage, owners), pairs, self.args["faulty"])
             info["dropped"] = sorted(updates[i].client for i in range(len(pairs)) if i not in chosen)
             pairs = [pairs[i] for i in sorted(chosen)]
-        for delta, sub in pairs:
-            agg.add(delta, sub)
-        return agg.result(), info
+        return aggregate(params, pairs, mode, coverage, owners), info
 
 
 def dense(agg: Aggregator, delta: dict, sub) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:

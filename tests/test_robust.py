@@ -14,7 +14,8 @@ from fedlase.engine import Experiment, Update, run_experiment
 from fedlase.errors import ConfigError
 from fedlase.masks import Submodel
 from fedlase.methods.fedlase import water_fill
-from fedlase.robust import Robust, attackers, check_attack, screen
+from fedlase.robust import Robust, attackers, screen
+from fedlase.robust_config import check_attack
 
 # The run: ten clients, the one of level 1/4 faulty; one local step, so that it takes seconds.
 DIGITS = ["dataset=digits", "model=cnn", "system={1,1/4}_{9,1}", "participation=1", "local_steps=1", "lr=0.1",

@@ -15,6 +15,8 @@ Sections (each prints one Markdown table; `--only` picks some):
   batched   `batched_clients=true` against the sequential engine, and how far their results differ.
   sliced    width-slice methods (heterofl, fedrolex, fedavg_small): sliced training against the masked
             full-size path (`sliced=false`), per round, and how far their results differ.
+  text      (with the text extras) BBC News tokenization, uncached and cached, and MiniLM's local AdamW step
+            (batch 20), dense and FIARSE at 1/64, at max_length 128 and 256 under 1 and 2 torch threads.
   contention `fedlase run configs/demo.yaml` (a few rounds) as a user runs it, wall time of the whole process,
             under each thread setting: on the machine as it is, and beside two CPU-bound processes. The
             default (`threads=0`: the usable CPUs, OpenMP waiting passively) against fixed counts and
@@ -53,7 +55,7 @@ from fedlase.levels import System
 from fedlase.report import markdown_table
 
 CHECKOUT = Path(__file__).resolve().parents[1]   # the folder holding fedlase/ and tools/
-SECTIONS = ("overhead", "sliced", "masks", "memory", "comm", "batched", "contention")
+SECTIONS = ("overhead", "sliced", "masks", "memory", "comm", "batched", "text", "contention")
 # run when no --only is given: contention takes minutes of wall time and loads the machine on purpose
 DEFAULT_SECTIONS = tuple(s for s in SECTIONS if s != "contention")
 MEMORY_CLIENTS = (100, 1000, 10000)
@@ -327,6 +329,56 @@ def section_masks(args) -> str:
                            rows))
 
 
+# ---- the text track ---------------------------------------------------------------------------------------------
+def section_text(args) -> str:
+    """BBC News loading (tokenized once, then read from the cache) and MiniLM's local step; wall time."""
+    if not _text_available():
+        return "### Text track\n\nnot run: the text extras (transformers, the packaged MiniLM) are not installed"
+    from types import SimpleNamespace
+
+    from fedlase.data import text as textdata
+    from fedlase.methods import build_method
+    from fedlase.models.transformer import build_minilm
+    from fedlase.train import LocalWork, local_train
+    old_cache, rows = os.environ.get("FEDLASE_CACHE"), []
+    with tempfile.TemporaryDirectory(prefix="fedlase-bench-text-") as cache:
+        os.environ["FEDLASE_CACHE"] = cache   # a fresh cache: the first load tokenizes
+        try:
+            for length in (64, 256):
+                for label in ("uncached (tokenizing)", "cached"):
+                    t = time.perf_counter()
+                    ds = textdata.load_bbc_news(SimpleNamespace(model="minilm", max_length=length, seed=0))
+                    rows.append([f"load BBC News, max_length {length}, {label}", f"{time.perf_counter() - t:.3f}"])
+        finally:
+            if old_cache is None:
+                os.environ.pop("FEDLASE_CACHE", None)
+            else:
+                os.environ["FEDLASE_CACHE"] = old_cache
+    model = build_minilm(SimpleNamespace(model="minilm", max_length=256, seed=0), SimpleNamespace(num_classes=5))
+    params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    bufs = dict(model.named_buffers())
+    fiarse = build_method("fiarse", model, {}, SYSTEM_LEVELS)
+    work = LocalWork(steps=1 if args.quick else 3, batch_size=20, optimizer="adamw", lr=1e-4, betas=(0.9, 0.95))
+    batches = [torch.arange(i * 20, i * 20 + 20) for i in range(work.steps)]
+    threads = torch.get_num_threads()
+    try:
+        for n_threads in (1, 2):
+            torch.set_num_threads(n_threads)
+            for length in (128, 256):
+                x = ds.x_train[:, :length]
+                for label, lvl in (("dense", SYSTEM_LEVELS.levels[0]), ("fiarse 1/64", SYSTEM_LEVELS.smallest)):
+                    sub = fiarse.submodel(params, lvl, 1)
+                    local_train(model, params, bufs, sub, x, ds.y_train, batches[:1], work)   # warm-up
+                    t = time.perf_counter()
+                    local_train(model, params, bufs, sub, x, ds.y_train, batches, work)
+                    rows.append([f"MiniLM local step, {label}, max_length {length}, threads {n_threads}",
+                                 f"{(time.perf_counter() - t) / work.steps:.3f}"])
+    finally:
+        torch.set_num_threads(threads)
+    return ("### Text track (wall time; a local step is AdamW on a batch of 20)\n\n" +
+            markdown_table(["what", "s"], rows))
+
+
 # ---- memory against the number of clients ---------------------------------------------------------------------
 def memory_child(spec: dict) -> dict:
     """Run in a fresh process: build the experiment, run the rounds, report the RSS high-water mark."""
@@ -583,6 +635,8 @@ def run(args) -> str:
                 parts.append(section_comm(args))
             elif section == "batched":
                 parts.append(section_batched(args, scen))
+            elif section == "text":
+                parts.append(section_text(args))
             elif section == "contention":
                 parts.append(section_contention(args, data))
     load = os.getloadavg()
@@ -612,7 +666,7 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m tools.bench",
                                 description="Benchmark fedlase's engine: overhead against a tight SGD loop, mask "
                                             "extraction, memory against the number of clients, bytes per client, "
-                                            "batched clients, width slices. Prints Markdown tables "
+                                            "batched clients, width slices, the text track. Prints Markdown tables "
                                             "(docs/benchmarks.md).")
     p.add_argument("--quick", action="store_true", help="fewer rounds and steps")
     p.add_argument("--out", metavar="FILE", help="also write the Markdown report to FILE")

@@ -1,9 +1,8 @@
 """Credentials of a Flower deployment, and the config's checks of them.
 
-- `check_security(cfg)`, defined in fedlase/config.py (the config checks itself, low in the import graph) and
-  re-exported here beside the credentials it checks: the config's certificate and key files (`tls_ca`,
-  `tls_cert`, `tls_key`, `node_keys`) exist and can be read, and `engine=flower-deploy` has a CA to verify the
-  SuperLink with unless `insecure=true`. Called by `fedlase.config.validate`; raises `ConfigError(key, one line)`.
+- The config's checks of these files (`check_security(cfg)`: they exist and can be read, and
+  `engine=flower-deploy` has a CA unless `insecure=true`) live in fedlase/config.py, low in the import graph,
+  where `validate` calls them.
 - `make_credentials(folder, hosts, nodes)`: a CA, a certificate for the SuperLink's host signed by it (valid
   for `hosts`; the TLS proxy in front of the SuperLink and the SuperLink itself serve it), and for each
   SuperNode a key pair (Flower's node authentication) and a client certificate with its key (the node's
@@ -29,7 +28,6 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..config import check_security  # noqa: F401  (re-exported: see the docstring)
 from ..errors import ConfigError, UserError
 
 log = logging.getLogger("fedlase")
