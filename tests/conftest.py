@@ -72,13 +72,9 @@ def one_thread():
 # there too. `pytest -m numerics` selects them.
 
 
-# ---- order: the longest tests first, then the others that start Flower or Ray processes ------------------------
-# They mostly wait on their processes; begun first, the xdist workers (`make test`) finish them while the quick
-# tests fill the gaps, instead of one worker ending with a 2-minute test alone. The marks are the tests' own
-# (`slow` on the few over 30 s, `flower`, `ray`); the sort is stable, so every other test keeps its order.
+# ---- order: the tests that start Flower or Ray processes first -------------------------------------------------
+# They are the long ones and mostly wait on their processes; begun first, two xdist workers (`make test`) finish
+# them while the quick tests fill the gaps, instead of one worker ending with a 2-minute test alone. The marks are
+# the files' own (`flower`, `ray`); the sort is stable, so every other test keeps its order.
 def pytest_collection_modifyitems(items):
-    def rank(item) -> int:
-        if item.get_closest_marker("slow"):
-            return 0
-        return 1 if item.get_closest_marker("flower") or item.get_closest_marker("ray") else 2
-    items.sort(key=rank)
+    items.sort(key=lambda item: item.get_closest_marker("flower") is None and item.get_closest_marker("ray") is None)

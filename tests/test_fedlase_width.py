@@ -40,12 +40,12 @@ def test_budget_met_at_every_level(arch, score):
 
 
 @pytest.mark.parametrize("arch", MODELS)
-def test_the_default_budget_bounds_parameters_and_forward_work(arch):
+def test_budget_both_bounds_parameters_and_forward_work(arch):
     # budget=both: at every level the parameters and the forward work are each at most l of the full model's,
     # and one of the two is nearly spent; budget=params alone lets the small early layers (which run at the
     # highest resolution) take more than l of the work at the smallest level
-    method, params = _method(arch)
-    loose, _ = _method(arch, budget="params")
+    method, params = _method(arch, budget="both")
+    loose, _ = _method(arch)   # the default: budget=params
     full = dict(method.sizes)
     full_work = method._cost(full, params, method.uses)
     assert method.uses != {n: 1 for n in method.uses}   # convs are counted at every output position

@@ -420,7 +420,6 @@ def _params(out: Path) -> dict:
     return torch.load(out / "checkpoint.pt", map_location="cpu", weights_only=False)["params"]
 
 
-@pytest.mark.slow   # over 30 s: begun first (tests/conftest.py)
 def test_simulation_engine_matches_embedded(tmp_path, no_leftovers):
     """Flower's public run_simulation, stopped after round 1 and resumed to round 2, gives the embedded engine's
     weights bit for bit."""
@@ -584,7 +583,6 @@ rounds.NodeRounds.prepare = _held
 """
 
 
-@pytest.mark.slow   # over 30 s: begun first (tests/conftest.py)
 def test_a_killed_supernode_fails_its_round_and_rejoins(tmp_path, no_leftovers, federation):
     """SIGKILL partition 1's SuperNode while it trains in round 2: round 2 goes on with the others and lists
     client 1 as failed; the node, started again with its key (Flower 1.42 refuses it until the SuperLink has
@@ -637,7 +635,6 @@ client_app.train_step = _faulty
 """
 
 
-@pytest.mark.slow   # over 30 s: begun first (tests/conftest.py)
 def test_a_node_replying_3e38_is_rejected_and_the_model_stays_intact(tmp_path, no_leftovers, federation):
     """The run ends with partition 2 rejected in every round (the engine's screen, fedlase/robust.py) and the
     embedded engine's model without it, bit for bit."""

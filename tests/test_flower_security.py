@@ -244,7 +244,6 @@ def test_the_credentials_tool_keeps_keys_private_and_never_writes_through_a_link
         make_credentials(folder, nodes=1)
 
 
-@pytest.mark.slow   # over 30 s: begun first (tests/conftest.py)
 def test_a_node_claiming_another_partition_is_refused_and_the_run_matches_embedded(dep):
     fed, out = dep.fed, dep.out / "run"
     # Key 2: registered, valid client certificate, pinned to no partition; it claims partition 0.

@@ -356,7 +356,6 @@ def federation(tmp_path):
         assert not left, f"processes left behind: {left}"
 
 
-@pytest.mark.slow   # over 30 s: begun first (tests/conftest.py)
 def test_a_worker_killed_mid_run_leaves_training_to_the_clientapp(tmp_path, federation):
     """SIGKILL node 1's worker after round 1 (its round-2 message needs seconds to arrive: Flower's 3 s idle
     poll): the run finishes with the embedded engine's weights bit for bit,
