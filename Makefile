@@ -33,14 +33,12 @@ demo: setup data
 	@sed -n '/^## Local accuracy per level/,/^## Std of/p' runs/demo/report/report.md | sed '$$d'
 
 # Two pytest-xdist workers for every test but the Ray-cluster module: the slow tests mostly wait on Flower
-# processes, so two of them overlap on two cores. --dist loadgroup
-# keeps each module that shares one federation on one worker (its `xdist_group` mark). The Ray-cluster module runs
-# after, in its own pytest process: its in-process Ray driver once took an xdist worker down with it, and run
-# beside the others (tried: 3 workers and Ray at once) the suite took 7.2 min against 6.9, with a slower Ray module (352 s against 70). `pytest -q` alone
-# runs the same tests one at a time.
-TEST_WORKERS ?= 2
+# processes, so two of them overlap on two cores. --dist loadgroup keeps each module that shares one federation
+# on one worker (its `xdist_group` mark). The Ray-cluster module runs after, in its own pytest process: its
+# in-process Ray driver once took an xdist worker down with it, and run beside the others (tried with 3 workers)
+# the suite took 7.2 min against 6.9, its Ray module 352 s against 70. `pytest -q` runs the same tests one at a time.
 test: setup data deploy-deps
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup -m 'not ray'
+	$(BIN)/python -m pytest -q -n 2 --dist loadgroup -m 'not ray'
 	$(BIN)/python -m pytest -q -m ray
 
 lint: setup

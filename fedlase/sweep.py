@@ -235,11 +235,6 @@ def _fmt_time(seconds: float) -> str:
     return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s"
 
 
-def cpu_cores() -> int:
-    """CPUs this process may use: its affinity and CPU quota (fedlase.resources.usable_cpus)."""
-    return usable_cpus()
-
-
 def run_sweep(path: str | Path, progress: bool = True, jobs: int = 1, ray: str | None = None) -> dict:
     """Run every run of a sweep that is not done, `jobs` at a time (or, with `ray`, as tasks on the Ray cluster
     at that address); return {'done', 'skipped', 'failed': [names]} (done and failed in the order the runs
@@ -415,7 +410,7 @@ def _stop(procs: dict) -> None:
 
 
 def _run_in_subprocesses(out: Path, todo: list[PlannedRun], result: dict, bar, jobs: int) -> None:
-    threads = max(1, cpu_cores() // jobs)
+    threads = max(1, usable_cpus() // jobs)
     queue, procs = list(todo), {}   # proc -> (run, start time, log file)
     pace = [0.0, 0]   # seconds and rounds of the runs finished so far
 

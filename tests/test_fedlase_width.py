@@ -46,15 +46,16 @@ def test_budget_both_bounds_parameters_and_forward_work(arch):
     # highest resolution) take more than l of the work at the smallest level
     method, params = _method(arch, budget="both")
     loose, _ = _method(arch)   # the default: budget=params
-    full = dict(method.sizes)
-    full_work = method._cost(full, params, method.uses)
+    full_work = method.full_work
+    assert full_work == method._cost(dict(method.sizes), params, method.uses)
     assert method.uses != {n: 1 for n in method.uses}   # convs are counted at every output position
     for level in LEVELS[1:]:
         keep = method.widths(params, level)
         kept, work = method._cost(keep, params), method._cost(keep, params, method.uses)
         assert kept <= method.budget(params, level) and work <= level * full_work, (level, kept, work)
         assert max(kept / method.budget(params, level), work / (level * full_work)) >= 0.75, (level, kept, work)
-    work = loose._cost(loose.widths(params, 1 / 64), params, loose.uses)
+    assert loose.uses is None   # the default needs no forward pass
+    work = loose._cost(loose.widths(params, 1 / 64), params, method.uses)
     assert work > full_work / 64
 
 

@@ -164,15 +164,15 @@ def test_jobs_2_runs_at_once_and_equals_jobs_1_bit_for_bit(tmp_path):
 
 
 def test_jobs_split_the_threads_unless_the_sweep_sets_them(tmp_path):
-    from fedlase.sweep import cpu_cores
+    from fedlase.resources import usable_cpus
     base = {k: v for k, v in BASE.items() if k not in ("threads", "analysis")}
     path = tmp_path / "sweep.yaml"
     path.write_text(yaml.safe_dump({"base": {**base, "rounds": 1}, "out": str(tmp_path / "out"),
-                                    "runs": [{"name": "split"}, {"name": "own", "threads": cpu_cores()}]}))
+                                    "runs": [{"name": "split"}, {"name": "own", "threads": usable_cpus()}]}))
     assert run_sweep(path, progress=False, jobs=2)["failed"] == []
     threads = {n: json.loads((tmp_path / "out" / n / "summary.json").read_text())["config"]["threads"]
                for n in ("split", "own")}
-    assert threads == {"split": max(1, cpu_cores() // 2), "own": cpu_cores()}   # own: at most the usable CPUs
+    assert threads == {"split": max(1, usable_cpus() // 2), "own": usable_cpus()}   # own: at most the usable CPUs
 
 
 def test_jobs_record_failures_and_resume_as_before(tmp_path, monkeypatch):

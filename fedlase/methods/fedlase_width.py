@@ -80,7 +80,9 @@ class FedLASEWidth(Method):
             for g, dim in ((out_g, 0), (in_g, 1)):
                 if g is not None:
                     self.sizes.setdefault(g, params[name].shape[dim])
-        self.uses = forward_work(model)
+        # budget=both only: each weight's uses in one forward pass (one pass at start-up) and the full model's work
+        self.uses = forward_work(model) if self.args["budget"] == "both" else None
+        self.full_work = self._cost(dict(self.sizes), params, self.uses) if self.uses is not None else None
 
     def _cost(self, keep: dict[str, int], params, uses: dict[str, int] | None = None) -> int:
         """Budgeted coordinates held when group g keeps keep[g] of its channels; with `uses`, each coordinate
@@ -118,9 +120,7 @@ class FedLASEWidth(Method):
             w[g] = src[0] / src[1] if src[1] > 0 else width_rate(lvl)
             w[g] = max(w[g], 1e-6)   # a layer given nothing still keeps a channel and scales with m
         budget = self.budget(params, lvl)
-        work_budget = None
-        if self.args["budget"] == "both":
-            work_budget = int(lvl * self._cost(dict(self.sizes), params, self.uses))
+        work_budget = int(lvl * self.full_work) if self.uses is not None else None
 
         def fits(keep: dict[str, int]) -> bool:
             return self._cost(keep, params) <= budget and (
