@@ -32,11 +32,11 @@ demo: setup data
 	@$(BIN)/fedlase report runs/demo/fedlase runs/demo/fiarse --out runs/demo/report >/dev/null
 	@sed -n '/^## Local accuracy per level/,/^## Std of/p' runs/demo/report/report.md | sed '$$d'
 
-# Two pytest-xdist workers for every test but the Ray-cluster module: the slow tests mostly wait on Flower
-# processes, so two of them overlap on two cores. --dist loadgroup keeps each module that shares one federation
-# on one worker (its `xdist_group` mark). The Ray-cluster module runs after, in its own pytest process: its
-# in-process Ray driver once took an xdist worker down with it, and run beside the others (tried with 3 workers)
-# the suite took 7.2 min against 6.9, its Ray module 352 s against 70. `pytest -q` runs the same tests one at a time.
+# Two pytest-xdist workers, one per core, for every test but the Ray-cluster module: the suite is CPU-bound (Flower
+# and Ray processes, docs/benchmarks.md). --dist loadgroup keeps the tests that share one federation on one worker
+# (their `xdist_group` mark). The Ray-cluster module runs after, in its own pytest process: its in-process Ray
+# driver once took an xdist worker down with it, and run beside the others (tried with 3 workers) the suite took
+# 7.2 min against 6.9, its Ray module 352 s against 70. `pytest -q` runs the same tests one at a time.
 test: setup data deploy-deps
 	$(BIN)/python -m pytest -q -n 2 --dist loadgroup -m 'not ray'
 	$(BIN)/python -m pytest -q -m ray

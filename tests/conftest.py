@@ -2,6 +2,7 @@
 Fashion-MNIST IDX files. Test modules import the helpers with `from conftest import ...` (pytest puts tests/
 on sys.path)."""
 import gzip
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -78,3 +79,19 @@ def one_thread():
 # the files' own (`flower`, `ray`); the sort is stable, so every other test keeps its order.
 def pytest_collection_modifyitems(items):
     items.sort(key=lambda item: item.get_closest_marker("flower") is None and item.get_closest_marker("ray") is None)
+
+
+# ---- groups: the tests sharing one federation run on one xdist worker ----------------------------------------
+# Under `--dist loadgroup` pytest-xdist appends "@<group>" to the id of each test marked `xdist_group` and sends a
+# group to one worker. With pytest 9.2 the suffix no longer took (pyproject.toml pins pytest below it), and the
+# groups were split without a word: each worker started its own federation. So a worker stops at once if it sees
+# a marked test without its suffix.
+def pytest_collection_finish(session):
+    if not getattr(session.config.option, "loadgroup", False):
+        return
+    lost = [item.nodeid for item in session.items if item.get_closest_marker("xdist_group") and "@" not in item.nodeid]
+    if lost:   # said on stderr too: pytest-xdist reports a worker's collection error as an INTERNALERROR only
+        why = (f"--dist loadgroup did not tag {lost[0]} with its xdist_group (pytest {pytest.__version__}): the "
+               f"groups would be split; install the pytest that pyproject.toml pins")
+        print(why, file=sys.stderr)
+        raise pytest.UsageError(why)

@@ -482,31 +482,76 @@ def test_a_killed_client_does_not_stop_the_run(tmp_path, no_leftovers):
 
 
 # ---- the Deployment Engine on loopback: faults ----------------------------------------------------------------
-@pytest.fixture
-def federation():
-    """federation(out, nodes) -> a LocalFederation (tools/flower_local.py: the SuperLink on loopback, the mutual-TLS
-    proxy, a sidecar per node, node authentication) whose processes, and those of every `fedlase run` started
-    with `submit`, are stopped when the test ends, pass or fail."""
-    from tools.flower_local import LocalFederation
-    started, runs = [], []
+# The two fault tests share one federation (xdist_group: one pytest-xdist worker runs both): starting a SuperLink,
+# its proxy and three SuperNodes with their sidecars and workers costs about as much CPU as a run.
+FAULTS = pytest.mark.xdist_group("flower-faults")
 
-    def make(out: Path, nodes: int) -> LocalFederation:
-        fed = LocalFederation(out, nodes=nodes)
-        fed.env["PYTHONPATH"] = _env()["PYTHONPATH"]
-        started.append(fed)
-        fed.runs = runs
-        return fed
-    yield make
-    for p in runs:
-        if p.poll() is None:
-            p.terminate()
-            try:
-                p.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
-    for fed in started:
+# Plugins on the nodes' and the server's path; a run imports only those its config names (`plugins=[...]`).
+# faulty_node: partition 2's node replies with a well-formed update of 3e38 everywhere, through its valid
+# credentials. hold_round_3: the server holds round 3 until partition 1's node has gone offline (the SuperLink
+# saw its heartbeats missed), says so in the file FEDLASE_TEST_OFFLINE names, and waits for the node to come
+# back; so whether the restarted node trains again depends on Flower's rejoin, not on how fast the rounds go.
+PLUGINS = {"faulty_node": """
+import torch
+from fedlase.flower import client_app
+_step = client_app.train_step
+def _faulty(trainer, pid, *rest):
+    delta, loss = _step(trainer, pid, *rest)
+    return ({n: torch.full_like(d, 3e38) for n, d in delta.items()} if pid == 2 else delta), loss
+client_app.train_step = _faulty
+""", "hold_round_3": """
+import os, time
+from pathlib import Path
+from fedlase.flower import rounds
+_prepare = rounds.NodeRounds.prepare
+def _held(self, exp, rnd, *rest):
+    nid, gone, deadline = self.nodes.get(1), False, time.monotonic() + 300
+    while rnd == 3 and time.monotonic() < deadline:
+        online = nid in self.grid.get_node_ids()
+        if gone and online:
+            break
+        if not online and not gone:
+            gone = True
+            Path(os.environ["FEDLASE_TEST_OFFLINE"]).touch()
+        time.sleep(0.2)
+    return _prepare(self, exp, rnd, *rest)
+rounds.NodeRounds.prepare = _held
+"""}
+
+
+@pytest.fixture(scope="module")
+def faults(tmp_path_factory):
+    """A LocalFederation (tools/flower_local.py: the SuperLink on loopback, the mutual-TLS proxy, a sidecar and
+    a worker per node, node authentication) with nodes for partitions 0, 1 (level 1) and 2 (level 1/4), and the
+    plugins above on its path. At the end of the module it is stopped, with every `fedlase run` started with
+    `_submit`, and no process that carries its tag may be left."""
+    from tools.flower_local import LocalFederation
+    root = tmp_path_factory.mktemp("faults")
+    (root / "plug").mkdir()
+    for name, text in PLUGINS.items():
+        (root / "plug" / f"{name}.py").write_text(text)
+    tag = uuid.uuid4().hex
+    fed = LocalFederation(root / "fed", nodes=3)
+    fed.env.update({TAG: tag, "FEDLASE_TEST_OFFLINE": str(root / "node-1-offline"),
+                    "PYTHONPATH": os.pathsep.join([str(root / "plug"), _env()["PYTHONPATH"]])})
+    fed.runs, fed.offline = [], root / "node-1-offline"
+    try:
+        nodes = _start_federation(fed, ["1", "1", "1/4"])
+        yield fed, nodes
+    finally:
+        for p in fed.runs:
+            if p.poll() is None:
+                p.terminate()
+                try:
+                    p.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    p.wait()
         fed.stop()
+        deadline = time.monotonic() + 20
+        while (left := flower_processes(tag)) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert not left, f"processes left behind: {sorted(left)}"
 
 
 def _start_federation(fed, levels: list[str], register: int | None = None):
@@ -520,6 +565,7 @@ def _start_federation(fed, levels: list[str], register: int | None = None):
 def _submit(fed, args: list[str], out: Path) -> subprocess.Popen:
     """`fedlase run engine=flower-deploy` on the SuperLink's host, verifying it with the CA and pinning partition
     i to node-<i>.key.pub."""
+    out.parent.mkdir(parents=True, exist_ok=True)
     log = open(out.parent / f"{out.name}-run.log", "w")
     p = subprocess.Popen([sys.executable, "-m", "fedlase", "run", *args, f"out={out}", "engine=flower-deploy",
                           f"superlink={fed.address}", f"tls_ca={fed.creds.ca}", f"node_keys={fed.creds.folder}",
@@ -529,16 +575,17 @@ def _submit(fed, args: list[str], out: Path) -> subprocess.Popen:
     return p
 
 
-def _wait(p: subprocess.Popen, timeout: float, out: Path) -> None:
+def _wait(p: subprocess.Popen, timeout: float, out: Path, logs: Path | None = None) -> None:
     try:
         p.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
-        pytest.fail(f"the run did not end within {timeout:.0f} s\n{_logs(out)}")
-    assert p.returncode == 0, _logs(out)
+        pytest.fail(f"the run did not end within {timeout:.0f} s\n{_logs(out, logs)}")
+    assert p.returncode == 0, _logs(out, logs)
 
 
-def _logs(out: Path) -> str:
-    files = [out.parent / f"{out.name}-run.log", *sorted((out / "flower-logs").glob("*.log"))]
+def _logs(out: Path, logs: Path | None = None) -> str:
+    """The run's own log and the federation's process logs (in `logs`, default `<out>/flower-logs`)."""
+    files = [out.parent / f"{out.name}-run.log", *sorted((logs or out / "flower-logs").glob("*.log"))]
     return "\n".join(f"== {f.name}\n{f.read_text()[-1500:]}" for f in files if f.exists())
 
 
@@ -563,96 +610,59 @@ def _node_is_training(node: subprocess.Popen) -> bool:
     return False
 
 
-# A plugin for the run's processes: the server holds round 3 until partition 1's node has gone offline (the
-# SuperLink saw its heartbeats missed) and come back, so that whether the restarted node trains again depends on
-# Flower's rejoin, not on how fast the rounds go.
-HOLD_ROUND_3 = """
-import time
-from fedlase.flower import rounds
-_prepare = rounds.NodeRounds.prepare
-def _held(self, exp, rnd, *rest):
-    nid, gone, deadline = self.nodes.get(1), False, time.monotonic() + 300
-    while rnd == 3 and time.monotonic() < deadline:
-        online = nid in self.grid.get_node_ids()
-        if gone and online:
-            break
-        gone = gone or not online
-        time.sleep(0.2)
-    return _prepare(self, exp, rnd, *rest)
-rounds.NodeRounds.prepare = _held
-"""
-
-
-def test_a_killed_supernode_fails_its_round_and_rejoins(tmp_path, no_leftovers, federation):
-    """SIGKILL partition 1's SuperNode while it trains in round 2: round 2 goes on with the others and lists
-    client 1 as failed; the node, started again with its key (Flower 1.42 refuses it until the SuperLink has
-    seen the old one miss its heartbeats, up to 60 s), keeps its node id and trains again in rounds 3 and 4."""
-    timeout = float(os.environ.get("FEDLASE_TEST_REPLY_TIMEOUT", "90"))
-    (tmp_path / "plug").mkdir()
-    (tmp_path / "plug" / "hold_round_3.py").write_text(HOLD_ROUND_3)
-    args = [*SMALL, "system={1,1/4}_{2,1}", "rounds=4", f"reply_timeout={timeout}", "plugins=[hold_round_3]"]
-    out = tmp_path / "dep"
-    fed = federation(out, nodes=3)
-    fed.env["PYTHONPATH"] = os.pathsep.join([str(tmp_path / "plug"), fed.env["PYTHONPATH"]])
-    nodes = _start_federation(fed, ["1", "1", "1/4"])
-    run = _submit(fed, args, out)
-    deadline = time.monotonic() + 300
-    while not _metrics(out) and time.monotonic() < deadline and run.poll() is None:
-        time.sleep(0.2)
-    assert _metrics(out), "round 1 did not finish\n" + _logs(out)
-    while not _node_is_training(nodes[1]) and time.monotonic() < deadline and len(_metrics(out)) < 2:
-        time.sleep(0.05)
-    assert len(_metrics(out)) == 1, "round 2 ended before node 1 could be killed in it"
-    fed.kill(nodes[1])
-    while time.monotonic() < deadline and run.poll() is None:   # start it again until the SuperLink takes it
-        again = fed.start_node(1, "1", name="supernode-1-again")
-        while again.poll() is None and run.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.2)   # a refused node exits (305); an accepted one runs until the federation stops
-        if again.poll() is None:
-            break
-        time.sleep(2)
-    _wait(run, 300 + 2 * timeout, out)
-    lines = _metrics(out)
-    assert [x["round"] for x in lines] == [1, 2, 3, 4], _logs(out)
-    assert lines[0]["failed"] == [] and lines[0]["clients"] == 3
-    assert lines[1]["failed"] == [1] and lines[1]["clients"] == 2, lines[1]
-    assert all(x["failed"] == [] and x["clients"] == 3 for x in lines[2:]), (lines[2:], _logs(out))
-    # Restarted with its own key, the node is the pinned one for its partition: neither refused nor moved.
-    assert all(x["refused"] == {} and x["moved"] == {} for x in lines), lines
-    assert (out / "summary.json").exists()
-
-
-# A plugin (imported by every process of the run, nodes included) that turns partition 2's node faulty: it
-# replies with a well-formed update of 3e38 everywhere, through its valid credentials.
-FAULTY_NODE = """
-import torch
-from fedlase.flower import client_app
-_step = client_app.train_step
-def _faulty(trainer, pid, *rest):
-    delta, loss = _step(trainer, pid, *rest)
-    return ({n: torch.full_like(d, 3e38) for n, d in delta.items()} if pid == 2 else delta), loss
-client_app.train_step = _faulty
-"""
-
-
-def test_a_node_replying_3e38_is_rejected_and_the_model_stays_intact(tmp_path, no_leftovers, federation):
+@FAULTS
+def test_a_node_replying_3e38_is_rejected_and_the_model_stays_intact(tmp_path, faults):
     """The run ends with partition 2 rejected in every round (the engine's screen, fedlase/robust.py) and the
     embedded engine's model without it, bit for bit."""
-    (tmp_path / "plug").mkdir()
-    (tmp_path / "plug" / "faulty_node.py").write_text(FAULTY_NODE)
+    fed, _ = faults
     args = [*SMALL, "system={1,1/4}_{2,1}", "rounds=2"]
     out = tmp_path / "dep"
-    fed = federation(out, nodes=3)
-    fed.env["PYTHONPATH"] = os.pathsep.join([str(tmp_path / "plug"), fed.env["PYTHONPATH"]])
-    _start_federation(fed, ["1", "1", "1/4"])
-    _wait(_submit(fed, [*args, "plugins=[faulty_node]"], out), 300, out)
+    _wait(_submit(fed, [*args, "plugins=[faulty_node]"], out), 300, out, fed.logs)
     lines = _metrics(out)
-    assert [x["round"] for x in lines] == [1, 2], _logs(out)
+    assert [x["round"] for x in lines] == [1, 2], _logs(out, fed.logs)
     assert all(list(x["rejected"]) == ["2"] and "median" in x["rejected"]["2"] for x in lines), lines
     run_experiment(load_config(None, [*args, "attack=nan", "attack_args.clients=[2]", f"out={tmp_path / 'emb'}"]),
                    progress=False)
     params = _params(out)
     assert same_params(params, _params(tmp_path / "emb")) and max(float(p.abs().max()) for p in params.values()) < 1e3
+
+
+@FAULTS
+def test_a_killed_supernode_fails_its_round_and_rejoins(tmp_path, faults):
+    """SIGKILL partition 1's SuperNode while it trains in round 2: round 2 goes on with the others and lists
+    client 1 as failed; the node, started again with its key once the SuperLink has seen the old one miss its
+    heartbeats (Flower 1.42 refuses it until then, up to 60 s), keeps its node id and trains again in round 3."""
+    fed, nodes = faults
+    timeout = float(os.environ.get("FEDLASE_TEST_REPLY_TIMEOUT", "90"))
+    args = [*SMALL, "system={1,1/4}_{2,1}", "rounds=3", f"reply_timeout={timeout}", "plugins=[hold_round_3]"]
+    out = tmp_path / "dep"
+    run = _submit(fed, args, out)
+    deadline = time.monotonic() + 300
+    while not _metrics(out) and time.monotonic() < deadline and run.poll() is None:
+        time.sleep(0.2)
+    assert _metrics(out), "round 1 did not finish\n" + _logs(out, fed.logs)
+    while not _node_is_training(nodes[1]) and time.monotonic() < deadline and len(_metrics(out)) < 2:
+        time.sleep(0.05)
+    assert len(_metrics(out)) == 1, "round 2 ended before node 1 could be killed in it"
+    fed.kill(nodes[1])
+    while not fed.offline.exists() and time.monotonic() < deadline and run.poll() is None:
+        time.sleep(0.2)   # one start once the SuperLink has let the old node go, not one every few seconds
+    while time.monotonic() < deadline and run.poll() is None:   # start it again until the SuperLink takes it
+        nodes[1] = fed.start_node(1, "1", name="supernode-1-again")
+        while nodes[1].poll() is None and run.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)   # a refused node exits (305); an accepted one runs until the federation stops
+        if nodes[1].poll() is None:
+            break
+        time.sleep(2)
+    _wait(run, 300 + 2 * timeout, out, fed.logs)
+    lines = _metrics(out)
+    assert [x["round"] for x in lines] == [1, 2, 3], _logs(out, fed.logs)
+    assert lines[0]["failed"] == [] and lines[0]["clients"] == 3
+    assert lines[1]["failed"] == [1] and lines[1]["clients"] == 2, lines[1]
+    assert lines[2]["failed"] == [] and lines[2]["clients"] == 3, (lines[2], _logs(out, fed.logs))
+    # Restarted with its own key, the node is the pinned one for its partition: neither refused nor moved.
+    assert all(x["refused"] == {} and x["moved"] == {} for x in lines), lines
+    assert (out / "summary.json").exists()
 
 
 # ---- public Flower API only; security settings -----------------------------------------------------------------

@@ -246,12 +246,18 @@ def test_the_credentials_tool_keeps_keys_private_and_never_writes_through_a_link
 
 def test_a_node_claiming_another_partition_is_refused_and_the_run_matches_embedded(dep):
     fed, out = dep.fed, dep.out / "run"
-    # Key 2: registered, valid client certificate, pinned to no partition; it claims partition 0.
-    intruder = fed.start_node(0, "1", key=fed.creds.nodes[2], cert=node_cert(fed.creds.folder, 2), name="intruder")
+    # Key 2: registered, valid client certificate, pinned to no partition; it claims partition 0. Neither it nor
+    # the stranger gets a worker: no message may reach them.
+    intruder = fed.start_node(0, "1", key=fed.creds.nodes[2], cert=node_cert(fed.creds.folder, 2), name="intruder",
+                              worker=False)
     # Key 3: a valid client certificate, but the SuperLink never registered the key.
-    stranger = fed.start_node(0, "1", key=fed.creds.nodes[3], cert=node_cert(fed.creds.folder, 3), name="stranger")
+    stranger = fed.start_node(0, "1", key=fed.creds.nodes[3], cert=node_cert(fed.creds.folder, 3), name="stranger",
+                              worker=False)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:   # the intruder online before the run starts, so round 1 meets it
+        if "SuperNode ID:" not in (dep.out / "flower-logs" / "intruder.log").read_text():
+            time.sleep(0.2)   # not activated yet: no `flwr` process (2 s of CPU each) to ask the SuperLink
+            continue
         res = fed.flwr("supernode", "list", "fedlase", "--format", "json")
         if res.returncode == 0 and sum(n["status"] == "online" for n in json.loads(
                 res.stdout[res.stdout.index("{"):])["nodes"]) == 3:

@@ -158,13 +158,14 @@ class LocalFederation:
         return f"127.0.0.1:{port}", root
 
     def start_node(self, partition: int, level: str, key: Path | None = None, cert: tuple[Path, Path] | None = None,
-                   name: str | None = None) -> subprocess.Popen:
-        """A SuperNode declaring `partition` at `level`, behind a sidecar of its own, and its worker. `key`: its
-        node private key, `cert`: its client certificate and key (default: the credentials' own for that
-        partition)."""
+                   name: str | None = None, worker: bool | None = None) -> subprocess.Popen:
+        """A SuperNode declaring `partition` at `level`, behind a sidecar of its own, and its worker (`worker`:
+        whether it gets one; default: as the federation says). `key`: its node private key, `cert`: its client
+        certificate and key (default: the credentials' own for that partition)."""
         name = name or f"supernode-{partition}"
         node_config = f"partition-id={partition} level='{level}'"
-        if self.workers:   # short and private: a Unix socket path has at most 107 bytes
+        worker = self.workers if worker is None else worker
+        if worker:   # short and private: a Unix socket path has at most 107 bytes
             self.worker_dirs[name] = Path(tempfile.mkdtemp(prefix="fedlase-node-"))
             node_config += f" worker-dir='{self.worker_dirs[name]}'"
         entry = {"partition": partition, "level": level}
@@ -179,7 +180,7 @@ class LocalFederation:
                          public_key=f"{key}.pub", fingerprint=fingerprint(Path(f"{key}.pub").read_bytes()))
         node = self._start(name, [f"{self.bindir}/flower-supernode", *auth, "--superlink", target,
                                   "--port", str(free_port()), "--node-config", node_config])
-        if self.workers:
+        if worker:
             entry["worker"] = str(self.worker_dirs[name] / SOCKET)
             self.start_worker(name, partition, node.pid)
         self.deployment["nodes"][name] = entry

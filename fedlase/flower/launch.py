@@ -208,8 +208,9 @@ class _DropDeprecation(logging.Filter):
 
 
 def simulation_backend(cfg: Config) -> dict:
-    """A private Ray for this run: it gets every CPU, each ClientApp one CPU (and, with device=cuda, an equal
-    share of one GPU per client, at most 4 clients on it at once). With `ray_address`, the run joins that
+    """A private Ray for this run, without its dashboard (an HTTP API that takes jobs, unneeded here): it gets
+    every CPU, each ClientApp one CPU (and, with device=cuda, an equal share of one GPU per client, at most 4
+    clients on it at once). With `ray_address`, the run joins that
     running cluster instead (fedlase/cluster.py), and the final `ray.shutdown()` only disconnects from it."""
     if cfg.ray_address is not None:
         from ..cluster import simulation_join
@@ -219,7 +220,8 @@ def simulation_backend(cfg: Config) -> dict:
     if cfg.device == "cuda" or (cfg.device == "auto" and _has_cuda()):
         gpu = 1.0 / max(1, min(cpus, cfg.num_clients, 4))
     return {"client_resources": {"num_cpus": 1, "num_gpus": gpu},
-            "init_args": {"address": "local", "num_cpus": cpus, "logging_level": "ERROR", "log_to_driver": False}}
+            "init_args": {"address": "local", "num_cpus": cpus, "logging_level": "ERROR", "log_to_driver": False,
+                          "include_dashboard": False}}
 
 
 def _has_cuda() -> bool:
