@@ -53,8 +53,12 @@ def test_batched_round_equals_sequential(tiny_cfg, overrides, tol):
 
 
 def test_ragged_last_batch_trains_in_one_group(tiny_cfg, monkeypatch):
-    # balanced partition, one epoch: every client has the same batch sizes, the last one partial
-    args = [*ALL, "local_epochs=1", "batch_size=50"]
+    # balanced partition, one epoch: every client has the same batch sizes, the last one partial. Masks without
+    # thresholds (HeteroFL's, applied as masks), so the two ways differ by rounding only (6e-8 on AVX2 and on
+    # ATEN_CPU_CAPABILITY=default). FIARSE re-derives its mask from the weights at every step: over these 7
+    # steps a rounding difference flips coordinates near the threshold, and the runs drifted 1.9e-3 apart on
+    # the portable kernels (below 1e-4 on AVX2); its batched round is compared over 2 steps above.
+    args = [*ALL, "method=heterofl", "sliced=false", "local_epochs=1", "batch_size=50"]
     exp = Experiment(tiny_cfg(*args))
     assert len(exp.client_train[0]) % 50 != 0
     exp.run_round(1)
@@ -63,7 +67,8 @@ def test_ragged_last_batch_trains_in_one_group(tiny_cfg, monkeypatch):
     bat = Experiment(tiny_cfg(*args, "batched_clients=true"))
     monkeypatch.setattr(bat.trainer, "update", no_sequential)
     bat.run_round(1)
-    assert _max_diff(exp.params, bat.params) < 1e-4
+    assert _max_diff(exp.params, bat.params) < 1e-6
+    assert _max_diff(exp.params, Experiment(tiny_cfg(*args)).params) > 1e-3   # and training moved the model
 
 
 def test_clients_with_different_steps_fall_into_groups(tiny_cfg):

@@ -9,7 +9,9 @@ certificate but is pinned to no partition; key pair 3 has a client certificate b
   no Control or Runtime route);
 - a registered node with a valid certificate claiming partition 0 is refused, gets no message, and the refusal is
   in metrics.jsonl and the log; an unregistered one is turned away at activation; the run finishes with the
-  embedded engine's weights bit for bit."""
+  embedded engine's weights bit for bit;
+- a run whose node-1 worker is killed after round 1 (fedlase/flower/worker.py) finishes bit for bit too, node 1
+  training in its ClientApp processes from then on."""
 from __future__ import annotations
 
 import http.client
@@ -30,6 +32,7 @@ os.environ.setdefault("FEDLASE_CACHE", tempfile.mkdtemp(prefix="fedlase-cache-")
 pytest.importorskip("flwr")
 
 from test_flower import SMALL, _env, _logs, _metrics, _params, _submit, _wait, same_params  # noqa: E402
+from test_worker import connect_as_nobody  # noqa: E402
 
 from fedlase.catalog import load_builtins  # noqa: E402
 from fedlase.config import load_config  # noqa: E402
@@ -244,6 +247,45 @@ def test_the_credentials_tool_keeps_keys_private_and_never_writes_through_a_link
         make_credentials(folder, nodes=1)
 
 
+def _embedded(dep) -> dict:
+    """The embedded engine's final weights for ARGS, run once for the module."""
+    emb = dep.root / "emb"
+    if not (emb / "summary.json").exists():
+        run_experiment(load_config(None, [*ARGS, f"out={emb}"]), progress=False)
+    return _params(emb)
+
+
+def test_a_worker_killed_mid_run_leaves_training_to_the_clientapp(dep):
+    """SIGKILL node 1's worker after round 1 (its round-2 message needs seconds to arrive: Flower's 3 s idle
+    poll): the run finishes with the embedded engine's weights bit for bit, node 1's later messages train in
+    their ClientApp processes with one line in its log saying so, node 0's worker trains every round, and (the
+    module's end checks it) nothing is left running. The first fedlase run on the federation: a worker binds to
+    the first run it serves, and a node whose worker serves another run trains in its ClientApp processes."""
+    fed, out, logs = dep.fed, dep.out / "worker-killed", dep.fed.logs
+    names = ("supernode-0.log", "supernode-1.log", "worker-supernode-0.log", "worker-supernode-1.log")
+    before = {n: len((logs / n).read_text()) for n in names}   # the module's other runs wrote there too
+    run = _submit(fed, ARGS, out)
+    deadline = time.monotonic() + 400
+    while not _metrics(out) and run.poll() is None:
+        assert time.monotonic() < deadline, "round 1 did not end\n" + _logs(out, logs)
+        time.sleep(0.1)
+    w1 = fed.worker("supernode-1")
+    assert w1 is not None, "node 1 has no worker"
+    w1.kill()
+    w1.wait()
+    _wait(run, 400, out, logs)
+    lines = _metrics(out)
+    assert [x["round"] for x in lines] == [1, 2] and all(x["clients"] == 2 and not x["failed"] for x in lines)
+    assert same_params(_params(out), _embedded(dep))
+    new = {n: (logs / n).read_text()[before[n]:] for n in names}
+    said = "this node trains in its ClientApp processes"
+    assert new["supernode-1.log"].count(said) == 1 and said not in new["supernode-0.log"]
+    assert new["worker-supernode-0.log"].count("trained partition 0") == 2
+    assert new["worker-supernode-1.log"].count("trained partition 1") == 1
+    if os.getuid() == 0:   # a node's worker, as the deployment made it, is closed to another user
+        assert connect_as_nobody(Path(fed.deployment["nodes"]["supernode-0"]["worker"])) == "PermissionError"
+
+
 def test_a_node_claiming_another_partition_is_refused_and_the_run_matches_embedded(dep):
     fed, out = dep.fed, dep.out / "run"
     # Key 2: registered, valid client certificate, pinned to no partition; it claims partition 0. Neither it nor
@@ -270,8 +312,7 @@ def test_a_node_claiming_another_partition_is_refused_and_the_run_matches_embedd
     run = _submit(fed, ARGS, out)
     _wait(run, 400, out)
 
-    run_experiment(load_config(None, [*ARGS, f"out={dep.root / 'emb'}"]), progress=False)
-    assert same_params(_params(out), _params(dep.root / "emb"))
+    assert same_params(_params(out), _embedded(dep))
     lines = _metrics(out)
     assert [x["round"] for x in lines] == [1, 2] and all(x["clients"] == 2 and not x["failed"] for x in lines)
     refused = [r for x in lines for r in x["refused"].values()]

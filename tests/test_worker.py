@@ -1,7 +1,8 @@
 """The warm worker beside a SuperNode (fedlase/flower/worker.py): a worker process on a private socket trains
 what the ClientApp hands it bit for bit as the ClientApp would itself, refuses another run or partition, is
 reachable by its own user only, dies with the process it watches, replaces a stale socket; a ClientApp without
-a worker trains in-process and says so once. One loopback deployment kills a worker mid-run."""
+a worker trains in-process and says so once. The loopback deployment whose worker is killed mid-run is in
+tests/test_flower_security.py, on that module's federation."""
 from __future__ import annotations
 
 import json
@@ -24,7 +25,7 @@ from flwr.app import Context, RecordDict  # noqa: E402
 from flwr.supercore.task_identity import TaskIdentity  # noqa: E402
 
 from fedlase.config import load_config  # noqa: E402
-from fedlase.engine import Experiment, run_experiment  # noqa: E402
+from fedlase.engine import Experiment  # noqa: E402
 from fedlase.flower import client_app, worker  # noqa: E402
 from fedlase.flower.rounds import NodeRounds  # noqa: E402
 
@@ -319,81 +320,6 @@ def test_a_worker_dies_with_its_node_and_restarts_cleanly(wdir):
     finally:
         node.kill()
         node.wait()
-
-
-# ---- one loopback deployment: the worker of node 1 killed mid-run ---------------------------------------------
-@pytest.fixture
-def federation(tmp_path):
-    """A loopback LocalFederation (tools/flower_local.py: SuperLink, proxy, sidecars, a worker per SuperNode)
-    with 2 nodes; everything it started is stopped at the end, and no process carrying its tag may be left."""
-    from fedlase.flower.proxy import nginx_binary
-    from tools.flower_local import LocalFederation
-    nginx_binary()
-    tag = uuid.uuid4().hex
-    fed = LocalFederation(tmp_path / "dep", nodes=2)
-    fed.env.update(PYTHONPATH=env()["PYTHONPATH"], FEDLASE_TEST_WORKER=tag)
-    fed.runs = []
-    try:
-        yield fed
-    finally:
-        for p in fed.runs:
-            if p.poll() is None:
-                p.terminate()
-                p.wait(timeout=60)
-        fed.stop()
-        deadline, left = time.monotonic() + 20, None
-        while time.monotonic() < deadline:
-            left = []
-            for p in psutil.process_iter():
-                try:
-                    if p.status() != psutil.STATUS_ZOMBIE and p.environ().get("FEDLASE_TEST_WORKER") == tag:
-                        left.append(f"{p.pid} {' '.join(p.cmdline())[:100]}")
-                except psutil.Error:
-                    pass
-            if not left:
-                break
-            time.sleep(0.5)
-        assert not left, f"processes left behind: {left}"
-
-
-def test_a_worker_killed_mid_run_leaves_training_to_the_clientapp(tmp_path, federation):
-    """SIGKILL node 1's worker after round 1 (its round-2 message needs seconds to arrive: Flower's 3 s idle
-    poll): the run finishes with the embedded engine's weights bit for bit,
-    node 1's later messages train in their ClientApp processes with one line in its log saying so, node 0's
-    worker trains every round, and nothing is left running."""
-    fed, out = federation, tmp_path / "dep" / "run"
-    args = [*ARGS, "rounds=2", "reply_timeout=150"]
-    fed.start_superlink()
-    for i in range(2):
-        fed.register(Path(f"{fed.creds.nodes[i]}.pub"))
-    fed.start_node(0, "1")
-    fed.start_node(1, "1/4")
-    with open(tmp_path / "run.log", "w") as log:
-        run = subprocess.Popen([sys.executable, "-m", "fedlase", "run", *args, f"out={out}", *fed.run_args(),
-                                "--quiet"], env=fed.env, stdout=log, stderr=subprocess.STDOUT)
-    fed.runs.append(run)
-    metrics, deadline = out / "metrics.jsonl", time.monotonic() + 400
-    while not (metrics.exists() and metrics.read_text().strip()) and run.poll() is None:
-        assert time.monotonic() < deadline, "round 1 did not end"
-        time.sleep(0.1)
-    w1 = fed.worker("supernode-1")
-    assert w1 is not None, "node 1 has no worker"
-    w1.send_signal(signal.SIGKILL)
-    w1.wait()
-    assert run.wait(timeout=400) == 0, (tmp_path / "run.log").read_text()[-3000:]
-    lines = [json.loads(x) for x in metrics.read_text().splitlines()]
-    assert [x["round"] for x in lines] == [1, 2] and all(x["clients"] == 2 and not x["failed"] for x in lines)
-    run_experiment(load_config(None, [*args, f"out={tmp_path / 'emb'}"]), progress=False)
-    assert same(torch_load(out / "checkpoint.pt"), torch_load(tmp_path / "emb" / "checkpoint.pt"))
-    logs = fed.logs
-    said = "this node trains in its ClientApp processes"
-    assert (logs / "supernode-1.log").read_text().count(said) == 1
-    assert said not in (logs / "supernode-0.log").read_text()
-    assert (logs / "worker-supernode-0.log").read_text().count("trained partition 0") == 2
-    assert (logs / "worker-supernode-1.log").read_text().count("trained partition 1") == 1
-    if os.getuid() == 0:   # a node's worker, as the deployment made it, is closed to another user
-        sock = Path(fed.deployment["nodes"]["supernode-0"]["worker"])
-        assert connect_as_nobody(sock) == "PermissionError"
 
 
 def torch_load(path: Path) -> dict:
