@@ -76,16 +76,21 @@ def flower_processes(tag: str | None = None) -> set[int]:
     return found
 
 
+def assert_none_left(tag: str, grace: float = 20.0) -> None:
+    """Fails if Flower, Ray or nginx processes carrying `tag` are still there after `grace` seconds."""
+    deadline = time.monotonic() + grace
+    while (left := flower_processes(tag)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not left, f"processes left behind: {sorted(left)}"
+
+
 @pytest.fixture
 def no_leftovers(monkeypatch):
     """Fails the test if Flower, Ray or nginx processes it started are still there (after a grace period)."""
     tag = uuid.uuid4().hex
     monkeypatch.setenv(TAG, tag)
     yield
-    deadline = time.monotonic() + 20
-    while (new := flower_processes(tag)) and time.monotonic() < deadline:
-        time.sleep(0.5)
-    assert not new, f"processes left behind: {sorted(new)}"
+    assert_none_left(tag)
 
 
 @pytest.fixture
@@ -532,9 +537,9 @@ def faults(tmp_path_factory):
         (root / "plug" / f"{name}.py").write_text(text)
     tag = uuid.uuid4().hex
     fed = LocalFederation(root / "fed", nodes=3)
-    fed.env.update({TAG: tag, "FEDLASE_TEST_OFFLINE": str(root / "node-1-offline"),
-                    "PYTHONPATH": os.pathsep.join([str(root / "plug"), _env()["PYTHONPATH"]])})
     fed.runs, fed.offline = [], root / "node-1-offline"
+    fed.env.update({TAG: tag, "FEDLASE_TEST_OFFLINE": str(fed.offline),
+                    "PYTHONPATH": os.pathsep.join([str(root / "plug"), _env()["PYTHONPATH"]])})
     try:
         nodes = _start_federation(fed, ["1", "1", "1/4"])
         yield fed, nodes
@@ -548,10 +553,7 @@ def faults(tmp_path_factory):
                     p.kill()
                     p.wait()
         fed.stop()
-        deadline = time.monotonic() + 20
-        while (left := flower_processes(tag)) and time.monotonic() < deadline:
-            time.sleep(0.5)
-        assert not left, f"processes left behind: {sorted(left)}"
+        assert_none_left(tag)
 
 
 def _start_federation(fed, levels: list[str], register: int | None = None):

@@ -320,8 +320,3 @@ def test_a_worker_dies_with_its_node_and_restarts_cleanly(wdir):
     finally:
         node.kill()
         node.wait()
-
-
-def torch_load(path: Path) -> dict:
-    import torch
-    return torch.load(path, map_location="cpu", weights_only=False)["params"]
