@@ -487,15 +487,18 @@ def test_a_killed_client_does_not_stop_the_run(tmp_path, no_leftovers):
 
 
 # ---- the Deployment Engine on loopback: faults ----------------------------------------------------------------
-# The two fault tests share one federation (xdist_group: one pytest-xdist worker runs both): starting a SuperLink,
-# its proxy and three SuperNodes with their sidecars and workers costs about as much CPU as a run.
+# The two fault tests read one run on one federation (xdist_group: one pytest-xdist worker runs both): a SuperLink,
+# its proxy and three SuperNodes with their sidecars and workers cost about as much CPU as a run, and a run of its
+# own for each fault would train its second run in ClientApp processes (a node's worker binds to the first run it
+# serves).
 FAULTS = pytest.mark.xdist_group("flower-faults")
 
 # Plugins on the nodes' and the server's path; a run imports only those its config names (`plugins=[...]`).
 # faulty_node: partition 2's node replies with a well-formed update of 3e38 everywhere, through its valid
-# credentials. hold_round_3: the server holds round 3 until partition 1's node has gone offline (the SuperLink
-# saw its heartbeats missed), says so in the file FEDLASE_TEST_OFFLINE names, and waits for the node to come
-# back; so whether the restarted node trains again depends on Flower's rejoin, not on how fast the rounds go.
+# credentials. stuck_node: partition 1's node never finishes its round-2 training, so it is surely still training
+# when the test kills it. hold_round_3: the server holds round 3 until partition 1's node has gone offline (the
+# SuperLink saw its heartbeats missed), says so in the file FEDLASE_TEST_OFFLINE names, and waits for the node to
+# come back; so whether the restarted node trains again depends on Flower's rejoin, not on how fast the rounds go.
 PLUGINS = {"faulty_node": """
 import torch
 from fedlase.flower import client_app
@@ -504,6 +507,15 @@ def _faulty(trainer, pid, *rest):
     delta, loss = _step(trainer, pid, *rest)
     return ({n: torch.full_like(d, 3e38) for n, d in delta.items()} if pid == 2 else delta), loss
 client_app.train_step = _faulty
+""", "stuck_node": """
+import time
+from fedlase.flower import client_app
+_step = client_app.train_step
+def _stuck(trainer, pid, rnd, *rest):
+    if pid == 1 and rnd == 2:
+        time.sleep(3600)   # until the test kills the node (its worker dies with it)
+    return _step(trainer, pid, rnd, *rest)
+client_app.train_step = _stuck
 """, "hold_round_3": """
 import os, time
 from pathlib import Path
@@ -612,33 +624,17 @@ def _node_is_training(node: subprocess.Popen) -> bool:
     return False
 
 
-@FAULTS
-def test_a_node_replying_3e38_is_rejected_and_the_model_stays_intact(tmp_path, faults):
-    """The run ends with partition 2 rejected in every round (the engine's screen, fedlase/robust.py) and the
-    embedded engine's model without it, bit for bit."""
-    fed, _ = faults
-    args = [*SMALL, "system={1,1/4}_{2,1}", "rounds=2"]
-    out = tmp_path / "dep"
-    _wait(_submit(fed, [*args, "plugins=[faulty_node]"], out), 300, out, fed.logs)
-    lines = _metrics(out)
-    assert [x["round"] for x in lines] == [1, 2], _logs(out, fed.logs)
-    assert all(list(x["rejected"]) == ["2"] and "median" in x["rejected"]["2"] for x in lines), lines
-    run_experiment(load_config(None, [*args, "attack=nan", "attack_args.clients=[2]", f"out={tmp_path / 'emb'}"]),
-                   progress=False)
-    params = _params(out)
-    assert same_params(params, _params(tmp_path / "emb")) and max(float(p.abs().max()) for p in params.values()) < 1e3
-
-
-@FAULTS
-def test_a_killed_supernode_fails_its_round_and_rejoins(tmp_path, faults):
-    """SIGKILL partition 1's SuperNode while it trains in round 2: round 2 goes on with the others and lists
-    client 1 as failed; the node, started again with its key once the SuperLink has seen the old one miss its
-    heartbeats (Flower 1.42 refuses it until then, up to 60 s), keeps its node id and trains again in round 3."""
+@pytest.fixture(scope="module")
+def faulty_run(faults, tmp_path_factory):
+    """One 3-round run on the faults federation with two faults: partition 2's node replies 3e38 in every round
+    (faulty_node), and partition 1's SuperNode is SIGKILLed while it trains in round 2 (stuck_node keeps it
+    there), then started again with its key once the SuperLink has seen the old one miss its heartbeats (Flower
+    1.42 refuses it until then, up to 60 s). Returns the run's folder and the run's config without `out`."""
     fed, nodes = faults
     timeout = float(os.environ.get("FEDLASE_TEST_REPLY_TIMEOUT", "90"))
-    args = [*SMALL, "system={1,1/4}_{2,1}", "rounds=3", f"reply_timeout={timeout}", "plugins=[hold_round_3]"]
-    out = tmp_path / "dep"
-    run = _submit(fed, args, out)
+    args = [*SMALL, "system={1,1/4}_{2,1}", "rounds=3", f"reply_timeout={timeout}"]
+    out = tmp_path_factory.mktemp("faulty-run") / "dep"
+    run = _submit(fed, [*args, "plugins=[faulty_node,stuck_node,hold_round_3]"], out)
     deadline = time.monotonic() + 300
     while not _metrics(out) and time.monotonic() < deadline and run.poll() is None:
         time.sleep(0.2)
@@ -657,11 +653,37 @@ def test_a_killed_supernode_fails_its_round_and_rejoins(tmp_path, faults):
             break
         time.sleep(2)
     _wait(run, 300 + 2 * timeout, out, fed.logs)
+    return out, args
+
+
+@FAULTS
+def test_a_node_replying_3e38_is_rejected_and_the_model_stays_intact(faulty_run, tmp_path, faults):
+    """Partition 2 is rejected in every round (the engine's screen, fedlase/robust.py), and the model is the
+    embedded engine's without it (and without partition 1 in round 2, whose node was killed), bit for bit."""
+    out, args = faulty_run
     lines = _metrics(out)
-    assert [x["round"] for x in lines] == [1, 2, 3], _logs(out, fed.logs)
-    assert lines[0]["failed"] == [] and lines[0]["clients"] == 3
-    assert lines[1]["failed"] == [1] and lines[1]["clients"] == 2, lines[1]
-    assert lines[2]["failed"] == [] and lines[2]["clients"] == 3, (lines[2], _logs(out, fed.logs))
+    assert [x["round"] for x in lines] == [1, 2, 3], _logs(out, faults[0].logs)
+    assert all(list(x["rejected"]) == ["2"] and "median" in x["rejected"]["2"] for x in lines), lines
+    exp = Experiment(load_config(None, [*args, "attack=nan", "attack_args.clients=[2]", f"out={tmp_path / 'emb'}"]))
+    sample = exp.sample
+    exp.sample = lambda r: [(c, lvl) for c, lvl in sample(r) if (r, c) != (2, 1)]
+    for rnd in (1, 2, 3):
+        exp.run_round(rnd)
+    params = _params(out)
+    assert same_params(params, exp.params) and max(float(p.abs().max()) for p in params.values()) < 1e3
+
+
+@FAULTS
+def test_a_killed_supernode_fails_its_round_and_rejoins(faulty_run, faults):
+    """Round 2 goes on without the killed node and lists client 1 as failed; the node, started again with its
+    key, keeps its node id and trains again in round 3 (partition 2's 3e38 is rejected in every round, so
+    `clients`, the updates aggregated, counts one fewer)."""
+    out, _ = faulty_run
+    lines = _metrics(out)
+    assert [x["round"] for x in lines] == [1, 2, 3], _logs(out, faults[0].logs)
+    assert lines[0]["failed"] == [] and lines[0]["clients"] == 2
+    assert lines[1]["failed"] == [1] and lines[1]["clients"] == 1, lines[1]
+    assert lines[2]["failed"] == [] and lines[2]["clients"] == 2, (lines[2], _logs(out, faults[0].logs))
     # Restarted with its own key, the node is the pinned one for its partition: neither refused nor moved.
     assert all(x["refused"] == {} and x["moved"] == {} for x in lines), lines
     assert (out / "summary.json").exists()

@@ -7,11 +7,10 @@ certificate but is pinned to no partition; key pair 3 has a client certificate b
   Fleet API;
 - a client holding a node's certificate reaches the Fleet API and nothing else (no /openapi.json, no /docs,
   no Control or Runtime route);
-- a registered node with a valid certificate claiming partition 0 is refused, gets no message, and the refusal is
-  in metrics.jsonl and the log; an unregistered one is turned away at activation; the run finishes with the
-  embedded engine's weights bit for bit;
-- a run whose node-1 worker is killed after round 1 (fedlase/flower/worker.py) finishes bit for bit too, node 1
-  training in its ClientApp processes from then on."""
+- in one run (`attacked_run`): a registered node with a valid certificate claiming partition 0 is refused, gets
+  no message, and the refusal is in metrics.jsonl and the log; an unregistered one is turned away at activation;
+  node 1's worker is killed after round 1 (fedlase/flower/worker.py), and node 1 trains in its ClientApp
+  processes from then on; the run finishes with the embedded engine's weights bit for bit."""
 from __future__ import annotations
 
 import http.client
@@ -255,49 +254,25 @@ def _embedded(dep) -> dict:
     return _params(emb)
 
 
-def test_a_worker_killed_mid_run_leaves_training_to_the_clientapp(dep):
-    """SIGKILL node 1's worker after round 1 (its round-2 message needs seconds to arrive: Flower's 3 s idle
-    poll): the run finishes with the embedded engine's weights bit for bit, node 1's later messages train in
-    their ClientApp processes with one line in its log saying so, node 0's worker trains every round, and (the
-    module's end checks it) nothing is left running. The first fedlase run on the federation: a worker binds to
-    the first run it serves, and a node whose worker serves another run trains in its ClientApp processes."""
-    fed, out, logs = dep.fed, dep.out / "worker-killed", dep.fed.logs
-    names = ("supernode-0.log", "supernode-1.log", "worker-supernode-0.log", "worker-supernode-1.log")
-    before = {n: len((logs / n).read_text()) for n in names}   # the module's other runs wrote there too
-    run = _submit(fed, ARGS, out)
-    deadline = time.monotonic() + 400
-    while not _metrics(out) and run.poll() is None:
-        assert time.monotonic() < deadline, "round 1 did not end\n" + _logs(out, logs)
-        time.sleep(0.1)
-    w1 = fed.worker("supernode-1")
-    assert w1 is not None, "node 1 has no worker"
-    w1.kill()
-    w1.wait()
-    _wait(run, 400, out, logs)
-    lines = _metrics(out)
-    assert [x["round"] for x in lines] == [1, 2] and all(x["clients"] == 2 and not x["failed"] for x in lines)
-    assert same_params(_params(out), _embedded(dep))
-    new = {n: (logs / n).read_text()[before[n]:] for n in names}
-    said = "this node trains in its ClientApp processes"
-    assert new["supernode-1.log"].count(said) == 1 and said not in new["supernode-0.log"]
-    assert new["worker-supernode-0.log"].count("trained partition 0") == 2
-    assert new["worker-supernode-1.log"].count("trained partition 1") == 1
-    if os.getuid() == 0:   # a node's worker, as the deployment made it, is closed to another user
-        assert connect_as_nobody(Path(fed.deployment["nodes"]["supernode-0"]["worker"])) == "PermissionError"
+LOGS = ("supernode-0.log", "supernode-1.log", "worker-supernode-0.log", "worker-supernode-1.log")
 
 
-def test_a_node_claiming_another_partition_is_refused_and_the_run_matches_embedded(dep):
-    fed, out = dep.fed, dep.out / "run"
-    # Key 2: registered, valid client certificate, pinned to no partition; it claims partition 0. Neither it nor
-    # the stranger gets a worker: no message may reach them.
+@pytest.fixture(scope="module")
+def attacked_run(dep):
+    """The module's one fedlase run (a worker binds to the first run it serves, so it must be the first): key 2,
+    registered with a valid client certificate but pinned to no partition, claims partition 0, and key 3, with a
+    certificate the SuperLink never registered, tries to join; neither gets a worker, as no message may reach
+    them. After round 1, node 1's worker is SIGKILLed (its round-2 message needs seconds to arrive: Flower's 3 s
+    idle poll). One run for both attacks: a deployment run costs about as much CPU as the federation's start."""
+    fed, out, logs = dep.fed, dep.out / "run", dep.fed.logs
+    before = {n: len((logs / n).read_text()) for n in LOGS}   # the federation's start wrote there too
     intruder = fed.start_node(0, "1", key=fed.creds.nodes[2], cert=node_cert(fed.creds.folder, 2), name="intruder",
                               worker=False)
-    # Key 3: a valid client certificate, but the SuperLink never registered the key.
     stranger = fed.start_node(0, "1", key=fed.creds.nodes[3], cert=node_cert(fed.creds.folder, 3), name="stranger",
                               worker=False)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:   # the intruder online before the run starts, so round 1 meets it
-        if "SuperNode ID:" not in (dep.out / "flower-logs" / "intruder.log").read_text():
+        if "SuperNode ID:" not in (logs / "intruder.log").read_text():
             time.sleep(0.2)   # not activated yet: no `flwr` process (2 s of CPU each) to ask the SuperLink
             continue
         res = fed.flwr("supernode", "list", "fedlase", "--format", "json")
@@ -308,10 +283,41 @@ def test_a_node_claiming_another_partition_is_refused_and_the_run_matches_embedd
     else:
         pytest.fail("the intruder never came online\n" + _logs(dep.out))
     out.mkdir(parents=True, exist_ok=True)
-    (out / "flower-logs").symlink_to(dep.out / "flower-logs")
+    (out / "flower-logs").symlink_to(logs)
     run = _submit(fed, ARGS, out)
+    deadline = time.monotonic() + 400
+    while not _metrics(out) and run.poll() is None:
+        assert time.monotonic() < deadline, "round 1 did not end\n" + _logs(out)
+        time.sleep(0.1)
+    w1 = fed.worker("supernode-1")
+    assert w1 is not None, "node 1 has no worker"
+    w1.kill()
+    w1.wait()
     _wait(run, 400, out)
+    new = {n: (logs / n).read_text()[before[n]:] for n in LOGS}
+    return SimpleNamespace(out=out, intruder=intruder, stranger=stranger, new=new)
 
+
+def test_a_worker_killed_mid_run_leaves_training_to_the_clientapp(dep, attacked_run):
+    """The run finishes with the embedded engine's weights bit for bit, node 1's later messages train in their
+    ClientApp processes with one line in its log saying so, node 0's worker trains every round, and (the
+    module's end checks it) nothing is left running."""
+    fed, out, new = dep.fed, attacked_run.out, attacked_run.new
+    lines = _metrics(out)
+    assert [x["round"] for x in lines] == [1, 2] and all(x["clients"] == 2 and not x["failed"] for x in lines)
+    assert same_params(_params(out), _embedded(dep))
+    said = "this node trains in its ClientApp processes"
+    assert new["supernode-1.log"].count(said) == 1 and said not in new["supernode-0.log"]
+    assert new["worker-supernode-0.log"].count("trained partition 0") == 2
+    assert new["worker-supernode-1.log"].count("trained partition 1") == 1
+    if os.getuid() == 0:   # a node's worker, as the deployment made it, is closed to another user
+        assert connect_as_nobody(Path(fed.deployment["nodes"]["supernode-0"]["worker"])) == "PermissionError"
+
+
+def test_a_node_claiming_another_partition_is_refused_and_the_run_matches_embedded(dep, attacked_run):
+    """The intruder is refused (in metrics.jsonl and the log) and never gets a message; the stranger is turned
+    away at activation; the run finishes with the embedded engine's weights bit for bit."""
+    fed, out = dep.fed, attacked_run.out
     assert same_params(_params(out), _embedded(dep))
     lines = _metrics(out)
     assert [x["round"] for x in lines] == [1, 2] and all(x["clients"] == 2 and not x["failed"] for x in lines)
@@ -323,8 +329,8 @@ def test_a_node_claiming_another_partition_is_refused_and_the_run_matches_embedd
     # The intruder never got a message (no model, no query); the stranger was turned away and exited.
     assert "Receiving:" in (dep.out / "flower-logs" / "supernode-0.log").read_text()   # what a message leaves
     log = (dep.out / "flower-logs" / "intruder.log").read_text()
-    assert "Receiving:" not in log and intruder.poll() is None, log
-    assert stranger.wait(timeout=60) != 0
+    assert "Receiving:" not in log and attacked_run.intruder.poll() is None, log
+    assert attacked_run.stranger.wait(timeout=60) != 0
     assert "Failed to activate SuperNode" in (dep.out / "flower-logs" / "stranger.log").read_text()
 
 
