@@ -34,12 +34,15 @@ demo: setup data
 
 # Two pytest-xdist workers, one per core, for every test but the Ray-cluster module: the suite is CPU-bound (Flower
 # and Ray processes, docs/benchmarks.md). --dist loadgroup keeps the tests that share one federation on one worker
-# (their `xdist_group` mark). The Ray-cluster module runs after, in its own pytest process: its in-process Ray
-# driver once took an xdist worker down with it, and run beside the others (tried with 3 workers) the suite took
-# 7.2 min against 6.9, its Ray module 352 s against 70. `pytest -q` runs the same tests one at a time.
+# (their `xdist_group` mark). The Ray-cluster module runs beside them, in a pytest process of its own (its
+# in-process Ray driver once took an xdist worker down with it): alone, after the others, it kept about 1.2 of the
+# 2 cores busy, so beside them it fills what they leave idle. Its output comes after theirs. `pytest -q` runs the
+# same tests one at a time.
 test: setup data deploy-deps
-	$(BIN)/python -m pytest -q -n 2 --dist loadgroup -m 'not ray'
-	$(BIN)/python -m pytest -q -m ray
+	@log=$$(mktemp); $(BIN)/python -m pytest -q -m ray >$$log 2>&1 & ray=$$!; \
+	$(BIN)/python -m pytest -q -n 2 --dist loadgroup -m 'not ray'; x=$$?; \
+	wait $$ray; r=$$?; echo "-- the Ray-cluster module, run beside the tests above:"; cat $$log; rm -f $$log; \
+	[ $$x -eq 0 ] && [ $$r -eq 0 ]
 
 lint: setup
 	$(BIN)/ruff check .

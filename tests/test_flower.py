@@ -492,6 +492,10 @@ def test_a_killed_client_does_not_stop_the_run(tmp_path, no_leftovers):
 # own for each fault would train its second run in ClientApp processes (a node's worker binds to the first run it
 # serves).
 FAULTS = pytest.mark.xdist_group("flower-faults")
+# The tests' federations: each SuperExec asks for a task to start at Flower's default interval, not at the 0.2 s
+# of a deployment (launch.NODE_ENV, a latency choice). The suite is bound by CPU, and an idle 3-node federation
+# used 5.7 CPU-s in 30 s at 0.2 s, 1.9 at 1 s (docs/benchmarks.md, issue 29).
+TEST_POLL = {"FLWR_SUPEREXEC_TASK_POLL_INTERVAL": "1"}
 
 # Plugins on the nodes' and the server's path; a run imports only those its config names (`plugins=[...]`).
 # faulty_node: partition 2's node replies with a well-formed update of 3e38 everywhere, through its valid
@@ -550,7 +554,7 @@ def faults(tmp_path_factory):
     tag = uuid.uuid4().hex
     fed = LocalFederation(root / "fed", nodes=3)
     fed.runs, fed.offline = [], root / "node-1-offline"
-    fed.env.update({TAG: tag, "FEDLASE_TEST_OFFLINE": str(fed.offline),
+    fed.env.update({TAG: tag, "FEDLASE_TEST_OFFLINE": str(fed.offline), **TEST_POLL,
                     "PYTHONPATH": os.pathsep.join([str(root / "plug"), _env()["PYTHONPATH"]])})
     try:
         nodes = _start_federation(fed, ["1", "1", "1/4"])

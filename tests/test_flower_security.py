@@ -30,7 +30,7 @@ import pytest
 os.environ.setdefault("FEDLASE_CACHE", tempfile.mkdtemp(prefix="fedlase-cache-"))
 pytest.importorskip("flwr")
 
-from test_flower import SMALL, _env, _logs, _metrics, _params, _submit, _wait, same_params  # noqa: E402
+from test_flower import SMALL, TEST_POLL, _env, _logs, _metrics, _params, _submit, _wait, same_params  # noqa: E402
 from test_worker import connect_as_nobody  # noqa: E402
 
 from fedlase.catalog import load_builtins  # noqa: E402
@@ -58,7 +58,7 @@ def dep(tmp_path_factory):
     root = tmp_path_factory.mktemp("deployment")
     out = root / "dep"
     fed = LocalFederation(out, nodes=4)
-    fed.env["PYTHONPATH"] = _env()["PYTHONPATH"]
+    fed.env.update({"PYTHONPATH": _env()["PYTHONPATH"], **TEST_POLL})
     fed.runs = []
     try:
         max_body = body_limit(load_config(None, ARGS))   # what `start_all` gives the proxy for this run's model
