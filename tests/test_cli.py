@@ -248,3 +248,16 @@ def test_run_help_lists_the_registered_choices(capsys):
     out = capsys.readouterr().out
     method_line = next(ln for ln in out.splitlines() if ln.startswith("  method "))
     assert all(name in method_line for name in METHODS)
+
+
+def test_cpu_by_process_counts_a_child_by_its_kind():
+    """tools/cpu_by_process.py (docs/benchmarks.md's per-process figures): a child that spins 0.6 CPU-s, whose
+    command line names `fedlase run`, is counted under that kind, and its exit status is the tool's."""
+    import subprocess
+    import sys
+    spin = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.6: pass\nraise SystemExit(3)"
+    res = subprocess.run([sys.executable, "-m", "tools.cpu_by_process", "--every", "0.05", "--", sys.executable,
+                          "-c", spin, "fedlase", "run"], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 3, res.stderr
+    line = next(x for x in res.stdout.splitlines() if x.endswith("fedlase run"))
+    assert float(line.split()[0]) >= 0.5, res.stdout
