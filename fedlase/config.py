@@ -23,7 +23,7 @@ from .errors import ConfigError
 from .levels import System, parse_level
 from .options import Option, check_value
 from .registry import DATASETS, METHODS, MODELS, PARTITIONS, TRACKERS
-from .resources import check_run, threads_rule, writable_folder
+from .resources import check_run, sim_actors_rule, threads_rule, writable_folder
 from .util import split_host_port
 
 
@@ -197,6 +197,10 @@ class Config:
                                  "or auto) instead of starting a private Ray; unset: a private one sized to this "
                                  "machine (docs/cluster.md)", kind=str, check=_ray_address, affects_result=False,
                                  tags=("raw",))
+    sim_actors: int | None = _f(None, "engine=flower-sim: clients trained at once, each in a Ray actor (a process "
+                                "that imports torch) of its own, at most the CPUs this process may use; unset: one "
+                                "per such CPU. Fewer actors cost less memory and start-up, not a different result",
+                                kind=int, low=1, check=sim_actors_rule, affects_result=False)
     insecure: bool = _f(False, "Flower: true turns TLS and node authentication off (loopback or a trusted network "
                         "only; warns)", affects_result=False)
     out: str = _f("runs/default", "output folder: metrics.jsonl, summary.json, checkpoint.pt", check=writable_folder,
@@ -347,6 +351,9 @@ def validate(cfg: Config) -> Config:
     if cfg.ray_address is not None and cfg.engine != "flower-sim":
         raise ConfigError("ray_address", f"joins a Ray cluster for engine=flower-sim, got engine={cfg.engine} "
                           "(a sweep's runs go to a cluster with `fedlase sweep --ray`)")
+    if cfg.ray_address is not None and cfg.sim_actors is not None:
+        raise ConfigError("sim_actors", "sizes the run's private Ray; with ray_address the cluster's CPUs decide "
+                          "how many clients train at once")
     if cfg.batched_clients and cfg.engine != "embedded":   # Flower trains each client in its own ClientApp
         raise ConfigError("batched_clients", f"needs engine=embedded, got engine={cfg.engine}")
     if cfg.batched_clients and model.kind == "text":   # the forward trims batches with a data-dependent size

@@ -188,14 +188,24 @@ def passive_openmp() -> None:
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
+def _beyond_usable(count: int, otherwise: str) -> str | None:
+    usable = usable_cpus()
+    if count > usable:
+        return (f"{count} is more than the {usable} CPU(s) this process may use (its affinity and CPU quota); "
+                f"use 1..{usable}, or {otherwise}")
+    return None
+
+
 def threads_rule(threads: int) -> str | None:
     """An Option `check` for `threads`: why a count beyond the CPUs this process may use is refused (more
     threads than CPUs only contend, and a huge count exhausts the machine's threads before training starts)."""
-    usable = usable_cpus()
-    if threads > usable:
-        return (f"{threads} is more than the {usable} CPU(s) this process may use (its affinity and CPU quota); "
-                f"use 1..{usable}, or 0 for the default ({default_threads()})")
-    return None
+    return _beyond_usable(threads, f"0 for the default ({default_threads()})")
+
+
+def sim_actors_rule(actors: int) -> str | None:
+    """An Option `check` for `sim_actors`: each actor is a process with its own torch, so more actors than
+    usable CPUs only contend and multiply the memory."""
+    return _beyond_usable(actors, "leave it unset for one actor per CPU")
 
 
 # ---- folders a run writes ----------------------------------------------------------------------------------------

@@ -4,9 +4,9 @@ every registered method and every `analysis.*` option, bad values are derived fr
 that names the key, and no traceback. A new option is covered without anyone writing a test for it.
 
 Bounds a type and a range cannot say are derived from declarations too: an option checked against the CPUs
-(`threads_rule`) gets counts beyond them; a folder a run writes (`writable_folder`) gets /proc, /sys and a
-path under a file; every method gets every runner (engine, batched_clients) its `runs_on` leaves out; and
-the data's size bounds `batch_size` and the client count.
+(`threads_rule`, `sim_actors_rule`) gets counts beyond them; a folder a run writes (`writable_folder`) gets
+/proc, /sys and a path under a file; every method gets every runner (engine, batched_clients) its `runs_on`
+leaves out; and the data's size bounds `batch_size` and the client count.
 
 The cases go through the real command line, `fedlase.cli.main`, in this process (the whole file takes
 seconds); a few of them also in real subprocesses, which is what a user runs."""
@@ -25,7 +25,7 @@ from fedlase.config import load_config, options
 from fedlase.methods.base import RUNNERS
 from fedlase.options import Option
 from fedlase.registry import METHODS, TRACKERS
-from fedlase.resources import threads_rule, usable_cpus, writable_folder
+from fedlase.resources import sim_actors_rule, threads_rule, usable_cpus, writable_folder
 
 # A base run that is valid and tiny: if a bad value were accepted, the run would start (and the test fail).
 BASE = {"dataset": "digits", "model": "cnn", "width": 0.25, "system": "{1,1/4}_{2,2}", "participation": 0.5,
@@ -59,7 +59,7 @@ def bad_values(opt: Option) -> list:
     allowed = opt.allowed()
     if allowed and t is str:
         out.append("no_such_choice")
-    if opt.check is threads_rule:   # a count of CPUs: beyond those this process may use
+    if opt.check in (threads_rule, sim_actors_rule):   # a count of CPUs: beyond those this process may use
         out += [usable_cpus() + 1, 100_000]
     if opt.check is writable_folder:   # a folder a run writes into
         out += ["/proc/x", "/sys/fedlase", UNDER_A_FILE]
@@ -82,6 +82,7 @@ def cases() -> list[tuple[str, object, dict]]:
     for name, cls in METHODS.items():   # a runner the method does not declare: refused at validation
         out += [(*RUNNER_SETTINGS[r], {"method": name}) for r in RUNNERS if r not in cls.runs_on]
     out += [("batch_size", 10**6, {}), ("system", "{1}_{100000}", {})]   # beyond the data (known once loaded)
+    out.append(("sim_actors", 1, {"engine": "flower-sim", "ray_address": "127.0.0.1:1"}))   # the cluster decides
     return out
 
 
@@ -128,7 +129,7 @@ def test_every_option_has_cases():
 def test_the_bounds_are_declared_where_they_apply():
     """The declarations the generated cases read: threads against the CPUs, every folder a run writes, and a
     setting for every runner a method may declare."""
-    assert options()["threads"].check is threads_rule
+    assert options()["threads"].check is threads_rule and options()["sim_actors"].check is sim_actors_rule
     assert options()["out"].check is writable_folder
     assert TRACKERS.get("tensorboard").options_spec["dir"].check is writable_folder
     assert set(RUNNER_SETTINGS) == set(RUNNERS)

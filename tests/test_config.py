@@ -387,7 +387,8 @@ def test_result_keys():
     # keys that may change between a checkpoint and its resume (the old engine.RESUMABLE_CHANGES, plus the
     # Flower deployment keys added since)
     resumable = {"rounds", "eval_every", "checkpoint_every", "out", "device", "threads", "engine", "min_replies",
-                 "reply_timeout", "superlink", "tls_ca", "tls_cert", "tls_key", "node_keys", "insecure", "ray_address"}
+                 "reply_timeout", "superlink", "tls_ca", "tls_cert", "tls_key", "node_keys", "insecure", "ray_address",
+                 "sim_actors"}
     assert result_keys() == set(KEYS) - resumable
     assert {"lr", "seed", "system", "method", "method_args", "dataset", "batched_clients"} <= result_keys()
 

@@ -7,10 +7,8 @@ import contextlib
 import ipaddress
 import json
 import os
-import signal
 import subprocess
 import sys
-import textwrap
 import threading
 import time
 import uuid
@@ -26,11 +24,10 @@ pytest.importorskip("flwr")
 pytest.importorskip("ray")
 
 from flwr.app import Array, ArrayRecord, Context, Error, Message, RecordDict  # noqa: E402
-from flwr.clientapp import ClientApp  # noqa: E402
 from flwr.supercore.task_identity import TaskIdentity  # noqa: E402
 
 from fedlase.config import load_config  # noqa: E402
-from fedlase.engine import Experiment, run_experiment  # noqa: E402
+from fedlase.engine import Experiment  # noqa: E402
 from fedlase.flower import (
     QUIET_ENV,  # noqa: E402
     client_app,  # noqa: E402
@@ -386,14 +383,17 @@ def test_node_cache_key_is_what_the_data_code_reads(tmp_path, monkeypatch):
 
 
 # ---- real Flower runs (subprocesses) ---------------------------------------------------------------------------
-def _env():
-    return {**os.environ, **QUIET_ENV, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
+def _env(path=()):
+    """The environment of the processes a test starts: fedlase and the tests (and `path`) importable."""
+    return {**os.environ, **QUIET_ENV,
+            "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests"), *map(str, path)])}
 
 
-def _run(cmd: list[str], timeout: float, listening: set | None = None) -> subprocess.CompletedProcess:
+def _run(cmd: list[str], timeout: float, listening: set | None = None, path=()) -> subprocess.CompletedProcess:
     """Run a command; past the timeout, SIGTERM it (so it stops what it started) before failing. `listening`:
-    filled, while it runs, with (address, process name) of every socket its processes listen on."""
-    with subprocess.Popen(cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as p:
+    filled, while it runs, with (address, process name) of every socket its processes listen on. `path`: more
+    folders to import from."""
+    with subprocess.Popen(cmd, env=_env(path), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as p:
         done, watcher = threading.Event(), None
         if listening is not None:
             watcher = threading.Thread(target=_watch_listening, args=(p.pid, listening, done), daemon=True)
@@ -427,65 +427,71 @@ def _params(out: Path) -> dict:
     return torch.load(out / "checkpoint.pt", map_location="cpu", weights_only=False)["params"]
 
 
-def test_simulation_engine_matches_embedded(tmp_path, no_leftovers):
+# The Simulation Engine's tests read one run of `fedlase run engine=flower-sim` (xdist_group: one pytest-xdist worker
+# runs both; a simulation costs a Ray and an actor process per CPU, each importing torch): round 1 on two actors,
+# during which partition 1's client kills its own process (the Ray actor that trains it; plugin killed_client),
+# then the run resumed to round 2 on one actor, with no fault.
+SIM = pytest.mark.xdist_group("flower-sim")
+KILLED = 1
+KILLED_CLIENT = f"""
+import os, signal
+from fedlase.flower import client_app
+_step = client_app.train_step
+def _killed(trainer, pid, rnd, *rest):
+    if pid == {KILLED} and rnd == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return _step(trainer, pid, rnd, *rest)
+client_app.train_step = _killed
+"""
+
+
+@pytest.fixture(scope="module")
+def sim_run(tmp_path_factory):
+    """The run above: (its folder, its args without `out` and `rounds`, the (address, process) of every socket
+    its processes listened on). No process that carries its tag may be left after the module."""
+    root = tmp_path_factory.mktemp("sim")
+    (root / "plug").mkdir()
+    (root / "plug" / "killed_client.py").write_text(KILLED_CLIENT)
+    args, out, listening = [*SMALL, "system={1,1/4}_{2,2}"], root / "sim", set()
+    tag = uuid.uuid4().hex
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(TAG, tag)
+        for part, resume in ((["rounds=1"], []), (["rounds=2", "sim_actors=1"], ["--resume"])):
+            res = _run([sys.executable, "-m", "fedlase", "run", *args, *part, "plugins=[killed_client]",
+                        f"out={out}", "engine=flower-sim", "--quiet", *resume], timeout=300, listening=listening,
+                       path=[root / "plug"])
+            assert res.returncode == 0, res.stdout[-3000:]
+            assert "deprecated" not in res.stdout, res.stdout[-3000:]
+        yield out, args, listening
+        assert_none_left(tag)
+
+
+@SIM
+def test_simulation_engine_matches_embedded(sim_run, tmp_path):
     """Flower's public run_simulation, stopped after round 1 and resumed to round 2, gives the embedded engine's
-    weights bit for bit."""
-    args = [*SMALL, "system={1,1/4}_{2,2}", "rounds=2"]
-    listening = set()
-    for rounds, resume in (("rounds=1", []), ("rounds=2", ["--resume"])):
-        res = _run([sys.executable, "-m", "fedlase", "run", *args, rounds, f"out={tmp_path / 'sim'}",
-                    "engine=flower-sim", "--quiet", *resume], timeout=300, listening=listening)
-        assert res.returncode == 0, res.stdout[-3000:]
-        assert "deprecated" not in res.stdout, res.stdout[-3000:]
+    weights bit for bit (without the clients whose actor died in round 1); two actors train round 1 side by side
+    and one trains round 2, so the result does not depend on how many clients train at once."""
+    out, args, listening = sim_run
     # the run's private Ray (GCS, raylet, workers) answers on loopback only: Ray has no authentication, and by
     # default it listens on every interface (fedlase/flower/launch.py, SINGLE_MACHINE_RAY)
     assert any(name == "gcs_server" for _, name in listening), listening   # the watcher did see Ray's ports
     assert all(ipaddress.ip_address(ip.removeprefix("::ffff:")).is_loopback for ip, _ in listening), listening
-    run_experiment(load_config(None, [*args, f"out={tmp_path / 'emb'}"]), progress=False)
-    assert same_params(_params(tmp_path / "sim"), _params(tmp_path / "emb"))
-    lines = [json.loads(x) for x in (tmp_path / "sim" / "metrics.jsonl").read_text().splitlines()]
-    assert [x["round"] for x in lines] == [1, 2] and all(x["clients"] == 4 for x in lines)
-    assert lines[-1]["bytes_total"]["sent"] == 2 * lines[0]["bytes"]["sent"] > 0
-    assert json.loads((tmp_path / "sim" / "summary.json").read_text())["final"]["round"] == 2
+    lines = _metrics(out)
+    assert [x["round"] for x in lines] == [1, 2] and lines[1]["failed"] == [] and lines[1]["clients"] == 4, lines
+    cfg = load_config(None, [*args, "rounds=2", f"out={tmp_path / 'emb'}"])
+    assert same_params(_params(out), _embedded(cfg, rounds=(1, 2), without={(1, c) for c in lines[0]["failed"]}))
+    assert lines[-1]["bytes_total"]["sent"] == lines[0]["bytes"]["sent"] + lines[1]["bytes"]["sent"] > 0
+    assert json.loads((out / "summary.json").read_text())["final"]["round"] == 2
 
 
-# A ClientApp whose node for partition KILLED dies in the middle of its training (SIGKILL of its own
-# process: the Ray worker in simulation). Imported by the Simulation Engine's workers from this module.
-KILLED = 1
-killing_app = ClientApp()
-
-
-@killing_app.query()
-def _query(msg, context):
-    return client_app.query(msg, context)
-
-
-@killing_app.train()
-def _train(msg, context):
-    if int(context.node_config["partition-id"]) == KILLED:
-        os.kill(os.getpid(), signal.SIGKILL)
-    return client_app.train(msg, context)
-
-
-def test_a_killed_client_does_not_stop_the_run(tmp_path, no_leftovers):
-    args = [*SMALL, "system={1,1/4}_{1,2}", "rounds=1", "engine=flower-sim"]
-    script = textwrap.dedent(f"""
-        from pathlib import Path
-        from fedlase.catalog import load_builtins
-        from fedlase.config import load_config
-        from fedlase.flower.launch import simulate, write_app
-        load_builtins()
-        cfg = load_config(None, {[*args, f"out={tmp_path / 'sim'}"]!r})
-        app = write_app(Path({str(tmp_path / 'app')!r}), cfg, False, False)
-        simulate(cfg, app, client_app="test_flower:killing_app")
-    """)
-    res = _run([sys.executable, "-c", script], timeout=300)
-    assert res.returncode == 0, res.stdout[-3000:]
-    line = json.loads((tmp_path / "sim" / "metrics.jsonl").read_text().splitlines()[-1])
-    # Flower 1.42's actor pool keeps the dead worker, so a later message routed to it fails too.
-    assert KILLED in line["failed"] and line["clients"] == 3 - len(line["failed"]) >= 1
-    cfg = load_config(None, [*args, f"out={tmp_path / 'emb'}"])
-    assert same_params(_params(tmp_path / "sim"), _embedded(cfg, without=set(line["failed"])))
+@SIM
+def test_a_killed_client_does_not_stop_the_run(sim_run):
+    """The round whose client killed its actor ends with the others' updates, lists it as failed, and the run
+    goes on."""
+    out, _, _ = sim_run
+    first = _metrics(out)[0]
+    # Flower 1.42's actor pool keeps the dead actor, so a later message routed to it fails too.
+    assert KILLED in first["failed"] and first["clients"] == 4 - len(first["failed"]) >= 1, first
 
 
 # ---- the Deployment Engine on loopback: faults ----------------------------------------------------------------

@@ -91,7 +91,7 @@ def test_plugin_method_runs_on_flower_simulation(plugin, tmp_path):
     embedded = fedlase.run(fedlase.make_config(**TINY_RUN, method="first_rows", plugins=[plugin],
                                           out=str(tmp_path / "e")))
     flower = fedlase.run(fedlase.make_config(**TINY_RUN, method="first_rows", plugins=[plugin], engine="flower-sim",
-                                        out=str(tmp_path / "f")))
+                                        sim_actors=1, out=str(tmp_path / "f")))
     assert flower["final"]["levels"] == embedded["final"]["levels"]
     emb = torch.load(tmp_path / "e" / "checkpoint.pt", weights_only=False)["params"]
     flo = torch.load(tmp_path / "f" / "checkpoint.pt", weights_only=False)["params"]

@@ -330,7 +330,7 @@ def test_a_flower_sim_sweep_runs_flower(tmp_path, jobs):
     its summary names the engine that ran; the embedded run next to it has no app folder."""
     pytest.importorskip("flwr")
     path = write_sweep(tmp_path, grid={"engine": ["flower-sim", "embedded"]},
-                       runs=[{"name": "r", "rounds": 1, "analysis": {}}])
+                       runs=[{"name": "r", "rounds": 1, "analysis": {}, "sim_actors": 1}])   # one actor: start-up
     res = run_sweep(path, progress=False, jobs=jobs)
     assert sorted(res["done"]) == ["r,engine=embedded", "r,engine=flower-sim"] and not res["failed"]
     out = tmp_path / "out"

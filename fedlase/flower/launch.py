@@ -208,19 +208,20 @@ class _DropDeprecation(logging.Filter):
 
 
 def simulation_backend(cfg: Config) -> dict:
-    """A private Ray for this run, without its dashboard (an HTTP API that takes jobs, unneeded here): it gets
-    every CPU, each ClientApp one CPU (and, with device=cuda, an equal share of one GPU per client, at most 4
-    clients on it at once). With `ray_address`, the run joins that
-    running cluster instead (fedlase/cluster.py), and the final `ray.shutdown()` only disconnects from it."""
+    """A private Ray for this run, without its dashboard (an HTTP API that takes jobs, unneeded here): one CPU
+    per actor, `sim_actors` of them (default: one per usable CPU, by affinity and CPU quota: a container's share,
+    not the host's cores), each ClientApp one CPU (and, with device=cuda, an equal share of one GPU per client,
+    at most 4 clients on it at once). With `ray_address`, the run joins that running cluster instead
+    (fedlase/cluster.py), and the final `ray.shutdown()` only disconnects from it."""
     if cfg.ray_address is not None:
         from ..cluster import simulation_join
         return simulation_join(cfg)
-    cpus = usable_cpus()   # affinity and CPU quota: a container's share, not the host's cores
+    actors = cfg.sim_actors or usable_cpus()
     gpu = 0.0
     if cfg.device == "cuda" or (cfg.device == "auto" and _has_cuda()):
-        gpu = 1.0 / max(1, min(cpus, cfg.num_clients, 4))
+        gpu = 1.0 / max(1, min(actors, cfg.num_clients, 4))
     return {"client_resources": {"num_cpus": 1, "num_gpus": gpu},
-            "init_args": {"address": "local", "num_cpus": cpus, "logging_level": "ERROR", "log_to_driver": False,
+            "init_args": {"address": "local", "num_cpus": actors, "logging_level": "ERROR", "log_to_driver": False,
                           "include_dashboard": False}}
 
 
@@ -262,17 +263,16 @@ def loopback_ray():
             constants.ENABLE_RAY_CLUSTER = was
 
 
-def simulate(cfg: Config, app_dir: Path, client_app: str = "fedlase.flower.client_app:app",
-             server_app: str = "fedlase.flower.server_app:app") -> None:
+def simulate(cfg: Config, app_dir: Path) -> None:
     """Flower's Simulation Engine in this process (`flwr.simulation.run_simulation`): the ServerApp in a
     thread, the ClientApps in Ray actors, one virtual SuperNode per client. No SuperLink is started, so no
-    process outlives the call. `client_app` lets tests run a ClientApp that misbehaves."""
+    process outlives the call."""
     # alembic (Flower's state database) logs "setup plugin ..." at INFO when it is imported: quiet before
     # the import; its warnings and errors still show
     logging.getLogger("alembic").setLevel(logging.WARNING)
     from flwr.simulation import run_simulation  # deprecated, still the only in-process API (_DropDeprecation)
     logging.getLogger("flwr").setLevel(logging.WARNING)   # per-message chatter (after its import: it sets its own)
-    srv, cli = configured_apps(server_app, client_app, _run_config(app_dir))
+    srv, cli = configured_apps("fedlase.flower.server_app:app", "fedlase.flower.client_app:app", _run_config(app_dir))
     # Ray's raylet, gcs and workers are started below this process, but Flower shuts Ray down itself and
     # the orphaned workers then linger for tens of seconds: note them while they are ours, reap them after.
     me = psutil.Process()
