@@ -260,21 +260,25 @@ def meta_model(build, cfg, data_entry):
         return None
 
 
-def model_sizes(build, cfg, data_entry) -> dict:
+def model_sizes(build, cfg, data_entry, activations: bool = True) -> dict:
     """{'params', 'sample_bytes' (all activations of one sample), 'largest_bytes' (its largest activation)}
     of a model built on torch's meta device and run on meta samples; {} when it cannot be built there, only
-    `params` when its forward cannot run there."""
+    `params` when its forward cannot run there or `activations` is false. The meta forward runs torch's Python
+    meta kernels, whose first call imports torch._dynamo (about 1 CPU-s), so a caller that will not read the
+    activation figures skips it."""
     model = meta_model(build, cfg, data_entry)
     if model is None:
         return {}
     import torch
+    sizes = {"params": sum(p.numel() for p in model.parameters())}
+    if not activations:
+        return sizes
     shape = tuple(data_entry.shape)
     outputs: list[int] = []
 
     def hook(module, inputs, output):
         if isinstance(output, torch.Tensor):
             outputs.append(output.numel() * output.element_size())
-    sizes = {"params": sum(p.numel() for p in model.parameters())}
     handles = [m.register_forward_hook(hook) for m in model.modules() if not list(m.children())]
     try:   # two samples: batch-statistics BN needs more than one value per channel
         with torch.no_grad(), torch.device("meta"):
@@ -319,7 +323,8 @@ def check_run(cfg, data_entry, model_entry) -> None:
             "use fewer clients", available)
     key = data_info.get("key", "dataset")   # the key the loaded size scales with (text: max_length)
     require(key, data_info.get("bytes", 0), f"{cfg.dataset} in memory", f"lower {key}", available)
-    sizes = model_info or model_sizes(model_entry.build, cfg, data_entry)   # a model's own figures first
+    # a model's own figures first; the activation figures only where the batch checks below read them
+    sizes = model_info or model_sizes(model_entry.build, cfg, data_entry, activations=n_train is not None)
     if "params" in sizes:
         sampled = math.ceil(max(cfg.participation) * clients)
         require("participation", (sampled + GLOBAL_COPIES) * sizes["params"] * 4,

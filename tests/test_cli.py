@@ -252,7 +252,8 @@ def test_run_help_lists_the_registered_choices(capsys):
 
 def test_cpu_by_process_counts_a_child_by_its_kind():
     """tools/cpu_by_process.py (docs/benchmarks.md's per-process figures): a child that spins 0.6 CPU-s, whose
-    command line names `fedlase run`, is counted under that kind, and its exit status is the tool's."""
+    command line names `fedlase run`, is counted under that kind, and its exit status is the tool's; with
+    `--others`, a child of no known kind is listed by its command line."""
     import subprocess
     import sys
     spin = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.6: pass\nraise SystemExit(3)"
@@ -261,3 +262,8 @@ def test_cpu_by_process_counts_a_child_by_its_kind():
     assert res.returncode == 3, res.stderr
     line = next(x for x in res.stdout.splitlines() if x.endswith("fedlase run"))
     assert float(line.split()[0]) >= 0.5, res.stdout
+    res = subprocess.run([sys.executable, "-m", "tools.cpu_by_process", "--every", "0.05", "--others", "50", "--",
+                          sys.executable, "-c", spin.replace("3)", "0)"), "no-known-kind"],
+                         capture_output=True, text=True, timeout=60)
+    line = next(x for x in res.stdout.splitlines() if "other:" in x and "no-known-kind" in x)
+    assert res.returncode == 0 and float(line.split()[0]) >= 0.5, res.stdout

@@ -226,6 +226,32 @@ def test_digits():
     assert abs(a.x_train.mean().item()) < 1e-4 and abs(a.x_train.std().item() - 1) < 1e-2
 
 
+def test_digits_come_from_the_cache_without_scikit_learn_and_equal_a_fresh_split(tmp_path, monkeypatch):
+    """The first load writes the split to the cache folder; a later one reads it without splitting again (the
+    only place that imports scikit-learn, about 1 CPU-s a process) and gets the very same tensors; a torn cache
+    file is split anew."""
+    from fedlase.data import sources
+    monkeypatch.setenv("FEDLASE_CACHE", str(tmp_path))
+    first = sources._load_digits()
+    [cached] = tmp_path.glob("digits-sklearn-*.npz")
+    split = sources._split_digits
+
+    def no_split():
+        raise AssertionError("the second load split the digits again instead of reading the cache")
+    monkeypatch.setattr(sources, "_split_digits", no_split)
+    second = sources._load_digits()
+    fields = ("x_train", "y_train", "x_test", "y_test")
+    assert all(torch.equal(getattr(first, k), getattr(second, k)) for k in fields)
+    fresh = split()
+    assert np.array_equal(second.y_train.numpy(), fresh["y_tr"]) and np.array_equal(second.y_test.numpy(),
+                                                                                    fresh["y_te"])
+    cached.write_bytes(cached.read_bytes()[:1000])   # torn
+    monkeypatch.setattr(sources, "_split_digits", split)
+    again = sources._load_digits()
+    assert all(torch.equal(getattr(first, k), getattr(again, k)) for k in fields)
+    assert cached.stat().st_size > 1000   # written whole again
+
+
 # --------------------------------------------------------------------------- partitions
 
 

@@ -114,6 +114,22 @@ def test_help_and_import_stay_light():
     assert proc.returncode == 0 and proc.stderr.strip() == "False", proc.stderr
 
 
+def test_checking_an_image_config_runs_no_meta_forward(monkeypatch):
+    """An image dataset's batch sizes are checked after loading, so validation reads only the parameter count
+    and skips the meta forward, whose Python meta kernels import torch._dynamo (about 1 CPU-s a process)."""
+    calls = []
+    measure = resources.model_sizes
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs.get("activations", True))
+        return measure(*args, **kwargs)
+    monkeypatch.setattr(resources, "model_sizes", spy)
+    load_config(None, ["dataset=digits", "model=resnet18"])
+    assert calls == [False]
+    cfg = load_config(None, ["dataset=digits", "model=cnn"])
+    assert set(measure(MODELS.get("cnn").build, cfg, DATASETS.get("digits"), activations=False)) == {"params"}
+
+
 # ---- CPUs: affinity and cgroup quota ---------------------------------------------------------------------------
 def _tree(root, files: dict[str, str]) -> str:
     for rel, text in files.items():

@@ -55,10 +55,10 @@ def sample(seen: dict, base: dict, first: bool) -> None:
                 base[key] = cpu   # running before the command: count only what it uses from now on
             if key not in seen:
                 with open(f"/proc/{pid}/cmdline", "rb") as f:
-                    line = f.read().replace(b"\0", b" ").decode(errors="replace")
+                    line = " ".join(f.read().replace(b"\0", b" ").decode(errors="replace").split())   # one line
                 if not line:
                     continue   # a kernel thread
-                seen[key] = [kind(line), 0.0]
+                seen[key] = [kind(line), 0.0, line]
             seen[key][1] = cpu - base.get(key, 0.0)
         except (OSError, IndexError, ValueError):
             pass   # ended meanwhile
@@ -67,6 +67,8 @@ def sample(seen: dict, base: dict, first: bool) -> None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--every", type=float, default=0.25, help="seconds between samples")
+    ap.add_argument("--others", type=int, default=0, metavar="N",
+                    help="also print the command lines of the N costliest processes of kind 'other'")
     ap.add_argument("command", nargs=argparse.REMAINDER, help="the command, after --")
     a = ap.parse_args(argv)
     command = a.command[1:] if a.command[:1] == ["--"] else a.command
@@ -88,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     sample(seen, base, first=False)
     wall, busy = time.monotonic() - t0, busy_seconds() - busy0
     per = collections.defaultdict(lambda: [0, 0.0])
-    for k, cpu in seen.values():
+    for k, cpu, _ in seen.values():
         if cpu > 0:
             per[k][0] += 1
             per[k][1] += cpu
@@ -96,6 +98,9 @@ def main(argv: list[str] | None = None) -> int:
     for k, (n, cpu) in sorted(per.items(), key=lambda x: -x[1][1]):
         if cpu >= 0.5:
             print(f"{cpu:8.1f} CPU-s  {n:4d} processes  {k}")
+    others = sorted((x for x in seen.values() if x[0] == "other" and x[1] > 0), key=lambda x: -x[1])[:a.others]
+    for _, cpu, line in others:
+        print(f"{cpu:8.1f} CPU-s  other: {line[:150]}")
     return rc
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gzip
 import pickle
+import zipfile
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -227,16 +228,48 @@ def _load_cifar(name: str, data_dir: str | None) -> Dataset:
 # --------------------------------------------------------------------------- digits
 
 
-def _load_digits() -> Dataset:
+def _split_digits() -> dict:
+    """scikit-learn's digits with a fixed stratified 80/20 split, so every run and every test sees the same sets."""
     from sklearn.datasets import load_digits
     from sklearn.model_selection import train_test_split
 
     d = load_digits()
     x = d.images.astype(np.float32)[:, None]  # (1797, 1, 8, 8), values 0..16
     y = d.target.astype(np.int64)
-    # Fixed stratified 80/20 split so every run and every test sees the same sets.
     x_tr, x_te, y_tr, y_te = train_test_split(x, y, test_size=0.2, stratify=y, random_state=0)
-    return _make_dataset("digits", x_tr, y_tr, x_te, y_te, 10)
+    return {"x_tr": x_tr, "y_tr": y_tr, "x_te": x_te, "y_te": y_te}
+
+
+def _load_digits() -> Dataset:
+    """The digits split, kept in fedlase's cache folder under scikit-learn's version: importing scikit-learn costs
+    about 1 CPU-s, which every process that trains on digits (a sweep's child, a Flower node, a Ray worker) would
+    otherwise pay again. An unreadable cache file is split anew; an unwritable cache folder only costs the time."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    from fedlase.util import atomic_write, cache_dir
+    try:
+        path = cache_dir() / f"digits-sklearn-{version('scikit-learn')}.npz"
+    except PackageNotFoundError:   # the import below then says what is missing
+        path = None
+    arrays = None
+    if path is not None and path.is_file():
+        try:
+            with np.load(path, allow_pickle=False) as f:
+                arrays = {k: f[k] for k in ("x_tr", "y_tr", "x_te", "y_te")}
+        except (OSError, ValueError, KeyError, zipfile.BadZipFile):   # a torn or foreign file
+            arrays = None
+    if arrays is None:
+        arrays = _split_digits()
+        if path is not None:
+            def write(tmp: Path) -> None:
+                with open(tmp, "wb") as f:
+                    np.savez(f, **arrays)
+            try:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                atomic_write(path, write)
+            except OSError:
+                pass
+    return _make_dataset("digits", arrays["x_tr"], arrays["y_tr"], arrays["x_te"], arrays["y_te"], 10)
 
 
 # --------------------------------------------------------------------------- augmentation
