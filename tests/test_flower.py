@@ -532,6 +532,7 @@ client_app.train_step = _stuck
 import os, time
 from pathlib import Path
 from fedlase.flower import rounds
+rounds.NodeRounds.POLL = 1.0   # most of this run is waiting on Flower's heartbeats: pull replies at 1 s, not 0.2
 _prepare = rounds.NodeRounds.prepare
 def _held(self, exp, rnd, *rest):
     nid, gone, deadline = self.nodes.get(1), False, time.monotonic() + 300
@@ -542,7 +543,7 @@ def _held(self, exp, rnd, *rest):
         if not online and not gone:
             gone = True
             Path(os.environ["FEDLASE_TEST_OFFLINE"]).touch()
-        time.sleep(0.2)
+        time.sleep(1.0)
     return _prepare(self, exp, rnd, *rest)
 rounds.NodeRounds.prepare = _held
 """}
