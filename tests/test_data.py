@@ -228,8 +228,8 @@ def test_digits():
 
 def test_digits_come_from_the_cache_without_scikit_learn_and_equal_a_fresh_split(tmp_path, monkeypatch):
     """The first load writes the split to the cache folder; a later one reads it without splitting again (the
-    only place that imports scikit-learn, about 1 CPU-s a process) and gets the very same tensors; a torn cache
-    file is split anew."""
+    only place that imports scikit-learn, about 1 CPU-s a process) and gets the very same tensors; a torn or
+    foreign cache file is split anew, and a cache folder that cannot be made only costs the time."""
     from fedlase.data import sources
     monkeypatch.setenv("FEDLASE_CACHE", str(tmp_path))
     first = sources._load_digits()
@@ -245,11 +245,21 @@ def test_digits_come_from_the_cache_without_scikit_learn_and_equal_a_fresh_split
     fresh = split()
     assert np.array_equal(second.y_train.numpy(), fresh["y_tr"]) and np.array_equal(second.y_test.numpy(),
                                                                                     fresh["y_te"])
-    cached.write_bytes(cached.read_bytes()[:1000])   # torn
     monkeypatch.setattr(sources, "_split_digits", split)
-    again = sources._load_digits()
-    assert all(torch.equal(getattr(first, k), getattr(again, k)) for k in fields)
-    assert cached.stat().st_size > 1000   # written whole again
+    foreign = {"x_tr": np.zeros((3, 1, 8, 8), np.float32), "y_tr": np.zeros(3, np.int64),
+               "x_te": np.zeros((1, 1, 8, 8), np.float32), "y_te": np.zeros(1, np.int64)}
+    for spoil in ("torn", "foreign"):   # cut short, or well-formed but not the digits split
+        if spoil == "torn":
+            cached.write_bytes(cached.read_bytes()[:1000])
+        else:
+            with open(cached, "wb") as f:
+                np.savez(f, **foreign)
+        again = sources._load_digits()
+        assert all(torch.equal(getattr(first, k), getattr(again, k)) for k in fields), spoil
+        assert sources._read_digits(cached) is not None, spoil   # written whole again
+    (tmp_path / "file").write_text("")
+    monkeypatch.setenv("FEDLASE_CACHE", str(tmp_path / "file" / "below"))   # a cache folder that cannot exist
+    assert torch.equal(sources._load_digits().x_train, first.x_train)
 
 
 # --------------------------------------------------------------------------- partitions

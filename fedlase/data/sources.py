@@ -240,24 +240,38 @@ def _split_digits() -> dict:
     return {"x_tr": x_tr, "y_tr": y_tr, "x_te": x_te, "y_te": y_te}
 
 
-def _load_digits() -> Dataset:
-    """The digits split, kept in fedlase's cache folder under scikit-learn's version: importing scikit-learn costs
-    about 1 CPU-s, which every process that trains on digits (a sweep's child, a Flower node, a Ray worker) would
-    otherwise pay again. An unreadable cache file is split anew; an unwritable cache folder only costs the time."""
+def _digits_cache() -> Path | None:
+    """Where the split is kept: fedlase's cache folder, under scikit-learn's version; None without either."""
     from importlib.metadata import PackageNotFoundError, version
 
-    from fedlase.util import atomic_write, cache_dir
+    from fedlase.util import cache_dir
     try:
-        path = cache_dir() / f"digits-sklearn-{version('scikit-learn')}.npz"
-    except PackageNotFoundError:   # the import below then says what is missing
-        path = None
-    arrays = None
-    if path is not None and path.is_file():
-        try:
-            with np.load(path, allow_pickle=False) as f:
-                arrays = {k: f[k] for k in ("x_tr", "y_tr", "x_te", "y_te")}
-        except (OSError, ValueError, KeyError, zipfile.BadZipFile):   # a torn or foreign file
-            arrays = None
+        return cache_dir() / f"digits-sklearn-{version('scikit-learn')}.npz"
+    except (PackageNotFoundError, RuntimeError):   # no scikit-learn (the split then says so), no home folder
+        return None
+
+
+def _read_digits(path: Path) -> dict | None:
+    """The cached split, or None when it is missing, torn, or not the digits split."""
+    try:
+        with np.load(path, allow_pickle=False) as f:
+            arrays = {k: f[k] for k in ("x_tr", "y_tr", "x_te", "y_te")}
+    except (OSError, ValueError, KeyError, zipfile.BadZipFile):
+        return None
+    x_tr, y_tr, x_te, y_te = arrays.values()
+    ok = (x_tr.dtype == x_te.dtype == np.float32 and y_tr.dtype == y_te.dtype == np.int64
+          and x_tr.shape[1:] == x_te.shape[1:] == (1, 8, 8) and len(x_tr) == len(y_tr)
+          and len(x_te) == len(y_te) and len(x_tr) + len(x_te) == 1797)
+    return arrays if ok else None
+
+
+def _load_digits() -> Dataset:
+    """The digits split, kept in fedlase's cache folder: importing scikit-learn costs about 1 CPU-s, which every
+    process that trains on digits (a sweep's child, a Flower node, a Ray worker) would otherwise pay again. An
+    unreadable cache file is split anew; an unwritable cache folder only costs the time."""
+    from fedlase.util import atomic_write
+    path = _digits_cache()
+    arrays = _read_digits(path) if path is not None else None
     if arrays is None:
         arrays = _split_digits()
         if path is not None:
