@@ -2,14 +2,21 @@
 Fashion-MNIST IDX files. Test modules import the helpers with `from conftest import ...` (pytest puts tests/
 on sys.path)."""
 import gzip
+import os
 import sys
 from pathlib import Path
 
-import numpy as np
-import pytest
+# One OpenMP thread per process of the suite, unless the caller chose: its pytest processes (two xdist workers and
+# the Ray-cluster module under `make test`) and the runs they start share the cores, where intra-op threads only
+# add contention (docs/benchmarks.md, "A shared CPU"); the quick tests took 11-14 % less CPU so. Set before torch
+# is imported here, and inherited by every process a test starts; a test or run that sets `threads` gets those.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-from fedlase.catalog import load_builtins
-from fedlase.config import load_config
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+from fedlase.catalog import load_builtins  # noqa: E402
+from fedlase.config import load_config  # noqa: E402
 
 load_builtins()   # the tests build configs directly, as a program's start-up would after registering these
 
