@@ -6,7 +6,7 @@ BIN     := $(VENV)/bin
 FMNIST  := /usr/share/datasets/fashion-mnist
 SUDO    := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: setup data deploy-deps demo test lint bench clean
+.PHONY: setup data deploy-deps demo test test-integration test-all lint bench clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -32,17 +32,23 @@ demo: setup data
 	@$(BIN)/fedlase report runs/demo/fedlase runs/demo/fiarse --out runs/demo/report >/dev/null
 	@sed -n '/^## Local accuracy per level/,/^## Std of/p' runs/demo/report/report.md | sed '$$d'
 
-# Two pytest-xdist workers, one per core, for every test but the Ray-cluster module: the suite is CPU-bound (Flower
-# and Ray processes, docs/benchmarks.md). --dist loadgroup keeps the tests that share one federation on one worker
-# (their `xdist_group` mark). The Ray-cluster module runs beside them, in a pytest process of its own (its
-# in-process Ray driver once took an xdist worker down with it): alone, after the others, it kept about 1.2 of the
-# 2 cores busy, so beside them it fills what they leave idle. Its output comes after theirs. `pytest -q` runs the
-# same tests one at a time.
+# Two pytest-xdist workers, one per core: the suite is CPU-bound (docs/benchmarks.md). --dist loadgroup keeps the
+# tests that share one federation on one worker (their `xdist_group` mark). The multi-node federations (a Flower
+# deployment behind its proxy, the two-node Ray cluster) are integration tests, in `make test-integration`
+# (tests/conftest.py marks them); .ci/run runs both targets. `pytest -q` runs every test one at a time.
 test: setup data deploy-deps
+	$(BIN)/python -m pytest -q -n 2 --dist loadgroup -m 'not integration'
+
+# The deployments on two xdist workers (each federation on one) and, beside them, the Ray-cluster module in a
+# pytest process of its own (its in-process Ray driver once took an xdist worker down with it): the federations
+# mostly wait on their processes, so the three share the two cores. The Ray module's output follows.
+test-integration: setup data deploy-deps
 	@log=$$(mktemp); $(BIN)/python -m pytest -q -m ray >$$log 2>&1 & ray=$$!; \
-	$(BIN)/python -m pytest -q -n 2 --dist loadgroup -m 'not ray'; x=$$?; \
+	$(BIN)/python -m pytest -q -n 2 --dist loadgroup -m 'integration and not ray'; x=$$?; \
 	wait $$ray; r=$$?; echo "-- the Ray-cluster module, run beside the tests above:"; cat $$log; rm -f $$log; \
 	[ $$x -eq 0 ] && [ $$r -eq 0 ]
+
+test-all: test test-integration
 
 lint: setup
 	$(BIN)/ruff check .

@@ -84,7 +84,19 @@ def one_thread():
 # They are the long ones and mostly wait on their processes; begun first, two xdist workers (`make test`) finish
 # them while the quick tests fill the gaps, instead of one worker ending with a 2-minute test alone. The marks are
 # the files' own (`flower`, `ray`); the sort is stable, so every other test keeps its order.
+# ---- integration: the multi-node deployments, in `make test-integration` --------------------------------------
+# A test that stands up a federation of several nodes (a Flower deployment behind its proxy, or the two-node Ray
+# cluster) is an integration test: it costs minutes of CPU in processes that mostly wait. `make test` leaves them to
+# `make test-integration`; .ci/run runs both. Marked here by the fixtures that start those federations, so a new
+# test on one of them is routed without a mark of its own.
+FEDERATION_FIXTURES = {"dep", "faulty_run", "faults", "cluster"}
+
+
+@pytest.hookimpl(tryfirst=True)   # before -m selects
 def pytest_collection_modifyitems(items):
+    for item in items:
+        if FEDERATION_FIXTURES & set(getattr(item, "fixturenames", ())) or item.get_closest_marker("ray"):
+            item.add_marker(pytest.mark.integration)
     items.sort(key=lambda item: item.get_closest_marker("flower") is None and item.get_closest_marker("ray") is None)
 
 
