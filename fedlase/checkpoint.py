@@ -1,0 +1,135 @@
+"""A run folder's checkpoint.pt, written and read as plain data: the one place that saves or loads one.
+
+A run folder is data, not code: people share them to compare or evaluate again, and loading one must never run
+anything it holds. So a checkpoint is read with torch's weights-only loader, which builds tensors and plain
+Python values (dict, list, tuple, str, bytes, int, float, bool, None) and refuses any other object. What a run
+stores beside its tensors is turned into those values on saving and back on loading: a numpy array (the
+analyses' histories) becomes {"__numpy__": dtype, "shape": ..., "data": bytes}, bit for bit. A file that the
+weights-only loader refuses, or that is not laid out as below, is refused in one line naming it.
+
+Layout: {"format": FORMAT, "round": int, "train_time": float, "params": {name: tensor}, "buffers": {name:
+tensor}, "method": dict, "trackers": [dict, ...], "runner": dict, "config": dict}. Checkpoints written before
+the format key existed load too where the weights-only loader admits them (those of runs without analyses);
+others are refused with the command that rewrites them (`fedlase convert-checkpoint`, for files one trusts)."""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .errors import UserError
+from .util import atomic_write
+
+__all__ = ["FORMAT", "save", "load", "convert", "to_plain", "from_plain"]
+
+FORMAT = "fedlase-checkpoint/1"
+_NUMPY = "__numpy__"
+_LAYOUT = {"round": int, "train_time": (int, float), "params": dict, "buffers": dict, "method": dict,
+           "trackers": list, "runner": dict, "config": dict}
+_PLAIN = (str, bytes, int, float, complex, bool, type(None))
+_CONVERT = "fedlase convert-checkpoint"
+
+
+def to_plain(obj, where: str = "checkpoint"):
+    """`obj` with every numpy array and scalar turned into a tagged dict of plain values; UserError naming
+    `where` for anything the weights-only loader would not read back (a plugin's method state, for one)."""
+    if isinstance(obj, (np.ndarray, np.generic)):   # first: numpy's float64 is a float, yet pickles as numpy
+        a = np.asarray(obj)
+        if a.dtype.hasobject:
+            raise UserError(f"{where}: a numpy array of Python objects cannot be checkpointed; store numbers")
+        return {_NUMPY: a.dtype.str, "shape": list(a.shape) if isinstance(obj, np.ndarray) else None,
+                "data": np.ascontiguousarray(a).tobytes()}
+    if type(obj) in _PLAIN or isinstance(obj, torch.Tensor):   # exact types: a subclass pickles by its name
+        return obj
+    if isinstance(obj, dict):
+        for k in obj:
+            if not _plain_key(k):
+                raise UserError(f"{where}: a key of type {type(k).__name__} cannot be checkpointed; use str or int")
+        return {k: to_plain(v, f"{where}.{k}") for k, v in obj.items()}
+    if type(obj) in (list, tuple):
+        return type(obj)(to_plain(v, f"{where}[{i}]") for i, v in enumerate(obj))
+    raise UserError(f"{where}: a {type(obj).__name__} cannot be checkpointed; a checkpoint holds tensors, "
+                    "numpy arrays, numbers, strings, lists, tuples and dicts")
+
+
+def _plain_key(k) -> bool:
+    return type(k) in _PLAIN or (type(k) is tuple and all(map(_plain_key, k)))
+
+
+def from_plain(obj):
+    """The inverse of to_plain: tagged dicts back into numpy arrays (scalars where `shape` is None)."""
+    if isinstance(obj, dict):
+        if set(obj) == {_NUMPY, "shape", "data"}:
+            dtype = np.dtype(str(obj[_NUMPY]))
+            if dtype.hasobject:
+                raise ValueError("a numpy array of Python objects")
+            a = np.frombuffer(obj["data"], dtype=dtype).copy()   # copy: writable, and not a view of the file
+            return a[0] if obj["shape"] is None else a.reshape(obj["shape"])
+        return {k: from_plain(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(from_plain(v) for v in obj)
+    return obj
+
+
+def save(state: dict, path) -> None:
+    """Write `state` (Experiment.state_dict()) to `path` in the plain layout, atomically."""
+    plain = {"format": FORMAT, **to_plain(state)}
+    atomic_write(Path(path), lambda tmp: torch.save(plain, tmp))
+
+
+def load(path) -> dict:
+    """The state saved in `path`, read weights-only (nothing in the file runs); UserError in one line naming the
+    file when it is not a checkpoint of this layout."""
+    path = Path(path)
+    try:
+        raw = torch.load(path, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        raise UserError(f"{path}: no such checkpoint") from None
+    except Exception as e:   # noqa: BLE001 -- whatever the file made torch raise: it is not a plain checkpoint
+        found = re.search(r"GLOBAL (\S+)", str(e))
+        if found is None:   # not a torch file at all, or a torn one
+            raise UserError(f"{path}: not a readable checkpoint ({type(e).__name__}); nothing in it was run") \
+                from None
+        raise UserError(f"{path}: refused: it holds {found.group(1)}, which is not plain data, and nothing in it "
+                        f"was run; a checkpoint of an older fedlase that you trust is rewritten as plain data by "
+                        f"`{_CONVERT} {path}`") from None
+    problem = _layout_problem(raw)
+    if problem:
+        raise UserError(f"{path}: not a fedlase checkpoint ({problem})")
+    try:
+        state = from_plain({k: v for k, v in raw.items() if k != "format"})
+    except (ValueError, TypeError) as e:
+        raise UserError(f"{path}: not a fedlase checkpoint (a stored array: {e})") from None
+    return state
+
+
+def _layout_problem(raw) -> str | None:
+    if not isinstance(raw, dict):
+        return f"it holds a {type(raw).__name__}"
+    if raw.get("format", FORMAT) != FORMAT:
+        return f"format {raw['format']!r}; this fedlase reads {FORMAT!r}"
+    for key, kind in _LAYOUT.items():
+        if not isinstance(raw.get(key), kind):
+            return f"no {key}" if key not in raw else f"{key} is a {type(raw[key]).__name__}"
+    for key in ("params", "buffers"):
+        if not all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in raw[key].items()):
+            return f"{key} holds more than named tensors"
+    return None
+
+
+def convert(path) -> None:
+    """Rewrite a checkpoint of an older fedlase in the plain layout. It is loaded with torch's full unpickler,
+    which runs whatever the file holds: only for files one trusts (`fedlase convert-checkpoint`)."""
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"{path}: no such checkpoint")
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as e:   # noqa: BLE001 -- not a torch file at all
+        raise UserError(f"{path}: not a readable checkpoint ({type(e).__name__})") from None
+    problem = _layout_problem(state)
+    if problem:
+        raise UserError(f"{path}: not a fedlase checkpoint ({problem})")
+    save({k: v for k, v in state.items() if k != "format"}, path)
