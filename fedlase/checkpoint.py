@@ -133,3 +133,15 @@ def convert(path) -> None:
     if problem:
         raise UserError(f"{path}: not a fedlase checkpoint ({problem})")
     save({k: v for k, v in state.items() if k != "format"}, path)
+
+
+def check_plugins(path, names, hint: str) -> None:
+    """A config read from a run folder (a checkpoint's, a summary.json's) may name `plugins`; importing a module
+    runs its code, so fedlase imports none that a run folder names. Each must be imported already (an installed
+    entry point, or the user's own `plugins=[...]`); UserError naming `path` otherwise, with `hint`."""
+    import sys
+    listed = names if isinstance(names, (list, tuple)) else [names]
+    missing = [str(n) for n in listed if str(n) not in sys.modules]
+    if missing:
+        raise UserError(f"{path}: the run names plugins {', '.join(missing)}, which fedlase does not import from "
+                        f"a run folder; {hint}")

@@ -346,11 +346,14 @@ def evaluate_run(run_dir, overrides: list[str] = ()) -> dict:
     state = checkpoint.load(ckpt)   # weights-only: nothing in a run folder runs
     raw = dict(state["config"])
     raw["out"] = str(run_dir)   # where the run is now: the folder it was written to may be gone (a copied run)
-    for item in overrides:
-        key, value = parse_override(item)
-        if key not in EVAL_KEYS:
+    given = dict(parse_override(item) for item in overrides)
+    for key, value in given.items():
+        if key not in EVAL_KEYS and key != "plugins":   # plugins: modules the user chooses to import
             raise UserError(f"{key}: only evaluation settings can change here ({', '.join(EVAL_KEYS)})")
         set_dotted(raw, key, value)
+    if "plugins" not in given:   # the run folder's own list imports nothing (fedlase/checkpoint.py)
+        checkpoint.check_plugins(ckpt, raw.get("plugins", []), "name them yourself if you trust them: "
+                                 f"fedlase evaluate {run_dir} 'plugins=[...]'")
     exp = Experiment(config_from_dict(raw))
     exp.load_state_dict(state)
     return {"round": exp.round, **exp.evaluate(exp.round)}
