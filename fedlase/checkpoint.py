@@ -10,7 +10,8 @@ weights-only loader refuses, or that is not laid out as below, is refused in one
 Layout: {"format": FORMAT, "round": int, "train_time": float, "params": {name: tensor}, "buffers": {name:
 tensor}, "method": dict, "trackers": [dict, ...], "runner": dict, "config": dict}. Checkpoints written before
 the format key existed load too where the weights-only loader admits them (those of runs without analyses);
-others are refused with the command that rewrites them (`fedlase convert-checkpoint`, for files one trusts)."""
+those holding numpy arrays are refused with the command that rewrites them (`fedlase convert-checkpoint`, for
+files one trusts)."""
 from __future__ import annotations
 
 import re
@@ -92,9 +93,12 @@ def load(path) -> dict:
         if found is None:   # not a torch file at all, or a torn one
             raise UserError(f"{path}: not a readable checkpoint ({type(e).__name__}); nothing in it was run") \
                 from None
-        raise UserError(f"{path}: refused: it holds {found.group(1)}, which is not plain data, and nothing in it "
-                        f"was run; a checkpoint of an older fedlase that you trust is rewritten as plain data by "
-                        f"`{_CONVERT} {path}`") from None
+        name = found.group(1)
+        # numpy arrays are what an older fedlase stored beside the tensors (the analyses' histories)
+        hint = (f"; if an older fedlase wrote it and you trust the file, `{_CONVERT} {path}` rewrites it as plain "
+                "data" if name.startswith("numpy") else "")
+        raise UserError(f"{path}: refused: it holds {name}, which is not plain data; nothing in it was run{hint}") \
+            from None
     problem = _layout_problem(raw)
     if problem:
         raise UserError(f"{path}: not a fedlase checkpoint ({problem})")

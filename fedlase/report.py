@@ -406,7 +406,7 @@ def run_clocks(groups: list[Group]) -> tuple[dict, dict]:
         try:
             for r in g.runs:   # a run folder's `plugins` are not imported (fedlase/checkpoint.py)
                 check_plugins(r.path / "summary.json", r.summary["config"].get("plugins", []),
-                              "install them as an entry point, or import them before calling make_report")
+                              "install them as an entry point, or import them and call fedlase.report.make_report")
             exp = Experiment(untimed(dict(g.runs[0].summary["config"])))
             tables[id(g)] = costs = level_costs(exp)
             for r in g.runs:

@@ -616,3 +616,22 @@ def test_head_norm_needs_a_text_model():
     with pytest.raises(ConfigError) as e:
         Experiment(make_config(dataset="digits", model="cnn", head_norm="batch"))
     assert "head_norm" in one_line(e)
+
+
+def test_a_model_folder_is_read_as_data(hf_folder, tmp_path):
+    """A pytorch_model.bin carrying a payload (no safetensors beside it) is refused, the payload never runs:
+    transformers is told weights_only=True (and trust_remote_code=False) in fedlase/models/transformer.py."""
+    marker, folder = tmp_path / "ran", shutil.copytree(hf_folder, tmp_path / "bin-only")
+    weights = transformers.BertModel.from_pretrained(str(folder)).state_dict()
+    (folder / "model.safetensors").unlink()
+
+    class Payload:
+        def __reduce__(self):
+            return os.system, (f"touch {marker}",)
+    torch.save({**weights, "extra": Payload()}, folder / "pytorch_model.bin")
+    with pytest.raises(ConfigError, match="model_path") as e:
+        build_hf(cfg_for(folder), types.SimpleNamespace(num_classes=4))
+    one_line(e)
+    assert not marker.exists()
+    torch.save(weights, folder / "pytorch_model.bin")   # the control: the same folder without the payload loads
+    assert build_hf(cfg_for(folder), types.SimpleNamespace(num_classes=4)).head == "pooler"
