@@ -580,8 +580,8 @@ def test_text_run_on_flower_simulation_equals_the_embedded_run(hf_folder, tmp_pa
         settings["method_args"] = {"extract_all_layers": True}   # the tiny model's edge layers exceed 1/4
     run(make_config(**settings, out=str(tmp_path / "e")))
     run(make_config(**settings, engine="flower-sim", sim_actors=1, out=str(tmp_path / "f")))   # one actor: start-up
-    emb = torch.load(tmp_path / "e" / "checkpoint.pt", weights_only=False)["params"]
-    flo = torch.load(tmp_path / "f" / "checkpoint.pt", weights_only=False)["params"]
+    emb = torch.load(tmp_path / "e" / "checkpoint.pt", weights_only=True)["params"]
+    flo = torch.load(tmp_path / "f" / "checkpoint.pt", weights_only=True)["params"]
     assert emb.keys() == flo.keys() and all(torch.equal(emb[k], flo[k]) for k in emb)
 
 
