@@ -2,10 +2,11 @@
 
 A run folder is data, not code: people share them to compare or evaluate again, and loading one must never run
 anything it holds. So a checkpoint is read with torch's weights-only loader, which builds tensors and plain
-Python values (dict, list, tuple, str, bytes, int, float, bool, None) and refuses any other object. What a run
+Python values (dict, list, tuple, str, int, float, bool, None) and refuses any other object. What a run
 stores beside its tensors is turned into those values on saving and back on loading: a numpy array (the
-analyses' histories) becomes {"__numpy__": dtype, "shape": ..., "data": bytes}, bit for bit. A file that the
-weights-only loader refuses, or that is not laid out as below, is refused in one line naming it.
+analyses' histories) becomes {"__numpy__": dtype, "shape": ..., "data": its bytes as a uint8 tensor}, bit
+for bit. A file that the weights-only loader refuses, or that is not laid out as below, is refused in one line
+naming it.
 
 Layout: {"format": FORMAT, "round": int, "train_time": float, "params": {name: tensor}, "buffers": {name:
 tensor}, "method": dict, "trackers": [dict, ...], "runner": dict, "config": dict}. Checkpoints written before
@@ -29,7 +30,7 @@ FORMAT = "fedlase-checkpoint/1"
 _NUMPY = "__numpy__"
 _LAYOUT = {"round": int, "train_time": (int, float), "params": dict, "buffers": dict, "method": dict,
            "trackers": list, "runner": dict, "config": dict}
-_PLAIN = (str, bytes, int, float, complex, bool, type(None))
+_PLAIN = (str, int, float, bool, type(None))
 _CONVERT = "fedlase convert-checkpoint"
 
 
@@ -38,10 +39,11 @@ def to_plain(obj, where: str = "checkpoint"):
     `where` for anything the weights-only loader would not read back (a plugin's method state, for one)."""
     if isinstance(obj, (np.ndarray, np.generic)):   # first: numpy's float64 is a float, yet pickles as numpy
         a = np.asarray(obj)
-        if a.dtype.hasobject:
-            raise UserError(f"{where}: a numpy array of Python objects cannot be checkpointed; store numbers")
+        if a.dtype.hasobject or a.dtype.fields is not None:   # dtype.str would not say what the fields are
+            raise UserError(f"{where}: a numpy array of {a.dtype} cannot be checkpointed; store numbers")
+        raw = np.frombuffer(np.ascontiguousarray(a).tobytes(), dtype=np.uint8).copy()
         return {_NUMPY: a.dtype.str, "shape": list(a.shape) if isinstance(obj, np.ndarray) else None,
-                "data": np.ascontiguousarray(a).tobytes()}
+                "data": torch.from_numpy(raw)}   # a uint8 tensor: every torch's weights-only loader reads one
     if type(obj) in _PLAIN or isinstance(obj, torch.Tensor):   # exact types: a subclass pickles by its name
         return obj
     if isinstance(obj, dict):
@@ -52,7 +54,7 @@ def to_plain(obj, where: str = "checkpoint"):
     if type(obj) in (list, tuple):
         return type(obj)(to_plain(v, f"{where}[{i}]") for i, v in enumerate(obj))
     raise UserError(f"{where}: a {type(obj).__name__} cannot be checkpointed; a checkpoint holds tensors, "
-                    "numpy arrays, numbers, strings, lists, tuples and dicts")
+                    "numpy arrays of numbers, numbers, strings, None, lists, tuples and dicts")
 
 
 def _plain_key(k) -> bool:
@@ -66,7 +68,10 @@ def from_plain(obj):
             dtype = np.dtype(str(obj[_NUMPY]))
             if dtype.hasobject:
                 raise ValueError("a numpy array of Python objects")
-            a = np.frombuffer(obj["data"], dtype=dtype).copy()   # copy: writable, and not a view of the file
+            data = obj["data"]
+            if not (isinstance(data, torch.Tensor) and data.dtype == torch.uint8 and data.dim() == 1):
+                raise ValueError("its data is not a uint8 tensor")
+            a = np.frombuffer(data.numpy().tobytes(), dtype=dtype).copy()   # copy: writable, the file's no more
             return a[0] if obj["shape"] is None else a.reshape(obj["shape"])
         return {k: from_plain(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
@@ -89,7 +94,7 @@ def load(path) -> dict:
     except FileNotFoundError:
         raise UserError(f"{path}: no such checkpoint") from None
     except Exception as e:   # noqa: BLE001 -- whatever the file made torch raise: it is not a plain checkpoint
-        found = re.search(r"GLOBAL (\S+)", str(e))
+        found = re.search(r"(?:GLOBAL|class) ([\w.]+)", str(e))   # the name torch refused (its wording varies)
         if found is None:   # not a torch file at all, or a torn one
             raise UserError(f"{path}: not a readable checkpoint ({type(e).__name__}); nothing in it was run") \
                 from None

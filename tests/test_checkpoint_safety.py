@@ -70,8 +70,9 @@ def test_the_plain_layout_round_trips_bit_for_bit(run, tmp_path):
     state = checkpoint.load(run / "checkpoint.pt")
     arrays = {"f64": np.random.default_rng(0).normal(size=(3, 2)), "i64": np.arange(4), "b": np.array([True, False]),
               "f32_0d": np.float32(np.pi) * np.ones((), np.float32), "scalar": np.float64(1 / 3), "n": np.int64(-7),
-              "big_endian": np.arange(3, dtype=">i4"), "fortran": np.asfortranarray(np.eye(3)[:, :2])}
-    state["runner"] = {"arrays": arrays, "nested": [(1, "a", None, b"x"), {2: [np.int8(3)]}], "t": torch.arange(3)}
+              "big_endian": np.arange(3, dtype=">i4"), "fortran": np.asfortranarray(np.eye(3)[:, :2]),
+              "empty": np.zeros((0, 4), np.float32)}
+    state["runner"] = {"arrays": arrays, "nested": [(1, "a", None, True), {2: [np.int8(3)]}], "t": torch.arange(3)}
     checkpoint.save(state, tmp_path / "c.pt")
     back = checkpoint.load(tmp_path / "c.pt")
     torch.load(tmp_path / "c.pt", weights_only=True)   # the file itself is plain data
@@ -79,7 +80,7 @@ def test_the_plain_layout_round_trips_bit_for_bit(run, tmp_path):
         b = back["runner"]["arrays"][name]
         assert type(b) is type(a) and b.dtype == a.dtype and np.shape(b) == np.shape(a), name
         assert np.asarray(b).tobytes() == np.ascontiguousarray(a).tobytes(), name
-    assert back["runner"]["nested"] == [(1, "a", None, b"x"), {2: [np.int8(3)]}]
+    assert back["runner"]["nested"] == [(1, "a", None, True), {2: [np.int8(3)]}]
     assert type(back["runner"]["nested"][1][2][0]) is np.int8 and torch.equal(back["runner"]["t"], torch.arange(3))
     for key in ("params", "buffers"):
         assert all(torch.equal(state[key][k], back[key][k]) for k in state[key])
