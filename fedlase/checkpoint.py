@@ -94,7 +94,8 @@ def load(path) -> dict:
     except FileNotFoundError:
         raise UserError(f"{path}: no such checkpoint") from None
     except Exception as e:   # noqa: BLE001 -- whatever the file made torch raise: it is not a plain checkpoint
-        found = re.search(r"(?:GLOBAL|class) ([\w.]+)", str(e))   # the name torch refused (its wording varies)
+        # the name torch refused (older torch words it "Unsupported class")
+        found = re.search(r"GLOBAL ([\w.]+)", str(e)) or re.search(r"Unsupported class ([\w.]+)", str(e))
         if found is None:   # not a torch file at all, or a torn one
             raise UserError(f"{path}: not a readable checkpoint ({type(e).__name__}); nothing in it was run") \
                 from None
