@@ -160,3 +160,19 @@ def test_a_dataset_pickle_with_a_payload_is_refused_and_never_runs(tmp_path):
     with open(folder / "data_batch_2", "wb") as f:   # the control: the same files without the payload load
         pickle.dump(batch, f, protocol=2)
     assert len(load_dataset("cifar10", str(tmp_path)).y_train) == 10
+
+
+def test_the_plain_unpickler_admits_plain_data_and_numbers_only(tmp_path):
+    from fedlase.safe_pickle import load_plain_pickle
+    path = tmp_path / "p.pkl"
+    plain = {"a": [1, 2.5, None, True, (3, "x")], b"k": b"bytes", "arr": np.arange(4, dtype=np.int16)}
+    for protocol in (2, pickle.HIGHEST_PROTOCOL):
+        path.write_bytes(pickle.dumps(plain, protocol=protocol))
+        got = load_plain_pickle(path, "plain data")
+        assert got["a"] == plain["a"] and got[b"k"] == b"bytes" and got["arr"].dtype == np.int16
+        assert got["arr"].tolist() == [0, 1, 2, 3]
+    # _codecs.encode rebuilds bytes with latin1 only; any other codec, or any other global, is refused
+    for bad in (b"c_codecs\nencode\n(Vx\nVrot13\ntR.", b"cbuiltins\neval\n(V1\ntR.", pickle.dumps({1, 2}, protocol=2)):
+        path.write_bytes(bad)
+        with pytest.raises(DataError, match=f"^{path}: not plain data: UnpicklingError"):
+            load_plain_pickle(path, "plain data")
