@@ -1,5 +1,5 @@
 """Command line: `fedlase run [CONFIG] [key=value ...]`, `fedlase sweep`, `fedlase report`, `fedlase evaluate`,
-`fedlase methods`, `fedlase bench`."""
+`fedlase methods`, `fedlase bench`, `fedlase convert-checkpoint`."""
 from __future__ import annotations
 
 import argparse
@@ -40,6 +40,14 @@ def _cmd_evaluate(args) -> int:
     if args.json:
         from pathlib import Path
         Path(args.json).write_text(json.dumps(res, indent=1))
+    return 0
+
+
+def _cmd_convert(args) -> int:
+    from .checkpoint import convert
+    for path in args.checkpoints:
+        convert(path)
+        print(f"{path}: rewritten as plain data")
     return 0
 
 
@@ -145,11 +153,17 @@ def main(argv: list[str] | None = None) -> int:
     ev = sub.add_parser("evaluate", help="evaluate a run's checkpoint again, e.g. under another eval_order",
                         description="Evaluate the model in a run folder's checkpoint.pt again and print the per-level "
                                     "table. Only evaluation settings may change: eval_order, eval_batch_size, "
-                                    "device, threads.")
+                                    "device, threads; and plugins=[...], the modules to import (fedlase imports "
+                                    "none that a run folder names). The checkpoint is read as data only: one "
+                                    "holding anything but tensors and plain values is refused.")
     ev.add_argument("run", help="run folder (holds checkpoint.pt)")
     ev.add_argument("overrides", nargs="*", help="key=value evaluation settings")
     ev.add_argument("--json", metavar="FILE", help="also write the evaluation as JSON to FILE")
     ev.set_defaults(func=_cmd_evaluate)
+    conv = sub.add_parser("convert-checkpoint", help="rewrite a checkpoint.pt of an older fedlase as plain data "
+                          "(only for files you trust: reading the old layout runs whatever the file holds)")
+    conv.add_argument("checkpoints", nargs="+", metavar="FILE", help="checkpoint.pt files to rewrite in place")
+    conv.set_defaults(func=_cmd_convert)
     meth = sub.add_parser("methods", help="list methods and their method_args options")
     meth.add_argument("--markdown", action="store_true", help="the built-in methods as README.md's Markdown table")
     meth.add_argument("--readme", metavar="FILE", help="rewrite the method table between FILE's marker lines "

@@ -18,6 +18,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from . import checkpoint
 from .aggregate import channel_owners
 from .client import ClientSettings, ClientTrainer, build_model_for, client_splits, pick_device
 from .config import Config, check_analysis, config_from_dict, parse_override, result_keys, set_dotted, tagged
@@ -274,7 +275,7 @@ def run_experiment(cfg: Config, resume: bool = False, progress: bool = True, run
     out.mkdir(parents=True, exist_ok=True)
     lines: list[str] = []
     if resume and ckpt.exists():
-        state = torch.load(ckpt, map_location="cpu", weights_only=False)
+        state = checkpoint.load(ckpt)   # weights-only: nothing in a run folder runs
         diff = config_changes(state["config"], cfg)
         if diff:
             raise UserError(f"out: {out} holds a run with other settings ({', '.join(sorted(diff))}); "
@@ -289,7 +290,7 @@ def run_experiment(cfg: Config, resume: bool = False, progress: bool = True, run
     (out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=1, default=str))
 
     def save_checkpoint():
-        atomic_write(ckpt, lambda p: torch.save(exp.state_dict(), p))
+        checkpoint.save(exp.state_dict(), ckpt)
 
     atomic_write(metrics_path, lambda p: p.write_text("".join(ln + "\n" for ln in lines)))
     last = json.loads(lines[-1]) if lines else None
@@ -342,14 +343,17 @@ def evaluate_run(run_dir, overrides: list[str] = ()) -> dict:
     ckpt = Path(run_dir) / "checkpoint.pt"
     if not ckpt.is_file():
         raise UserError(f"{run_dir}: no checkpoint.pt; a run folder holds one once its first checkpoint is written")
-    state = torch.load(ckpt, map_location="cpu", weights_only=False)
+    state = checkpoint.load(ckpt)   # weights-only: nothing in a run folder runs
     raw = dict(state["config"])
     raw["out"] = str(run_dir)   # where the run is now: the folder it was written to may be gone (a copied run)
-    for item in overrides:
-        key, value = parse_override(item)
-        if key not in EVAL_KEYS:
+    given = dict(parse_override(item) for item in overrides)
+    for key, value in given.items():
+        if key not in EVAL_KEYS and key != "plugins":   # plugins: modules the user chooses to import
             raise UserError(f"{key}: only evaluation settings can change here ({', '.join(EVAL_KEYS)})")
         set_dotted(raw, key, value)
+    if "plugins" not in given:   # the run folder's own list imports nothing (fedlase/checkpoint.py)
+        checkpoint.check_plugins(ckpt, raw.get("plugins", []), "name them yourself if you trust them: "
+                                 f"fedlase evaluate {run_dir} 'plugins=[...]'")
     exp = Experiment(config_from_dict(raw))
     exp.load_state_dict(state)
     return {"round": exp.round, **exp.evaluate(exp.round)}

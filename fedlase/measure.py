@@ -7,8 +7,7 @@ import resource
 import sys
 from pathlib import Path
 
-import torch
-
+from .checkpoint import load as load_checkpoint
 from .cost import LevelCost, _status_kb, _trained, level_costs, untimed
 from .engine import Experiment
 
@@ -25,7 +24,7 @@ def cost_table(cfg, memory: bool = True, checkpoint: str | None = None) -> list[
 
 
 def load_params(exp, checkpoint: str) -> None:
-    state = torch.load(checkpoint, map_location="cpu", weights_only=False)
+    state = load_checkpoint(checkpoint)   # weights-only (fedlase/checkpoint.py)
     exp.state.params = {k: v.to(exp.device) for k, v in state["params"].items()}
     exp.state.buffers = {k: v.to(exp.device) for k, v in state["buffers"].items()}
 

@@ -52,7 +52,7 @@ class Run:
 
     def npz(self, name: str):
         f = self.path / "analysis" / f"{name}.npz"
-        return np.load(f) if f.is_file() else None
+        return np.load(f, allow_pickle=False) if f.is_file() else None   # arrays only: a run folder is data
 
 
 @dataclass
@@ -396,6 +396,7 @@ def run_clocks(groups: list[Group]) -> tuple[dict, dict]:
     training: the cost table of the group's first run (its initial model, round 1's submodels; no memory
     measurement) and each run's own sampling. A group whose config cannot be rebuilt here (its data absent) is
     left out, with a warning."""
+    from .checkpoint import check_plugins
     from .config import config_from_dict
     from .cost import level_costs, untimed
     from .engine import Experiment
@@ -403,6 +404,9 @@ def run_clocks(groups: list[Group]) -> tuple[dict, dict]:
     tables, clocks = {}, {}
     for g in groups:
         try:
+            for r in g.runs:   # a run folder's `plugins` are not imported (fedlase/checkpoint.py)
+                check_plugins(r.path / "summary.json", r.summary["config"].get("plugins", []),
+                              "install them as an entry point, or import them and call fedlase.report.make_report")
             exp = Experiment(untimed(dict(g.runs[0].summary["config"])))
             tables[id(g)] = costs = level_costs(exp)
             for r in g.runs:

@@ -47,11 +47,12 @@ def linear_probe(f_train, y_train, f_test, y_test, classes: int, ridge: float = 
 
 
 def trained(run_dir: str) -> None:
+    from fedlase import checkpoint
     from fedlase.catalog import load_builtins
     from fedlase.config import config_from_dict
     from fedlase.engine import Experiment
     load_builtins()
-    state = torch.load(f"{run_dir}/checkpoint.pt", map_location="cpu", weights_only=False)
+    state = checkpoint.load(f"{run_dir}/checkpoint.pt")   # weights-only
     exp = Experiment(config_from_dict(state["config"]))
     exp.load_state_dict(state)
     model, params = exp.model.eval(), exp.state.params

@@ -103,12 +103,13 @@ def kept() -> None:
 
 
 def trained(run_dir: str) -> None:
+    from fedlase import checkpoint
     from fedlase.catalog import load_builtins
     from fedlase.config import config_from_dict
     from fedlase.engine import Experiment
     from fedlase.evaluate import recompute_bn_stats
     load_builtins()
-    state = torch.load(f"{run_dir}/checkpoint.pt", map_location="cpu", weights_only=False)
+    state = checkpoint.load(f"{run_dir}/checkpoint.pt")   # weights-only
     exp = Experiment(config_from_dict(state["config"]))
     exp.load_state_dict(state)
     model, params, buffers = exp.model.eval(), exp.state.params, exp.state.buffers

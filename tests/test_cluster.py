@@ -114,7 +114,7 @@ def sweep_lines(out: Path) -> list[dict]:
 
 
 def params(run: Path) -> dict:
-    return torch.load(run / "checkpoint.pt", map_location="cpu", weights_only=False)["params"]
+    return torch.load(run / "checkpoint.pt", map_location="cpu", weights_only=True)["params"]
 
 
 def same(a: dict, b: dict) -> bool:
@@ -272,7 +272,7 @@ def test_ctrl_c_cancels_the_tasks_and_the_rerun_resumes_them(cluster, tmp_path):
     assert not alive
     # the rerun (finding the cluster through RAY_ADDRESS), one round past where the runs stopped, resumes
     # them from their checkpoints
-    stopped_at = [torch.load(r / "checkpoint.pt", map_location="cpu", weights_only=False)["round"] for r in runs]
+    stopped_at = [torch.load(r / "checkpoint.pt", map_location="cpu", weights_only=True)["round"] for r in runs]
     spec["runs"][0].update(rounds=max(stopped_at) + 1, eval_every=1)
     write_sweep(path, out, **spec)
     res = subprocess.run([sys.executable, "-m", "fedlase", "sweep", str(path), "--quiet", "--ray", "auto"],

@@ -64,7 +64,7 @@ def random_mask(tmp_path, monkeypatch):
 
 
 def _params(out: Path) -> dict:
-    return torch.load(out / "checkpoint.pt", weights_only=False)["params"]
+    return torch.load(out / "checkpoint.pt", weights_only=True)["params"]
 
 
 def _whole_and_resumed(tmp_path, method: str, plugin: str) -> tuple[dict, dict, dict, dict]:

@@ -373,7 +373,7 @@ def _cfg(out, *extra):
 
 
 def _final_params(out):
-    return torch.load(Path(out) / "checkpoint.pt", map_location="cpu", weights_only=False)
+    return torch.load(Path(out) / "checkpoint.pt", map_location="cpu", weights_only=True)
 
 
 def _metric_rounds(out):

@@ -424,7 +424,7 @@ def _watch_listening(pid: int, found: set, done: threading.Event) -> None:
 
 
 def _params(out: Path) -> dict:
-    return torch.load(out / "checkpoint.pt", map_location="cpu", weights_only=False)["params"]
+    return torch.load(out / "checkpoint.pt", map_location="cpu", weights_only=True)["params"]
 
 
 # The Simulation Engine's tests read one run of `fedlase run engine=flower-sim` (xdist_group: one pytest-xdist worker

@@ -93,6 +93,6 @@ def test_plugin_method_runs_on_flower_simulation(plugin, tmp_path):
     flower = fedlase.run(fedlase.make_config(**TINY_RUN, method="first_rows", plugins=[plugin], engine="flower-sim",
                                         sim_actors=1, out=str(tmp_path / "f")))
     assert flower["final"]["levels"] == embedded["final"]["levels"]
-    emb = torch.load(tmp_path / "e" / "checkpoint.pt", weights_only=False)["params"]
-    flo = torch.load(tmp_path / "f" / "checkpoint.pt", weights_only=False)["params"]
+    emb = torch.load(tmp_path / "e" / "checkpoint.pt", weights_only=True)["params"]
+    flo = torch.load(tmp_path / "f" / "checkpoint.pt", weights_only=True)["params"]
     assert all(torch.equal(emb[k], flo[k]) for k in emb)

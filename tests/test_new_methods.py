@@ -242,8 +242,8 @@ def test_resumed_run_is_bit_identical(tiny_cfg, tmp_path, method):
     whole = run_experiment(tiny_cfg(*args, out=str(tmp_path / "whole")), progress=False)
     run_experiment(tiny_cfg(*args, "rounds=1", out=str(tmp_path / "part")), progress=False)
     resumed = run_experiment(tiny_cfg(*args, out=str(tmp_path / "part")), resume=True, progress=False)
-    a = torch.load(tmp_path / "whole" / "checkpoint.pt", weights_only=False)
-    b = torch.load(tmp_path / "part" / "checkpoint.pt", weights_only=False)
+    a = torch.load(tmp_path / "whole" / "checkpoint.pt", weights_only=True)
+    b = torch.load(tmp_path / "part" / "checkpoint.pt", weights_only=True)
     assert a["round"] == b["round"] == 2
     assert all(torch.equal(a["params"][n], b["params"][n]) for n in a["params"])
     assert whole["final"]["train_loss"] == resumed["final"]["train_loss"]

@@ -85,8 +85,8 @@ def test_resumed_sliced_run_equals_uninterrupted(tiny_cfg, tmp_path):
     whole = run_experiment(tiny_cfg(*args, out=str(tmp_path / "whole")), progress=False)
     run_experiment(tiny_cfg(*args, "rounds=1", out=str(tmp_path / "cut")), progress=False)
     resumed = run_experiment(tiny_cfg(*args, out=str(tmp_path / "cut")), resume=True, progress=False)
-    a = torch.load(tmp_path / "whole" / "checkpoint.pt", weights_only=False)
-    b = torch.load(tmp_path / "cut" / "checkpoint.pt", weights_only=False)
+    a = torch.load(tmp_path / "whole" / "checkpoint.pt", weights_only=True)
+    b = torch.load(tmp_path / "cut" / "checkpoint.pt", weights_only=True)
     assert all(torch.equal(a["params"][n], b["params"][n]) for n in a["params"])
     assert json.dumps(whole["final"]["levels"]) == json.dumps(resumed["final"]["levels"])
     assert whole["final"]["train_loss"] == resumed["final"]["train_loss"]

@@ -257,7 +257,7 @@ def test_ctrl_c_stops_the_children_and_records_nothing(tmp_path):
     for s in (0, 1):
         run = out / f"seed={s}"
         assert not (run / "summary.json").exists() and not (run / "error.txt").exists()
-        torch.load(run / "checkpoint.pt", weights_only=False)   # whole: written atomically
+        torch.load(run / "checkpoint.pt", weights_only=True)   # whole: written atomically
     assert [r.status for r in plan_sweep(path)[1]] == ["resume", "resume"]
 
 

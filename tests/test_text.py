@@ -580,8 +580,8 @@ def test_text_run_on_flower_simulation_equals_the_embedded_run(hf_folder, tmp_pa
         settings["method_args"] = {"extract_all_layers": True}   # the tiny model's edge layers exceed 1/4
     run(make_config(**settings, out=str(tmp_path / "e")))
     run(make_config(**settings, engine="flower-sim", sim_actors=1, out=str(tmp_path / "f")))   # one actor: start-up
-    emb = torch.load(tmp_path / "e" / "checkpoint.pt", weights_only=False)["params"]
-    flo = torch.load(tmp_path / "f" / "checkpoint.pt", weights_only=False)["params"]
+    emb = torch.load(tmp_path / "e" / "checkpoint.pt", weights_only=True)["params"]
+    flo = torch.load(tmp_path / "f" / "checkpoint.pt", weights_only=True)["params"]
     assert emb.keys() == flo.keys() and all(torch.equal(emb[k], flo[k]) for k in emb)
 
 
@@ -616,3 +616,22 @@ def test_head_norm_needs_a_text_model():
     with pytest.raises(ConfigError) as e:
         Experiment(make_config(dataset="digits", model="cnn", head_norm="batch"))
     assert "head_norm" in one_line(e)
+
+
+def test_a_model_folder_is_read_as_data(hf_folder, tmp_path):
+    """A pytorch_model.bin carrying a payload (no safetensors beside it) is refused, the payload never runs:
+    transformers is told weights_only=True (and trust_remote_code=False) in fedlase/models/transformer.py."""
+    marker, folder = tmp_path / "ran", shutil.copytree(hf_folder, tmp_path / "bin-only")
+    weights = transformers.BertModel.from_pretrained(str(folder)).state_dict()
+    (folder / "model.safetensors").unlink()
+
+    class Payload:
+        def __reduce__(self):
+            return os.system, (f"touch {marker}",)
+    torch.save({**weights, "extra": Payload()}, folder / "pytorch_model.bin")
+    with pytest.raises(ConfigError, match="model_path") as e:
+        build_hf(cfg_for(folder), types.SimpleNamespace(num_classes=4))
+    one_line(e)
+    assert not marker.exists()
+    torch.save(weights, folder / "pytorch_model.bin")   # the control: the same folder without the payload loads
+    assert build_hf(cfg_for(folder), types.SimpleNamespace(num_classes=4)).head == "pooler"

@@ -173,12 +173,13 @@ def same_as_embedded(config: str | None, argv: list[str], out: Path) -> str:
 
     import torch
 
+    from fedlase import checkpoint
     from fedlase.config import load_config
     from fedlase.engine import run_experiment
     emb = out.with_name(out.name + "-embedded")
     shutil.rmtree(emb, ignore_errors=True)
     run_experiment(load_config(config, [*argv, f"out={emb}"]), progress=False)
-    a, b = (torch.load(d / "checkpoint.pt", map_location="cpu", weights_only=False)["params"] for d in (out, emb))
+    a, b = (checkpoint.load(d / "checkpoint.pt")["params"] for d in (out, emb))
     same = a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     return "identical to the embedded engine's" if same else "DIFFERENT from the embedded engine's"
 

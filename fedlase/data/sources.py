@@ -8,7 +8,6 @@ index arrays into it (see :mod:`fedlase.data.partition`).
 from __future__ import annotations
 
 import gzip
-import pickle
 import zipfile
 import zlib
 from dataclasses import dataclass
@@ -19,6 +18,7 @@ import torch
 
 from fedlase.data.augment import augment_batch  # noqa: F401  (re-exported: it was defined here)
 from fedlase.errors import ConfigError, DataError
+from fedlase.safe_pickle import load_plain_pickle
 
 DEFAULT_DATA_DIRS = {"fashion_mnist": "/usr/share/datasets/fashion-mnist"}
 
@@ -169,33 +169,9 @@ _CIFAR = {
     "cifar100": ("cifar-100-python", ["train"], "test", b"fine_labels", 100),
 }
 
-# The only globals the standard CIFAR pickles (and numpy re-pickles of them) refer to.
-# Anything else is refused, so a tampered file cannot run code when loaded.
-_PICKLE_ALLOWED = {
-    ("numpy.core.multiarray", "_reconstruct"), ("numpy._core.multiarray", "_reconstruct"),
-    ("numpy.core.multiarray", "scalar"), ("numpy._core.multiarray", "scalar"),
-    ("numpy.core.numeric", "_frombuffer"), ("numpy._core.numeric", "_frombuffer"),
-    ("numpy", "ndarray"), ("numpy", "dtype"), ("_codecs", "encode"),
-}
-
-
-class _SafeUnpickler(pickle.Unpickler):
-    def find_class(self, module, name):
-        if (module, name) not in _PICKLE_ALLOWED:
-            raise pickle.UnpicklingError(f"refusing to load global {module}.{name}")
-        # Resolve old numpy.core paths through numpy._core so numpy 2 emits no deprecation warning.
-        module = module.replace("numpy.core", "numpy._core")
-        return super().find_class(module, name)
-
-
 def _read_cifar_batch(path: Path, label_key: bytes, num_classes: int) -> tuple[np.ndarray, np.ndarray]:
-    if not path.is_file():
-        raise DataError(f"{path}: file missing (expected a CIFAR python-pickle batch)")
-    try:
-        with open(path, "rb") as f:
-            d = _SafeUnpickler(f, encoding="bytes").load()
-    except Exception as e:  # any unpickling failure means the file is not a CIFAR batch
-        raise DataError(f"{path}: not a readable CIFAR pickle ({type(e).__name__}: {e})") from None
+    # a pickle, read as plain data only (fedlase/safe_pickle.py): a tampered batch is refused, never run
+    d = load_plain_pickle(path, "a CIFAR python-pickle batch")
     if not isinstance(d, dict) or b"data" not in d or label_key not in d:
         raise DataError(f"{path}: expected a dict with keys b'data' and {label_key!r}")
     x = np.asarray(d[b"data"])

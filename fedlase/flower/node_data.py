@@ -54,8 +54,8 @@ def client_dataset(cfg, pid: int, cache_dir: Path | None = None) -> Dataset:
     if keys and (folder / "meta.json").exists():
         meta = json.loads((folder / "meta.json").read_text())
         # copy-on-write maps: a message reads only the pages of the samples it trains on
-        x = torch.from_numpy(np.load(folder / "x.npy", mmap_mode="c"))
-        y = torch.from_numpy(np.load(folder / "y.npy", mmap_mode="c"))
+        x = torch.from_numpy(np.load(folder / "x.npy", mmap_mode="c", allow_pickle=False))
+        y = torch.from_numpy(np.load(folder / "y.npy", mmap_mode="c", allow_pickle=False))
         return Dataset(meta["name"], x, y, x[:0], y[:0], meta["num_classes"], meta["augment"])
     seen = ReadKeys(cfg)
     data = DATASETS.get(seen.dataset).load(seen)

@@ -86,7 +86,8 @@ def _one_line(e: BaseException) -> str:
 def load_tokenizer(folder: Path):
     tf = _transformers()
     try:
-        return tf.AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+        # a model folder is data: no code of its own (auto_map) is run
+        return tf.AutoTokenizer.from_pretrained(str(folder), local_files_only=True, trust_remote_code=False)
     except Exception as e:   # noqa: BLE001 -- any failure of a user folder is a config problem
         raise ConfigError("model_path", f"{folder}: cannot load its tokenizer: {_one_line(e)}") from None
 
@@ -306,7 +307,10 @@ def _load_encoder(folder: Path, bert_only: bool, pooler: bool):
         # float32 whatever the checkpoint stores (`dtype` since transformers 4.56, `torch_dtype` before)
         major, minor = (int(v) for v in tf.__version__.split(".")[:2])
         kwargs["dtype" if (major, minor) >= (4, 56) else "torch_dtype"] = torch.float32
-        enc = cls.from_pretrained(str(folder), local_files_only=True, attn_implementation="sdpa", **kwargs)
+        # a model folder is data: safetensors where it has them (transformers' preference), a pytorch_model.bin
+        # read weights-only, and no code of its own (auto_map) run
+        enc = cls.from_pretrained(str(folder), local_files_only=True, attn_implementation="sdpa", weights_only=True,
+                                  trust_remote_code=False, **kwargs)
     except ConfigError:
         raise
     except Exception as e:   # noqa: BLE001 -- a broken user folder: weights missing, bad json, unknown type
