@@ -1,6 +1,7 @@
 """Channel groups derived by tracing (fedlase/models/trace.py): equal to the hand-written ones of the built-in CNN
 and ResNet-18, right on residual blocks fedlase has never seen, concatenations and flattens kept whole, the
-sliced-or-masked decision, one-line refusals, and a user's own MLP under every method."""
+sliced-or-masked decision, one-line refusals, and a user's own MLP under every method. The transformer's
+comparison is in tests/test_text.py, beside the other tiny BERTs."""
 import math
 import sys
 
@@ -12,7 +13,7 @@ import fedlase
 from fedlase.errors import ConfigError
 from fedlase.methods.heterofl import HeteroFL
 from fedlase.models import ResNet18, SmallCNN
-from fedlase.models.trace import DerivedGroups, _slices_match, ensure_groups, remember_example, trace_groups
+from fedlase.models.trace import DerivedGroups, ensure_groups, remember_example, trace_groups
 from fedlase.registry import DATASETS, METHODS, MODELS
 
 LEVELS = (1.0, 0.25)
@@ -43,33 +44,6 @@ def derive(model: nn.Module, shape: tuple) -> nn.Module:
                          ids=["cnn", "resnet18"])
 def test_derived_groups_equal_the_hand_written_ones(model, shape):
     assert canonical(traced(model, shape)) == canonical(model.channel_groups())
-
-
-def _partition(keys: dict) -> set:
-    """{(parameter, dim): group} -> the set of groups, each as the set of its (parameter, dim)s."""
-    out: dict = {}
-    for k, g in keys.items():
-        out.setdefault(g, set()).add(k)
-    return {frozenset(v) for v in out.values()}
-
-
-def test_derived_groups_of_the_transformer_differ_only_where_docs_say():
-    transformers = pytest.importorskip("transformers")   # imported by tests/test_text.py's collection anyway
-    from fedlase.models.transformer import TransformerClassifier
-    conf = transformers.BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=2, num_attention_heads=4,
-                                   intermediate_size=32, max_position_embeddings=16, pad_token_id=0)
-    model = TransformerClassifier(transformers.BertModel(conf), 3, pad_id=0)
-    x = torch.randint(1, 50, (2, 6))
-    keys = lambda groups: {(p, d): g for p, pair in groups.items() for d, g in enumerate(pair) if g is not None}
-    hand, derived = keys(model.channel_groups()), keys(trace_groups(model, x))
-    # the heads (query/key/value outputs, attention-output inputs) and the feed-forward units: the same groups
-    assert _partition({k: derived[k] for k in hand}) == _partition(hand)
-    # beyond them the trace cuts two more: the residual stream (hidden size: embeddings, LayerNorms, every
-    # sublayer's output) and the pooler's outputs, which the hand-written groups of a pretrained encoder keep whole
-    extra = {derived[k] for k in derived if k not in hand}
-    assert extra == {derived["backbone.embeddings.word_embeddings.weight", 1],
-                     derived["backbone.pooler.dense.weight", 0]}
-    assert _slices_match(model, trace_groups(model, x), x, "heterofl") is False   # as the hand-written: masked
 
 
 # ---- a model fedlase has never seen: torchvision-style residual blocks -------------------------------------------
