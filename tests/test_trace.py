@@ -4,6 +4,7 @@ sliced-or-masked decision, one-line refusals, and a user's own MLP under every m
 comparison is in tests/test_text.py, beside the other tiny BERTs."""
 import math
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -11,6 +12,7 @@ from torch import nn
 
 import fedlase
 from fedlase.errors import ConfigError
+from fedlase.levels import System
 from fedlase.methods.heterofl import HeteroFL
 from fedlase.models import ResNet18, SmallCNN
 from fedlase.models.trace import DerivedGroups, ensure_groups, remember_example, trace_groups
@@ -19,12 +21,12 @@ from fedlase.registry import DATASETS, METHODS, MODELS
 LEVELS = (1.0, 0.25)
 
 
-def canonical(groups: dict) -> dict:
-    """Groups renamed g0, g1, ... in order of first appearance (parameter order, dim 0 before dim 1), with the
-    parameters no group cuts left out: two mappings that cut the same channels together compare equal."""
+def canonical(groups: dict, model: nn.Module) -> dict:
+    """Groups renamed g0, g1, ... in order of first appearance (the model's parameter order, dim 0 before dim 1),
+    with the parameters no group cuts left out: two mappings that cut the same channels together compare equal."""
     names: dict[str, str] = {}
-    return {p: tuple(None if g is None else names.setdefault(g, f"g{len(names)}") for g in pair)
-            for p, pair in groups.items() if pair != (None, None)}
+    return {p: tuple(None if g is None else names.setdefault(g, f"g{len(names)}") for g in groups[p])
+            for p, _ in model.named_parameters() if groups.get(p, (None, None)) != (None, None)}
 
 
 def traced(model: nn.Module, shape: tuple) -> dict:
@@ -33,7 +35,7 @@ def traced(model: nn.Module, shape: tuple) -> dict:
 
 def derive(model: nn.Module, shape: tuple) -> nn.Module:
     """The model as a width method sees it: two samples kept, groups and `sliceable` derived."""
-    remember_example(model, type("Data", (), {"x_train": torch.randn(2, *shape)}))
+    remember_example(model, SimpleNamespace(x_train=torch.randn(2, *shape)))
     ensure_groups(model, "heterofl")
     return model
 
@@ -43,7 +45,7 @@ def derive(model: nn.Module, shape: tuple) -> nn.Module:
                                           (ResNet18(in_channels=3, width=0.125), (3, 8, 8))],
                          ids=["cnn", "resnet18"])
 def test_derived_groups_equal_the_hand_written_ones(model, shape):
-    assert canonical(traced(model, shape)) == canonical(model.channel_groups())
+    assert canonical(traced(model, shape), model) == canonical(model.channel_groups(), model)
 
 
 # ---- a model fedlase has never seen: torchvision-style residual blocks -------------------------------------------
@@ -100,7 +102,7 @@ def test_unseen_residual_blocks_get_the_groups_written_by_hand():
              f"{p}.downsample.0.weight": (E, S), f"{p}.downsample.1.weight": (E, None),
              f"{p}.downsample.1.bias": (E, None), "fc.weight": (None, E)}
     model = derive(TinyTorchvisionNet(), (3, 8, 8))
-    assert canonical(model.channel_groups()) == canonical(want)
+    assert canonical(model.channel_groups(), model) == canonical(want, model)
     assert model.sliceable is True   # global pooling before fc: the slice trains as the smaller tensors
 
 
@@ -151,8 +153,8 @@ def test_a_forward_that_cannot_take_the_smaller_tensors_trains_masked():
     model = derive(Normed(), (6,))
     assert model.channel_groups()["norm.weight"] == model.channel_groups()["fc1.weight"]
     assert model.sliceable is False
-    sub = HeteroFL(model, LEVELS).submodel(dict(model.named_parameters()), fedlase.levels.System.parse(
-        "{1,1/4}_{1,1}").levels[1], 1)
+    quarter = System.parse("{1,1/4}_{1,1}").levels[1]
+    sub = HeteroFL(model, LEVELS).submodel(dict(model.named_parameters()), quarter, 1)
     assert not sub.slices and int(sub.masks["fc1.weight"].any(1).sum()) == 4   # masks: half of the 8 channels
 
 
