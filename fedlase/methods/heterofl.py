@@ -32,7 +32,7 @@ class HeteroFL(Method):
         scaler = self.args["scaler"]
         if scaler is None:   # the model's choice; a model without scaler_names() has nothing to scale
             scaler = hasattr(model, "scaler_names") and getattr(model, "scaler_default", True)
-        if scaler and hasattr(model, "channel_groups") and not hasattr(model, "scaler_names"):
+        if scaler and not hasattr(model, "scaler_names"):
             raise ConfigError("method_args.scaler", f"model {type(model).__name__} declares no scaler_names(); "
                               "leave method_args.scaler unset or false")
         self.scaler = bool(scaler)

@@ -10,7 +10,6 @@ import math
 import torch
 from torch import nn
 
-from ..errors import ConfigError
 from ..levels import level_name
 from ..masks import Submodel
 
@@ -68,11 +67,13 @@ def _masks(groups, params, keep) -> dict[str, torch.Tensor]:
 
 
 def channel_groups(model: nn.Module, method: str) -> dict[str, tuple]:
-    """`model.channel_groups()`, or the one-line ConfigError of a method that cuts channels (`method`: its name,
-    for the message) on a model that declares none."""
+    """`model.channel_groups()`; a model that declares none gets them derived by tracing it, once
+    (fedlase/models/trace.py: also its `sliceable`), or the one-line ConfigError of a method that cuts channels
+    (`method`: its name, for the message) on a model that cannot be traced."""
     if not hasattr(model, "channel_groups"):
-        raise ConfigError("method", f"{method} slices channels; model {type(model).__name__} declares no "
-                          "channel_groups()")
+        # Torch-Pruning is imported only for such a model
+        from ..models.trace import ensure_groups
+        ensure_groups(model, method)
     return model.channel_groups()
 
 
