@@ -16,8 +16,8 @@ from pathlib import Path
 from flwr.app import Array, ArrayRecord, ConfigRecord, MetricRecord, RecordDict
 
 SOCKET = "worker.sock"
-MAX_HEADER = 8 << 20     # a header holds the config text and the array list (a ResNet-18's: about 10 KB)
-MAX_DEPTH = 16           # a header's JSON nests 4 deep; deeper is refused before json.loads recurses
+MAX_HEADER = 8 << 20     # a header holds the config text and the array list: kilobytes
+MAX_DEPTH = 16           # a header's JSON nests 6 deep; deeper is refused before json.loads recurses
 UNBOUND_LIMIT = 4 << 30  # the payload of a message before a run is bound (a ResNet-18 submodel is 45 MB)
 MAX_BLOBS = 16 << 30     # the payload of a reply the worker sends a ClientApp
 CHUNK = 1 << 20          # bytes read at a time: memory grows with the bytes that arrived, never with a claim
@@ -216,8 +216,11 @@ def ask(folder: str | Path, run_id: int, partition: int, config_text: str,
             conn.settimeout(REPLY_TIMEOUT if timeout is None else timeout)
             if peer_uid(conn) != os.getuid():
                 raise WorkerError(f"{folder / SOCKET} is served by another user; not handing it the model")
-            send(conn, {"op": "train", "run": int(run_id), "partition": int(partition), "config": config_text},
-                 content)
+            try:
+                send(conn, {"op": "train", "run": int(run_id), "partition": int(partition),
+                            "config": config_text}, content)
+            except (BrokenPipeError, ConnectionResetError):
+                pass   # refused before it read the whole request (e.g. too large): its reply says why
             header, reply = receive(conn, keepalive=True)
         except OSError as e:   # a timeout too
             raise WorkerError(f"no worker answers at {folder / SOCKET} ({e.strerror or e})") from None
