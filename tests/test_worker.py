@@ -442,6 +442,7 @@ def test_no_frame_kills_the_worker(hardened, task_identity):
         frame(arrays([*f32, 1e30], [*f32, -1e30])),
         frame(arrays([*f32, 20 * GiB], [*f32, -20 * GiB])),          # negative sizes that sum to 0
         frame({**ok, "records": [{"name": "c", "kind": "config", "items": {"a": {"b": 1}}}]}),
+        frame({**ok, "records": [{"name": "m", "kind": "metric", "items": {"a": "text"}}]}),   # Flower refuses
         frame(arrays(["w", "float32", 5, "numpy.ndarray", 4])),      # shape=5
         frame(b"\xff\xfe not json"),
         (1 << 62).to_bytes(8, "big"),                                # a header larger than any

@@ -57,7 +57,11 @@ def _start_safely() -> int | None:
     """What `python -m fedlase.flower.worker` does before its slow imports (flwr, torch): the working folder
     leaves the import path, and without --watch-pid the parent is read and armed to take this process with it,
     so a parent that dies during start-up leaves no worker. -> the parent's pid (None with --watch-pid)."""
-    if not sys.flags.safe_path and sys.path and sys.path[0] in ("", os.getcwd()):
+    try:
+        here = os.getcwd()
+    except OSError:   # a working folder that is gone shadows nothing
+        here = ""
+    if not sys.flags.safe_path and sys.path and sys.path[0] in ("", here):
         del sys.path[0]
     if any(arg.split("=")[0] == "--watch-pid" for arg in sys.argv[1:]):
         return None

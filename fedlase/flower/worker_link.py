@@ -171,7 +171,11 @@ def receive(conn: socket.socket, limit: int = MAX_BLOBS, deadline: float | None 
     sizes = array_sizes(header)
     if sum(sizes) > limit:
         raise BadFrame(f"a payload of {sum(sizes)} bytes is larger than this run's messages can be ({limit})")
-    return header, unpack(header, [_recv_exact(conn, s, deadline) for s in sizes])
+    blobs = [_recv_exact(conn, s, deadline) for s in sizes]
+    try:
+        return header, unpack(header, blobs)
+    except (TypeError, ValueError) as e:   # values Flower's records do not take
+        raise BadFrame(f"records Flower cannot build ({e})") from None
 
 
 def peer_uid(conn: socket.socket) -> int:
