@@ -2,6 +2,7 @@
 host:port addresses. Imports nothing of fedlase, so any module may import it (the config included)."""
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
 import warnings
@@ -10,6 +11,11 @@ from pathlib import Path
 
 CACHE_ENV = "FEDLASE_CACHE"            # the cache folder
 DEPRECATED_CACHE_ENV = "FEDLASE_CACHE_DIR"   # its old name (the text track's), still read when CACHE_ENV is unset
+
+
+def installed(package: str) -> bool:
+    """Whether `package` can be imported (an optional extra's), without importing it."""
+    return importlib.util.find_spec(package) is not None
 
 
 def atomic_write(path: Path, write: Callable[[Path], object]) -> None:

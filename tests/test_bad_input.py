@@ -122,7 +122,7 @@ CASES = cases()
 def test_every_option_has_cases():
     keys = {k for k, _, _ in CASES}
     assert set(options()) <= keys
-    assert all(f"method_args.{k}" in keys for cls in METHODS._entries.values() for k in cls.options)
+    assert all(f"method_args.{k}" in keys for _, cls in METHODS.items() for k in cls.options)
     assert len(CASES) > 200
 
 

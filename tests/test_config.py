@@ -354,8 +354,8 @@ def test_a_registered_choice_is_valid_in_the_config():
         with pytest.raises(ConfigError) as e:
             load_config(None, [f"{key}={name}"])
         assert e.value.key == key
-    registry.register_dataset(name, lambda cfg: None, num_classes=3, help="a test dataset")
-    try:
+    with registry.temporary():
+        registry.register_dataset(name, lambda cfg: None, num_classes=3, help="a test dataset")
         registry.register_model(name, lambda cfg, data: None, help="a test model")
         registry.register_partition(name, lambda labels, n, cfg: None, help="a test partition")
         registry.register_method(dummy_method)
@@ -372,9 +372,6 @@ def test_a_registered_choice_is_valid_in_the_config():
         assert load_config(None, [f"dataset={name}", "partition=pathological", "classes_per_client=3"])
         with pytest.raises(ValueError, match="registered already"):
             registry.register_dataset(name, lambda cfg: None, num_classes=3)
-    finally:
-        for reg in (DATASETS, MODELS, PARTITIONS, METHODS):
-            reg._entries.pop(name, None)
     # Assert: gone again
     for key in ("dataset", "model", "partition", "method"):
         assert name not in options()[key].allowed()

@@ -197,6 +197,55 @@ def test_only_the_edges_register_the_built_ins():
     # proxy: `python -m fedlase.flower.proxy front --config`; measure: the child process of `fedlase cost`
 
 
+def _registering_modules() -> set[str]:
+    """Modules that call a register_* function or use one as a decorator (registry.py itself aside)."""
+    out = set()
+    for p in PKG.rglob("*.py"):
+        for node in ast.walk(ast.parse(p.read_text())):
+            f = node.func if isinstance(node, ast.Call) else node if isinstance(node, ast.Name) else None
+            name = getattr(f, "id", None) or getattr(f, "attr", None) or ""
+            if name.startswith("register_") and name != "register_buffer" and not name.endswith("_hook"):
+                out.add(module_name(p))
+    return out - {"fedlase.registry", "fedlase"}
+
+
+def test_every_registering_module_is_in_a_choice_package():
+    """fedlase.catalog imports the choice packages' modules, not a list: a module elsewhere would never register."""
+    from fedlase.catalog import CHOICE_PACKAGES
+    found = _registering_modules()
+    assert {"fedlase.methods.fjord", "fedlase.models", "fedlase.data.builtins", "fedlase.analysis"} <= found
+    assert not [m for m in found if not m.startswith(CHOICE_PACKAGES)], found
+
+
+def test_every_built_in_method_class_is_registered():
+    from fedlase.catalog import load_builtins
+    from fedlase.methods import Method
+    from fedlase.registry import METHODS
+    load_builtins()
+    named = [cls for cls in _subclasses(Method) if cls.__module__.startswith("fedlase.") and cls.name]
+    assert len(named) >= 10 and all(METHODS.get(cls.name) is cls for cls in named), named
+
+
+def _subclasses(cls) -> list[type]:
+    return [c for sub in cls.__subclasses__() for c in (sub, *_subclasses(sub))]
+
+
+def test_every_random_stream_tag_is_declared_once_in_stream():
+    """Each `derive_seed(seed, round, TAG, ...)` in fedlase/ names a member of fedlase.sampling.Stream, and no two
+    members share a value: two uses of one tag would draw correlated numbers, silently."""
+    from fedlase.sampling import Stream
+    tags = []
+    for p in PKG.rglob("*.py"):
+        for node in ast.walk(ast.parse(p.read_text())):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "derive_seed" and len(node.args) > 2:
+                tag = node.args[2]
+                tags.append(f"{tag.value.id}.{tag.attr}" if isinstance(tag, ast.Attribute) and
+                            isinstance(tag.value, ast.Name) else ast.unparse(tag))
+    assert len(tags) >= 5 and all(t.startswith("Stream.") for t in tags), tags
+    assert {t.split(".")[1] for t in tags} == set(Stream.__members__)
+    assert len({int(m) for m in Stream.__members__.values()}) == len(Stream.__members__)
+
+
 # ---- the README's method table is the registry's (issue 29) ---------------------------------------------------
 
 def test_readme_method_table_is_the_generated_one():

@@ -44,7 +44,6 @@ class LocalObjective:
 
 
 RUNNERS = ("embedded", "batched", "flower-sim", "flower-deploy")   # what a method's `runs_on` may list
-METHOD_STREAM = 3   # the stream tag of a method's draws, after fedlase/sampling.py's sampling, batches, dropout
 
 
 class Method:
@@ -71,14 +70,14 @@ class Method:
         """A method's only source of randomness: a fresh CPU generator seeded from (run seed, round, level), so
         a submodel is a function of (params, level, round, seed). Training and evaluation of a round then get
         the same submodel, and a resumed run the same as an uninterrupted one (docs/library.md)."""
-        from ..sampling import derive_seed
+        from ..sampling import Stream, derive_seed
         index = getattr(level, "index", None)
         if index is None:   # a bare fraction (library calls): its level in this method's system
             found = self.system.find(level)
             if found is None:
                 raise ValueError(f"level {level} is not one of the system's levels")
             index = found.index
-        return torch.Generator().manual_seed(derive_seed(self.seed, round, METHOD_STREAM, int(index)))
+        return torch.Generator().manual_seed(derive_seed(self.seed, round, Stream.METHOD, int(index)))
 
     @classmethod
     def check_args(cls, options: dict) -> dict:

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..masks import Submodel
+from ..registry import register_method
 from .base import LocalObjective, Method, Option
 from .slicing import channel_groups, group_keep, width_rate, width_slices
 
@@ -49,6 +50,7 @@ class ActivationExtraction(LocalObjective):
         return m.own_slice(params, keep)
 
 
+@register_method
 class FedDSE(Method):
     """FedDSE: each client keeps, per layer, the channels most activated on its own data (within its budget)."""
     name = "feddse"

@@ -42,7 +42,7 @@ import math
 import torch
 
 from ..masks import Submodel
-from ..registry import METHODS, register_method
+from ..registry import register_method
 from .base import Method, Option
 from .feddse import top_channels
 from .fedlase import FedLASE
@@ -51,6 +51,7 @@ from .slicing import channel_groups, width_rate, width_slices
 SCORING = ("score", "log", "transform", "extract_all_layers", "edge_layers")   # FedLASE's switches that apply
 
 
+@register_method
 class FedLASEWidth(Method):
     """FedLASE with layer-adaptive widths: FedLASE's layer budgets spent on whole output channels (sliced)."""
     name = "fedlase_width"
@@ -202,6 +203,3 @@ def forward_work(model: torch.nn.Module) -> dict[str, int]:
             h.remove()
     return {n: uses.get(n, 1) for n in weights}
 
-
-if FedLASEWidth.name not in METHODS:
-    register_method(FedLASEWidth)
