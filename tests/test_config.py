@@ -13,7 +13,6 @@ from fedlase.config import (
     options,
     parse_override,
     parse_participation,
-    result_keys,
 )
 from fedlase.errors import ConfigError, UserError
 from fedlase.levels import Level, System
@@ -378,16 +377,6 @@ def test_a_registered_choice_is_valid_in_the_config():
         with pytest.raises(ConfigError) as e:
             load_config(None, [f"{key}={name}"])
         assert e.value.key == key
-
-
-def test_result_keys():
-    # keys that may change between a checkpoint and its resume (the old engine.RESUMABLE_CHANGES, plus the
-    # Flower deployment keys added since)
-    resumable = {"rounds", "eval_every", "checkpoint_every", "out", "device", "threads", "engine", "min_replies",
-                 "reply_timeout", "superlink", "tls_ca", "tls_cert", "tls_key", "node_keys", "insecure", "ray_address",
-                 "sim_actors"}
-    assert result_keys() == set(KEYS) - resumable
-    assert {"lr", "seed", "system", "method", "method_args", "dataset", "batched_clients"} <= result_keys()
 
 
 # --------------------------------------------------------------------------- YAML files
