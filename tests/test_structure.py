@@ -140,6 +140,53 @@ def test_the_module_check_catches_a_private_module_without_an_underscore(tmp_pat
     assert not set(names) & PUBLIC
 
 
+# torch's private names fedlase uses, each from its one file, on a line that says why (torch has no public name).
+TORCH_PRIVATE = {"nn.modules.batchnorm._BatchNorm": "fedlase/layers.py",
+                 "nn.modules.dropout._DropoutNd": "fedlase/layers.py"}
+
+
+def _torch_private_uses(path: Path) -> list[tuple[int, str]]:
+    """(line, dotted name) of every private torch name the file uses: an attribute chain from `torch`, `nn` or
+    `F` with a `_name` in it, or an import from such a module or of such a name."""
+    out = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Attribute):
+            parts, inner = [node.attr], node.value
+            while isinstance(inner, ast.Attribute):
+                parts.insert(0, inner.attr)
+                inner = inner.value
+            if isinstance(inner, ast.Name) and inner.id in ("torch", "nn", "F") and \
+                    any(p.startswith("_") and not p.startswith("__") for p in parts):
+                out.append((node.lineno, ".".join([inner.id, *parts])))
+        elif isinstance(node, (ast.Import, ast.ImportFrom)) and not getattr(node, "level", 0):
+            mods = [node.module or ""] if isinstance(node, ast.ImportFrom) else [a.name for a in node.names]
+            names = [f"{mods[0]}.{a.name}" for a in node.names] if isinstance(node, ast.ImportFrom) else mods
+            out += [(node.lineno, n) for n in names if n.split(".")[0] == "torch" and
+                    any(p.startswith("_") and not p.startswith("__") for p in n.split("."))]
+    # an inner chain (nn.modules.batchnorm) of a flagged one is the same use: keep the longest per line
+    return [(ln, n) for ln, n in out if not any(m != n and m.startswith(n + ".") for l2, m in out if l2 == ln)]
+
+
+def test_only_the_named_private_torch_names_are_used():
+    bad = []
+    for p in sorted(PKG.rglob("*.py")):
+        lines = p.read_text().splitlines()
+        rel = str(p.relative_to(PKG.parent))
+        for ln, name in _torch_private_uses(p):
+            if TORCH_PRIVATE.get(name) != rel or "#" not in lines[ln - 1]:
+                bad.append(f"{rel}:{ln}: {name}")
+    assert not bad, bad
+
+
+def test_the_torch_check_catches_private_names(tmp_path):
+    f = tmp_path / "m.py"
+    f.write_text("import torch\nfrom torch import nn\nfrom torch._C import x\nimport torch._dynamo\n"
+                 "y = isinstance(m, nn.modules.batchnorm._BatchNorm)\nz = torch.utils._pytree.tree_map\n"
+                 "ok = torch.__version__, nn.Linear\n")
+    assert sorted(n for _, n in _torch_private_uses(f)) == ["nn.modules.batchnorm._BatchNorm", "torch._C.x",
+                                                             "torch._dynamo", "torch.utils._pytree.tree_map"]
+
+
 # ---- the config is a plain record low in the graph (issue 22) -------------------------------------------------
 
 HEAVY = ("fedlase.methods", "fedlase.models", "fedlase.data", "fedlase.analysis", "fedlase.catalog")
