@@ -25,9 +25,9 @@ import torch
 from .errors import ConfigError
 from .layers import forward_uses
 from .levels import level_name
+from .machine import writable_folder
 from .options import Option, check_options
 from .registry import register_tracker
-from .resources import writable_folder
 from .util import atomic_write
 
 

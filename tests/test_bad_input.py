@@ -22,10 +22,10 @@ import yaml
 
 from fedlase.cli import main
 from fedlase.config import load_config, options
+from fedlase.machine import sim_actors_rule, threads_rule, usable_cpus, writable_folder
 from fedlase.methods.base import RUNNERS
 from fedlase.options import Option
 from fedlase.registry import METHODS, TRACKERS
-from fedlase.resources import sim_actors_rule, threads_rule, usable_cpus, writable_folder
 
 # A base run that is valid and tiny: if a bad value were accepted, the run would start (and the test fail).
 BASE = {"dataset": "digits", "model": "cnn", "width": 0.25, "system": "{1,1/4}_{2,2}", "participation": 0.5,

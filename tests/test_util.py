@@ -77,3 +77,21 @@ def test_key_lists_are_read_from_the_option_tags():
     assert all(set(o.tags) <= set(TAGS) for o in options().values())
     with pytest.raises(ValueError, match="unknown Option tags"):
         Option(1, "x", tags=("evaluation",))
+
+
+def test_run_folder_refuses_a_file_and_a_finished_run_unless_resumed(tmp_path):
+    from fedlase.errors import UserError
+    from fedlase.util import run_folder
+    assert run_folder(tmp_path / "new", resume=False) == tmp_path / "new"   # nothing created
+    assert not (tmp_path / "new").exists()
+    (tmp_path / "afile").write_text("x")
+    for resume in (False, True):
+        with pytest.raises(UserError, match="^out: .* is a file"):
+            run_folder(tmp_path / "afile", resume)
+    for held in ("checkpoint.pt", "summary.json"):
+        run = tmp_path / held
+        run.mkdir()
+        (run / held).write_bytes(b"")
+        with pytest.raises(UserError, match="^out: .* already holds a run; pass --resume"):
+            run_folder(run, resume=False)
+        assert run_folder(run, resume=True) == run
