@@ -91,17 +91,17 @@ def _option_cell(key: str, opt) -> str:
 
 
 def method_table(builtin_only: bool = True) -> str:
-    """The Markdown table of the registered methods: name, what it is (its docstring's first sentence) and its
-    method_args options with their choices and defaults. `builtin_only`: only fedlase's own (a test or a session
-    may have registered more)."""
+    """The Markdown table of the registered methods: name, what it is (its docstring's first sentence), its
+    coverage rule (the config's `coverage` when unset) and its method_args options with their choices and
+    defaults. `builtin_only`: only fedlase's own (a test or a session may have registered more)."""
     from .registry import METHODS
     load_builtins()
-    rows = ["| method | what it is | options (`method_args.<key>=...`) |", "|---|---|---|"]
+    rows = ["| method | what it is | `coverage` unset | options (`method_args.<key>=...`) |", "|---|---|---|---|"]
     for name, cls in METHODS.items():
         if builtin_only and not cls.__module__.startswith("fedlase."):
             continue
         opts = "; ".join(_option_cell(k, o) for k, o in cls.options.items()) or "none"
-        rows.append(f"| `{name}` | {_summary(cls.__doc__)} | {opts} |")
+        rows.append(f"| `{name}` | {_summary(cls.__doc__)} | `{cls.coverage}` | {opts} |")
     return "\n".join(rows)
 
 

@@ -31,6 +31,7 @@ def describe_methods() -> str:
     lines = []
     for name, cls in METHODS.items():
         lines.append(f"{name}: {(cls.__doc__ or '').strip().splitlines()[0]}")
+        lines.append(f"    coverage (when the config leaves it unset): {cls.coverage}")
         for key, opt in cls.options.items():
             lines.append(f"    method_args.{key} [default: {opt.default}]: {opt.help}")
     return "\n".join(lines)

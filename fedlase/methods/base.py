@@ -1,9 +1,12 @@
 """What a method is: an object that turns (global parameters, level, round) into a Submodel.
 
-Methods never train and never aggregate; they only decide masks (and the aggregation rule's name). Options
-are declared once as `Option`s (fedlase/options.py, the same mechanism as config keys) and checked at
-construction with errors that name `method_args.<key>`. A method receives the run's `System` (levels largest
-first, looked up by index) and each call a `Level`; `float(level)` is its fraction."""
+A method runs neither the local training nor the aggregation: it decides what each client trains (masks, and the
+aggregation rule's name). A method whose clients need more than the cross-entropy of one forward also says how
+they train, through a `LocalObjective` on its submodels (each batch's loss, the submodel a client trains), which
+`fedlase.train.local_train` calls. Options are declared once as `Option`s (fedlase/options.py, the same mechanism
+as config keys) and checked at construction with errors that name `method_args.<key>`. A method receives the
+run's `System` (levels largest first, looked up by index) and each call a `Level`; `float(level)` is its
+fraction."""
 from __future__ import annotations
 
 import math
