@@ -39,6 +39,12 @@ def imports(path: Path) -> set[str]:
 
 
 @functools.lru_cache(maxsize=1)
+def parsed() -> tuple[tuple[Path, ast.Module], ...]:
+    """Every module of the package and its syntax tree, parsed once per session."""
+    return tuple((p, ast.parse(p.read_text())) for p in sorted(PKG.rglob("*.py")))
+
+
+@functools.lru_cache(maxsize=1)
 def _graph() -> dict[str, frozenset[str]]:
     return {module_name(p): frozenset(imports(p)) for p in PKG.rglob("*.py")}
 
@@ -145,11 +151,11 @@ TORCH_PRIVATE = {"nn.modules.batchnorm._BatchNorm": "fedlase/layers.py",
                  "nn.modules.dropout._DropoutNd": "fedlase/layers.py"}
 
 
-def _torch_private_uses(path: Path) -> list[tuple[int, str]]:
+def _torch_private_uses(path: Path, tree: ast.Module | None = None) -> list[tuple[int, str]]:
     """(line, dotted name) of every private torch name the file uses: an attribute chain from `torch`, `nn` or
     `F` with a `_name` in it, or an import from such a module or of such a name."""
     out = []
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in ast.walk(tree or ast.parse(path.read_text())):
         if isinstance(node, ast.Attribute):
             parts, inner = [node.attr], node.value
             while isinstance(inner, ast.Attribute):
@@ -169,10 +175,10 @@ def _torch_private_uses(path: Path) -> list[tuple[int, str]]:
 
 def test_only_the_named_private_torch_names_are_used():
     bad = []
-    for p in sorted(PKG.rglob("*.py")):
+    for p, tree in parsed():
         lines = p.read_text().splitlines()
         rel = str(p.relative_to(PKG.parent))
-        for ln, name in _torch_private_uses(p):
+        for ln, name in _torch_private_uses(p, tree):
             if TORCH_PRIVATE.get(name) != rel or "#" not in lines[ln - 1]:
                 bad.append(f"{rel}:{ln}: {name}")
     assert not bad, bad
@@ -247,8 +253,8 @@ def test_only_the_edges_register_the_built_ins():
 def _registering_modules() -> set[str]:
     """Modules that call a register_* function or use one as a decorator (registry.py itself aside)."""
     out = set()
-    for p in PKG.rglob("*.py"):
-        for node in ast.walk(ast.parse(p.read_text())):
+    for p, tree in parsed():
+        for node in ast.walk(tree):
             f = node.func if isinstance(node, ast.Call) else node if isinstance(node, ast.Name) else None
             name = getattr(f, "id", None) or getattr(f, "attr", None) or ""
             if name.startswith("register_") and name != "register_buffer" and not name.endswith("_hook"):
@@ -282,8 +288,8 @@ def test_every_random_stream_tag_is_declared_once_in_stream():
     members share a value: two uses of one tag would draw correlated numbers, silently."""
     from fedlase.sampling import Stream
     tags = []
-    for p in PKG.rglob("*.py"):
-        for node in ast.walk(ast.parse(p.read_text())):
+    for _, tree in parsed():
+        for node in ast.walk(tree):
             if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "derive_seed" and len(node.args) > 2:
                 tag = node.args[2]
                 tags.append(f"{tag.value.id}.{tag.attr}" if isinstance(tag, ast.Attribute) and
