@@ -15,6 +15,7 @@ from .data.partition import local_test_split
 from .errors import UserError
 from .masks import Submodel
 from .registry import MODELS, PARTITIONS
+from .resources import check_clients
 from .sampling import client_job, dropout_seed, seed_global_stream
 from .train import LocalWork, class_keep, classifier_names, label_split_masks, local_train, restrict_submodel
 
@@ -35,8 +36,7 @@ def pick_device(name: str) -> torch.device:
 def client_splits(cfg: Config, y_train: np.ndarray, y_test: np.ndarray, num_classes: int):
     """Each client's training indices (the configured partition) and local test indices."""
     n = cfg.num_clients
-    if n > len(y_train):
-        raise UserError(f"system: {n} clients but only {len(y_train)} training samples")
+    check_clients(n, len(y_train), cfg.dataset)   # a node cutting its data may not have run the config's checks
     train = PARTITIONS.get(cfg.partition).split(y_train, n, cfg)
     ratio = cfg.local_test_ratio or len(y_test) / len(y_train)
     test = local_test_split([y_train[i] for i in train], y_test, num_classes, ratio, seed=cfg.seed)

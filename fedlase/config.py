@@ -130,7 +130,7 @@ class Config:
     coverage: str | None = _f(None, "which clients a coordinate's step is averaged over: mask (the clients whose "
                               "mask holds it), nonzero (those whose delta is nonzero: the official FIARSE server), "
                               "kept (mask, but a BN or bias channel only where the client kept a weight of that "
-                              "channel); unset: the method's own (nonzero for FIARSE, mask for the others); see "
+                              "channel); unset: the method's own (`fedlase methods` lists each one's); see "
                               "docs/methods.md", kind=str, choices=("mask", "nonzero", "kept"))
     robust: str = _f("screen", "the server's rule (docs/methods.md, Robust aggregation): screen (the mean, after "
                      "rejecting non-finite updates or losses and absurd norms), clip, adaptive_clip, trimmed_mean, "

@@ -9,13 +9,15 @@ engine loads no method, model or dataset module.
 
 Registering the same definition again is a no-op, so a plugin module may be imported twice: once as the
 running script (`__main__`) and once by its name (the `plugins` key). Another definition under a taken name is
-an error unless `replace=True`."""
+an error unless `replace=True`. `with temporary():` undoes every registration made inside it (tests, sessions that
+try a plugin for a while)."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
@@ -51,10 +53,12 @@ def same_definition(a, b) -> bool:
 
 class Registry(Generic[T]):
     """name -> entry, in registration order. `key` is the config key whose values these names are."""
+    every: list[Registry] = []   # all registries, in creation order (what `temporary()` restores by default)
 
     def __init__(self, key: str):
         self.key = key
         self._entries: dict[str, T] = {}
+        Registry.every.append(self)
 
     def add(self, name: str, entry: T, replace: bool = False) -> T:
         """Register `entry` as `name`; the same definition again is a no-op (the first one stays)."""
@@ -88,6 +92,18 @@ class Registry(Generic[T]):
 
     def __contains__(self, name) -> bool:
         return name in self._entries
+
+
+@contextlib.contextmanager
+def temporary(*registries: Registry) -> Iterator[None]:
+    """On leaving the block, `registries` (default: all) hold exactly what they held on entering it: a name
+    registered inside is gone, an entry replaced inside is back."""
+    saved = [(r, dict(r._entries)) for r in registries or Registry.every]
+    try:
+        yield
+    finally:
+        for r, entries in saved:
+            r._entries = entries
 
 
 @dataclass(frozen=True)

@@ -30,8 +30,6 @@ from .robust_config import check_robust
 
 log = logging.getLogger("fedlase")
 
-ATTACK_STREAM = 4   # the seed stream of attack draws, after sampling (0-2) and the methods' (3)
-
 
 def attackers(kind: str, args: dict, system, seed: int) -> frozenset[int]:
     """The attacking clients: the named ones, or round(fraction x pool) (at least one) drawn from the run seed
@@ -44,8 +42,8 @@ def attackers(kind: str, args: dict, system, seed: int) -> frozenset[int]:
     if args["level"] is not None:
         index = system.find(args["level"]).index
         pool = [c for c in pool if system.client_level[c] == index]
-    from .sampling import derive_seed
-    rng = np.random.default_rng(derive_seed(seed, 0, ATTACK_STREAM))
+    from .sampling import Stream, derive_seed
+    rng = np.random.default_rng(derive_seed(seed, 0, Stream.ATTACK))
     k = max(1, round(args["fraction"] * len(pool)))
     return frozenset(int(c) for c in rng.choice(pool, size=k, replace=False))
 
@@ -58,8 +56,8 @@ def corrupt(kind: str, args: dict, delta: dict, sub, full_shapes: dict, seed: in
         return {n: d * f for n, d in delta.items()}
     if kind == "nan":
         return {n: torch.full_like(d, float("nan")) for n, d in delta.items()}
-    from .sampling import derive_seed
-    g = torch.Generator().manual_seed(derive_seed(seed, rnd, ATTACK_STREAM, client))
+    from .sampling import Stream, derive_seed
+    g = torch.Generator().manual_seed(derive_seed(seed, rnd, Stream.ATTACK, client))
     out = {}
     for n, d in delta.items():
         small = d.shape != full_shapes[n]

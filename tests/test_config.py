@@ -13,7 +13,6 @@ from fedlase.config import (
     options,
     parse_override,
     parse_participation,
-    result_keys,
 )
 from fedlase.errors import ConfigError, UserError
 from fedlase.levels import Level, System
@@ -354,8 +353,8 @@ def test_a_registered_choice_is_valid_in_the_config():
         with pytest.raises(ConfigError) as e:
             load_config(None, [f"{key}={name}"])
         assert e.value.key == key
-    registry.register_dataset(name, lambda cfg: None, num_classes=3, help="a test dataset")
-    try:
+    with registry.temporary():
+        registry.register_dataset(name, lambda cfg: None, num_classes=3, help="a test dataset")
         registry.register_model(name, lambda cfg, data: None, help="a test model")
         registry.register_partition(name, lambda labels, n, cfg: None, help="a test partition")
         registry.register_method(dummy_method)
@@ -372,25 +371,12 @@ def test_a_registered_choice_is_valid_in_the_config():
         assert load_config(None, [f"dataset={name}", "partition=pathological", "classes_per_client=3"])
         with pytest.raises(ValueError, match="registered already"):
             registry.register_dataset(name, lambda cfg: None, num_classes=3)
-    finally:
-        for reg in (DATASETS, MODELS, PARTITIONS, METHODS):
-            reg._entries.pop(name, None)
     # Assert: gone again
     for key in ("dataset", "model", "partition", "method"):
         assert name not in options()[key].allowed()
         with pytest.raises(ConfigError) as e:
             load_config(None, [f"{key}={name}"])
         assert e.value.key == key
-
-
-def test_result_keys():
-    # keys that may change between a checkpoint and its resume (the old engine.RESUMABLE_CHANGES, plus the
-    # Flower deployment keys added since)
-    resumable = {"rounds", "eval_every", "checkpoint_every", "out", "device", "threads", "engine", "min_replies",
-                 "reply_timeout", "superlink", "tls_ca", "tls_cert", "tls_key", "node_keys", "insecure", "ray_address",
-                 "sim_actors"}
-    assert result_keys() == set(KEYS) - resumable
-    assert {"lr", "seed", "system", "method", "method_args", "dataset", "batched_clients"} <= result_keys()
 
 
 # --------------------------------------------------------------------------- YAML files

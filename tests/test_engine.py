@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import TINY
+from conftest import TINY, counted_over, digits_test_size
 from fedlase.config import load_config
 from fedlase.engine import Experiment, RoundResult, SequentialRounds, run_experiment
 from fedlase.errors import UserError
@@ -243,8 +243,8 @@ def test_evaluate_reports_every_level(exp20):
     assert [v["clients"] for v in res["levels"].values()] == [4, 6, 10]
     assert [v["kept"] for v in res["levels"].values()] == [total, int(total / 4), int(total / 16)]
     for v in res["levels"].values():
-        for key in ("global_acc", "local_acc", "local_std", "local_worst10"):
-            assert math.isfinite(v[key]) and 0 <= v[key] <= 1
+        assert all(math.isfinite(v[key]) for key in ("local_acc", "local_std", "local_worst10"))
+        assert counted_over(v["global_acc"], digits_test_size())   # over the whole test set
         assert v["local_worst10"] <= v["local_acc"]
     assert res["global_acc"] == pytest.approx(sum(v["global_acc"] for v in res["levels"].values()) / 3)
 
@@ -280,10 +280,9 @@ def test_state_submodels_and_client_update(exp20):
     again, _ = client_job(cfg.seed, exp.trainer.work, exp.trainer.train_idx[client], 3, client, exp.data.augment)
     assert len(batches) == cfg.local_steps and all(torch.equal(a, b) for a, b in zip(batches, again))
     assert all(set(b.tolist()) <= set(exp.client_train[client].tolist()) for b in batches)
-    delta, loss = exp.client_update(client, subs[lvl], 3)
-    d2, loss2 = exp.trainer.update(client, exp.state.params, exp.state.buffers, subs[lvl], 3)
-    assert loss == loss2 and math.isfinite(loss) and all(torch.equal(delta[k], d2[k]) for k in delta)
-    for n, m in subs[lvl].masks.items():
+    delta, loss = exp.trainer.update(client, exp.state.params, exp.state.buffers, subs[lvl], 3)
+    assert math.isfinite(loss) and any(bool(delta[n][m].any()) for n, m in subs[lvl].masks.items())   # it trained
+    for n, m in subs[lvl].masks.items():   # inside its submodel only
         assert (delta[n][~m] == 0).all()
     # a new global model is set through the state
     old = exp.state.params
@@ -494,13 +493,13 @@ def test_end_to_end_each_method(tmp_path, tiny_cfg, method):
     out = Path(cfg.out)
     assert json.loads((out / "summary.json").read_text()) == json.loads(json.dumps(summary, default=str))
     assert summary["rounds"] == 2 and summary["num_clients"] == 4 and summary["config"]["method"] == method
-    assert summary["train_time"] >= 0
+    assert summary["train_time"] > 0   # measured, not left at its initial 0
     final = summary["final"]
     assert final["round"] == 2 and list(final["levels"]) == ["1", "1/4"]
     assert [v["clients"] for v in final["levels"].values()] == [2, 2]
-    for v in [final, *final["levels"].values()]:
-        for key in ("global_acc", "local_acc"):
-            assert math.isfinite(v[key]) and 0 <= v[key] <= 1, (key, v)
+    assert all(math.isfinite(v["local_acc"]) for v in [final, *final["levels"].values()])
+    assert all(counted_over(v["global_acc"], digits_test_size()) for v in final["levels"].values())
+    assert final["global_acc"] == pytest.approx(sum(v["global_acc"] for v in final["levels"].values()) / 2)
     assert math.isfinite(final["train_loss"])
     assert _metric_rounds(out) == [1, 2]
     model = METHODS.get(method).prepare_model(build_model("cnn", 1, 10, 0.25, image_size=8), cfg.method_args)

@@ -542,7 +542,7 @@ def section_contention(args, data: dict) -> str:
     """The demo config under each thread setting, quiet (the machine as it is) and beside two CPU-bound
     processes; settings alternate run by run, each one's median kept. Goal (issue 27): under contention the
     default within 1.2x of the best fixed count, on a quiet machine within 1.05x of all CPUs."""
-    from fedlase.resources import default_threads, usable_cpus
+    from fedlase.machine import default_threads, usable_cpus
     rounds, repeats = (2, 2) if args.quick else (3, 3)
     cpus, base = usable_cpus(), {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
     passive = {**base, "OMP_WAIT_POLICY": "PASSIVE"}   # what `fedlase run` sets unless the user chose

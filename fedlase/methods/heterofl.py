@@ -13,10 +13,12 @@ The scaler (each conv output times 1/rate in training) is folded into those conv
 from __future__ import annotations
 
 from ..errors import ConfigError
+from ..registry import register_method
 from .base import Method, Option
 from .slicing import WidthSlicer
 
 
+@register_method
 class HeteroFL(Method):
     """HeteroFL: each level trains the first sqrt(level) of every layer's channels (static width slices)."""
     name = "heterofl"

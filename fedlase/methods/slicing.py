@@ -25,6 +25,17 @@ def channel_window(size: int, rate: float, roll: int = 0) -> torch.Tensor:
     return (torch.arange(keep) - roll) % size
 
 
+def group_sizes(groups: dict, params: dict[str, torch.Tensor]) -> dict[str, int]:
+    """Channel group -> its channel count, read off the weights that produce or consume it (`groups`:
+    `model.channel_groups()`, weight name -> (output group, input group))."""
+    sizes: dict[str, int] = {}
+    for name, (out_g, in_g) in groups.items():
+        for g, dim in ((out_g, 0), (in_g, 1)):
+            if g is not None:
+                sizes.setdefault(g, params[name].shape[dim])
+    return sizes
+
+
 def group_keep(model: nn.Module, groups: dict, params: dict[str, torch.Tensor], rate: float,
                roll: int = 0) -> dict[str, torch.Tensor]:
     """Channel group -> bool vector of its kept channels at `rate`, the window rolled by `roll` channels (0: the
@@ -34,12 +45,7 @@ def group_keep(model: nn.Module, groups: dict, params: dict[str, torch.Tensor], 
     many consecutive channels (a transformer's attention heads: unit = head size), the window counting and
     rolling in units. Groups it does not name have unit 1 (single channels)."""
     units = model.group_units() if hasattr(model, "group_units") else {}
-    sizes: dict[str, int] = {}
-    for name, (out_g, in_g) in groups.items():
-        shape = params[name].shape
-        for g, dim in ((out_g, 0), (in_g, 1)):
-            if g is not None:
-                sizes.setdefault(g, shape[dim])
+    sizes = group_sizes(groups, params)
     keep = {g: torch.zeros(k, dtype=torch.bool) for g, k in sizes.items()}
     for g, k in sizes.items():
         u = units.get(g, 1)
