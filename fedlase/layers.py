@@ -2,8 +2,9 @@
 how often one forward pass applies each weight (the one per-layer compute figure).
 
 Every BatchNorm (1d, 2d, 3d, Sync, lazy) derives from torch's private `_BatchNorm`, every dropout (Dropout,
-Dropout1d/2d/3d, the alpha dropouts) from its private `_DropoutNd`; torch exports neither, and listing the public
-classes would miss the next one it adds. These two lines are the only place fedlase names a private torch class
+Dropout1d/2d/3d, the alpha dropouts) from its private `_DropoutNd`, every convolution (1d-3d, transposed, lazy)
+from its private `_ConvNd`; torch exports none of them, and listing the public classes would miss the next one it
+adds. These three lines are the only place fedlase names a private torch class
 (tests/test_structure.py fences the others out), so a torch release that renames one breaks here, at import."""
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from torch import nn
 
 BatchNorm = nn.modules.batchnorm._BatchNorm   # private: the base of every BatchNorm layer; torch has no public one
 Dropout = nn.modules.dropout._DropoutNd       # private: the base of every dropout layer; torch has no public one
+Conv = nn.modules.conv._ConvNd                # private: the base of every convolution; torch has no public one
 
 
 @torch.no_grad()

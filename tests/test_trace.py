@@ -14,6 +14,7 @@ import fedlase
 from fedlase.errors import ConfigError
 from fedlase.levels import System
 from fedlase.methods.heterofl import HeteroFL
+from fedlase.methods.slicing import width_slices
 from fedlase.models import ResNet18, SmallCNN
 from fedlase.models.trace import DerivedGroups, ensure_groups, remember_example, trace_groups
 from fedlase.registry import DATASETS, METHODS, MODELS
@@ -36,7 +37,7 @@ def traced(model: nn.Module, shape: tuple) -> dict:
 def derive(model: nn.Module, shape: tuple) -> nn.Module:
     """The model as a width method sees it: two samples kept, groups and `sliceable` derived."""
     remember_example(model, SimpleNamespace(x_train=torch.randn(2, *shape)))
-    ensure_groups(model, "heterofl")
+    ensure_groups(model, "heterofl", width_slices)
     return model
 
 

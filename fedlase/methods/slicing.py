@@ -79,7 +79,7 @@ def channel_groups(model: nn.Module, method: str) -> dict[str, tuple]:
     if not hasattr(model, "channel_groups"):
         # Torch-Pruning is imported only for such a model
         from ..models.trace import ensure_groups
-        ensure_groups(model, method)
+        ensure_groups(model, method, width_slices)
     return model.channel_groups()
 
 

@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from ..errors import ConfigError
+from ..layers import BatchNorm, Conv
 
 EXAMPLE = "_fedlase_example_input"   # the model attribute holding the samples a trace runs on
 _CACHE: dict[tuple, tuple[dict, bool]] = {}   # (class, parameter shapes, input shape, dtype) -> (groups, sliceable)
@@ -59,9 +60,10 @@ class DerivedGroups:
         return dict(self.groups)
 
 
-def ensure_groups(model: nn.Module, method: str) -> None:
+def ensure_groups(model: nn.Module, method: str, width_slices) -> None:
     """Give `model` a `channel_groups()` (and `sliceable`, unless it declares one) derived by tracing, if it
-    declares none; a one-line ConfigError naming what failed and the hook to write instead."""
+    declares none; a one-line ConfigError naming what failed and the hook to write instead. `width_slices`:
+    fedlase/methods/slicing.py's, handed in (slicing calls this module, so it does not import slicing back)."""
     if hasattr(model, "channel_groups"):
         return
     kind = type(model).__name__
@@ -77,7 +79,7 @@ def ensure_groups(model: nn.Module, method: str) -> None:
     key = (type(model), tuple((n, tuple(p.shape)) for n, p in params.items()), tuple(example.shape), example.dtype)
     if key not in _CACHE:
         groups = trace_groups(model, example, method)
-        _CACHE[key] = (groups, _slices_match(model, groups, example, method))
+        _CACHE[key] = (groups, _slices_match(model, groups, example, method, width_slices))
     groups, sliceable = _CACHE[key]
     object.__setattr__(model, "channel_groups", DerivedGroups(groups))
     if not hasattr(model, "sliceable"):   # a model's own choice wins
@@ -98,7 +100,7 @@ def _dims(module: nn.Module, name: str, out: bool) -> list[tuple[str, int, int]]
     channels are not whole rows or columns of its parameters."""
     p = f"{name}." if name else ""
     with_bias = [(f"{p}bias", 0, module.bias.shape[0])] if getattr(module, "bias", None) is not None else []
-    if isinstance(module, nn.modules.conv._ConvNd) and not module.transposed:
+    if isinstance(module, Conv) and not module.transposed:
         w = module.weight
         if module.groups == 1:
             return [(f"{p}weight", 0, w.shape[0])] + with_bias if out else [(f"{p}weight", 1, w.shape[1])]
@@ -108,7 +110,7 @@ def _dims(module: nn.Module, name: str, out: bool) -> list[tuple[str, int, int]]
     if isinstance(module, nn.Linear):
         w = module.weight
         return [(f"{p}weight", 0, w.shape[0])] + with_bias if out else [(f"{p}weight", 1, w.shape[1])]
-    if isinstance(module, (nn.modules.batchnorm._BatchNorm, nn.GroupNorm, nn.LayerNorm)):
+    if isinstance(module, (BatchNorm, nn.GroupNorm, nn.LayerNorm)):
         if isinstance(module, nn.LayerNorm) and len(module.normalized_shape) != 1:
             return None
         return [(f"{p}{k}", 0, t.shape[0]) for k, t in module.named_parameters(recurse=False)]
@@ -212,13 +214,12 @@ def trace_groups(model: nn.Module, example: torch.Tensor, method: str = "width s
 
 
 @torch.no_grad()
-def _slices_match(model: nn.Module, groups: dict, example: torch.Tensor, method: str) -> bool:
+def _slices_match(model: nn.Module, groups: dict, example: torch.Tensor, method: str, width_slices) -> bool:
     """Whether the half-width slice trained as the smaller tensors is the same function as its masks over the full
     model, on the traced samples (in eval mode, so that nothing random or stateful differs)."""
     from torch.func import functional_call
 
     from ..masks import Submodel
-    from ..methods.slicing import width_slices
     params = {n: p.detach() for n, p in model.named_parameters()}
     buffers = {n: b.detach().clone() for n, b in model.named_buffers()}
     x = example.to(next(iter(params.values())).device)
