@@ -44,9 +44,13 @@ def client_splits(cfg: Config, y_train: np.ndarray, y_test: np.ndarray, num_clas
 
 
 def build_model_for(cfg: Config, data) -> torch.nn.Module:
-    """The global model, initialised from the run's seed."""
+    """The global model, initialised from the run's seed. A model that declares no channel groups keeps two training
+    samples to be traced with, should a width method need its groups (fedlase/models/trace.py)."""
+    from .models.trace import remember_example  # here: importing fedlase.models registers the built-in models
     torch.manual_seed(cfg.seed)
-    return MODELS.get(cfg.model).build(cfg, data)
+    model = MODELS.get(cfg.model).build(cfg, data)
+    remember_example(model, data)
+    return model
 
 
 @dataclass(frozen=True)

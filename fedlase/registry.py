@@ -171,19 +171,7 @@ def register_dataset(name: str, load: Callable, num_classes: int, kind: str = "i
 def register_model(name: str, build: Callable, kind: str = "image", help: str = "",
                    replace: bool = False, check: Callable | None = None) -> ModelEntry:
     """Make `model=name` valid everywhere: build(cfg, dataset) returns an nn.Module."""
-    return MODELS.add(name, ModelEntry(_keeping_samples(build), _check_kind(kind), help, check), replace)
-
-
-def _keeping_samples(build: Callable) -> Callable:
-    """`build`, and a model that declares no channel groups keeps two training samples to be traced with, should
-    a width method need its groups (fedlase/models/trace.py)."""
-    def build_model(cfg, data):
-        model = build(cfg, data)
-        # torch is loaded by now (a model was just built); the trace module imports nothing more
-        from .models.trace import remember_example
-        remember_example(model, data)
-        return model
-    return build_model
+    return MODELS.add(name, ModelEntry(build, _check_kind(kind), help, check), replace)
 
 
 def register_partition(name: str, split: Callable, help: str = "", replace: bool = False) -> PartitionEntry:

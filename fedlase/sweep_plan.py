@@ -98,7 +98,7 @@ def _check_method(cfg: Config, data: dict) -> None:
     datasets; one that cannot be loaded is left to the run, which records the failure when it starts."""
     import torch
 
-    from .registry import DATASETS, METHODS, MODELS
+    from .registry import DATASETS, METHODS
     key = json.dumps(cfg.to_dict(), sort_keys=True, default=str) if DATASETS.get(cfg.dataset).kind != "image" \
         else (cfg.dataset, cfg.data_dir)   # an image dataset depends only on these; others: on the whole config
     if key not in data:
@@ -107,8 +107,9 @@ def _check_method(cfg: Config, data: dict) -> None:
         except Exception:
             data[key] = None
     if data[key] is not None:
+        from .client import build_model_for
         with torch.random.fork_rng(devices=[]):   # the sweep's own process: leave torch's stream as it was
-            model = MODELS.get(cfg.model).build(cfg, data[key])
+            model = build_model_for(cfg, data[key])
         METHODS.get(cfg.method)(model, cfg.levels, run_seed=cfg.seed, **cfg.method_args)
 
 
