@@ -39,7 +39,7 @@ _TRIAL_RATE = 0.5   # the width of the slice whose smaller-tensor forward is che
 
 def remember_example(model, data) -> None:
     """Keep two of the dataset's training samples on a model that declares no channel groups, for a later trace
-    (the registry calls this on every model it builds; a build without real data keeps nothing)."""
+    (client.build_model_for calls this on every model it builds; a build without real data keeps nothing)."""
     x = getattr(data, "x_train", None)
     if isinstance(model, nn.Module) and isinstance(x, torch.Tensor) and len(x) and not _declares(model) \
             and x.device.type != "meta":
