@@ -16,7 +16,7 @@ from importlib.metadata import entry_points
 log = logging.getLogger("fedlase")
 
 BUILTINS = ("fedlase.analysis", "fedlase.data.builtins", "fedlase.methods", "fedlase.methods.fedlase_width",
-            "fedlase.models")
+            "fedlase.models", "fedlase.rules")
 # The text track needs `transformers` (extra `text`); without it, its choices are simply absent.
 TEXT_BUILTINS = ("fedlase.data.text", "fedlase.models.transformer")
 

@@ -22,7 +22,7 @@ import yaml
 from .errors import ConfigError
 from .levels import System, parse_level
 from .options import Option, check_value
-from .registry import DATASETS, METHODS, MODELS, PARTITIONS, TRACKERS
+from .registry import ATTACKS, DATASETS, METHODS, MODELS, PARTITIONS, RULES, TRACKERS
 from .resources import check_run, sim_actors_rule, threads_rule, writable_folder
 from .util import split_host_port
 
@@ -135,11 +135,11 @@ class Config:
     robust: str = _f("screen", "the server's rule (docs/methods.md, Robust aggregation): screen (the mean, after "
                      "rejecting non-finite updates or losses and absurd norms), clip, adaptive_clip, trimmed_mean, "
                      "median, multikrum (each after the screen), or none (the plain mean of everything)",
-                     choices=("none", "screen", "clip", "adaptive_clip", "trimmed_mean", "median", "multikrum"))
+                     choices=RULES.names)
     robust_args: dict = _f({}, "options of the rule, e.g. robust_args.screen=100, robust_args.trim=0.2")
     attack: str = _f("none", "simulated faulty or malicious clients: none, scale, sign_flip, gaussian or nan, "
                      "applied to the chosen clients' deltas as the server receives them",
-                     choices=("none", "scale", "sign_flip", "gaussian", "nan"))
+                     choices=ATTACKS.names)
     attack_args: dict = _f({}, "options of the attack, e.g. attack_args.factor=1e3 attack_args.fraction=0.1 "
                            "(or attack_args.level=1/4, attack_args.clients=[3])")
     eval_order: str = _f("test", "global accuracy on: test (the test set in stored order, batches of "
@@ -212,8 +212,6 @@ class Config:
 
     # filled by validate()
     levels: System | None = field(default=None, init=False, repr=False, metadata={"derived": True})
-    # attack_args checked against the system, defaults filled (robust_config.check_attack): what the engine reads
-    attack_settings: dict | None = field(default=None, init=False, repr=False, metadata={"derived": True})
 
     @property
     def num_clients(self) -> int:
@@ -341,7 +339,7 @@ def validate(cfg: Config) -> Config:
     check_analysis(cfg.analysis)
     from .robust_config import check_attack, check_robust
     check_robust(cfg.robust, cfg.robust_args)
-    cfg.attack_settings = check_attack(cfg.attack, cfg.attack_args, cfg.levels)
+    check_attack(cfg.attack, cfg.attack_args, cfg.levels)
     check_device_model(cfg.device_model, len(cfg.levels.levels))
     if cfg.data_dir is not None and not Path(cfg.data_dir).is_dir():
         raise ConfigError("data_dir", f"folder {cfg.data_dir!r} does not exist")

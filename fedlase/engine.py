@@ -27,7 +27,7 @@ from .levels import Level
 from .masks import Submodel
 from .registry import DATASETS, METHODS, TRACKERS
 from .resources import apply_threads, check_loaded
-from .robust import Robust, attackers, corrupt
+from .robust import ServerStep
 from .sampling import Sampling, sample_clients
 from .util import atomic_write
 
@@ -57,6 +57,7 @@ class Update:
     delta: dict[str, torch.Tensor]
     loss: float
     sub: Submodel | None = None   # the client's own submodel where it differs from its level's (label_split)
+    weight: float = 1.0           # room for a staleness-weighted server step: 1 unless a `weighted` rule reads it
 
 
 @dataclass
@@ -141,10 +142,8 @@ class Experiment:
         self.coverage = cfg.coverage or self.method.coverage
         self.owners = channel_owners(self.model) if self.coverage == "kept" else None
         self.runner = runner or (BatchedRounds() if cfg.batched_clients else SequentialRounds())
-        self.robust = Robust(cfg.robust, cfg.robust_args)
-        # checked once, by validate() (every Experiment needs a validated config: it fills cfg.levels too)
-        self.attack = cfg.attack_settings
-        self.attackers = attackers(cfg.attack, self.attack, cfg.levels, cfg.seed)
+        self.server = ServerStep.of(cfg.robust, cfg.robust_args, cfg.attack, cfg.attack_args, cfg.levels, cfg.seed,
+                                    self.method.aggregation, self.coverage, self.owners)
         self._broken = False
         from .simtime import clock_for  # simulated time (device_model, deadline); None unless asked for
         self.clock = clock_for(self)
@@ -177,12 +176,9 @@ class Experiment:
         return self.trainer.update(client, self.state.params, self.state.buffers, sub, rnd)
 
     def _attacked(self, u: Update, subs, rnd: int) -> Update:
-        """An attacking client's update as the server receives it (`attack`, fedlase/robust.py). Applied here,
-        after any runner, so the embedded, batched and Flower paths are attacked alike."""
-        shapes = {n: p.shape for n, p in self.state.params.items()}
-        delta = corrupt(self.cfg.attack, self.attack, u.delta, u.sub or subs[u.level], shapes, self.cfg.seed, rnd,
-                        u.client)
-        return Update(u.client, u.level, delta, u.loss, u.sub)
+        """An update as the server receives it (`attack`, fedlase/robust.py). Applied here, after any runner,
+        so the embedded, batched and Flower paths are attacked alike."""
+        return self.server.receive(u, subs, self.state.params, rnd)
 
     def run_round(self, rnd: int) -> dict:
         picked = self.sample(rnd)
@@ -192,16 +188,15 @@ class Experiment:
         subs = self.submodels([lvl for _, lvl in picked], rnd)
         result = self.runner.train(self, rnd, picked, subs)
         old = self.state.params
-        # the server step (fedlase/robust.py): simulated attacks, the screen, then the robust rule's aggregate
-        updates = [self._attacked(u, subs, rnd) if u.client in self.attackers else u for u in result.updates]
-        updates, rejected, rms = self.robust.screen(updates, subs, old)
+        # the server step (fedlase/robust.py): simulated attacks, the screen, then the rule makes the new model
+        updates = [self._attacked(u, subs, rnd) for u in result.updates]
+        updates, rejected, rms = self.server.screen(updates, subs, old)
         stats = {"train_loss": float(np.mean([u.loss for u in updates])) if updates else float("nan"),
                  "clients": len(updates), **result.stats, **sim}
         if rejected:   # beside the replies a Flower runner rejected already
             stats["rejected"] = {**stats.get("rejected", {}), **rejected}
         if len(updates) >= self.cfg.min_replies and updates:
-            self.state.params, info = self.robust.aggregate(old, updates, subs, rms, self.method.aggregation,
-                                                            self.coverage, self.owners)
+            self.state.params, info = self.server.new_model(old, updates, subs, rms, rnd)
             if info:
                 stats["robust"] = info
             # kept for every rule: the screen rejects non-finite updates, yet finite ones can still overflow the
@@ -209,7 +204,7 @@ class Experiment:
             if not self._broken and not all(bool(torch.isfinite(p).all()) for p in self.state.params.values()):
                 self._broken = True   # a result, not a crash: said once
                 log.warning("round %d: the global model now holds non-finite values (robust=%s)", rnd,
-                            self.robust.rule)
+                            self.server.rule.name)
             trained = {u.level for u in updates}
             for t in self.trackers:   # analyses see the clients that were aggregated
                 t.on_round(rnd, [(u.client, u.level) for u in updates], {lv: subs[lv] for lv in trained},
