@@ -11,6 +11,7 @@ This module sits low in the import graph: it reads choices from the registries w
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 import os
 from dataclasses import dataclass, field
@@ -77,8 +78,11 @@ def _positive_number(x) -> bool:
         return False
 
 
-@dataclass
+@dataclass(frozen=True)
 class Config:
+    """The run's settings. Frozen: `validate` returns a checked copy and nothing changes a config after it (a
+    variant is `dataclasses.replace(cfg, key=value)`); what is derived from it is a view (`levels`, and the typed
+    settings built from it: ClientSettings, EvalSettings, Sampling)."""
     method: str = _f("fiarse", "submodel method (see `fedlase methods`)", choices=METHODS.names)
     method_args: dict = _f({}, "options of the method, e.g. method_args.score=max (see `fedlase methods`)")
     dataset: str = _f("fashion_mnist", "dataset", choices=DATASETS.names)
@@ -210,15 +214,17 @@ class Config:
     plugins: list = _f([], "Python modules imported before the config is checked, in every process of the run "
                        "(they register methods, datasets or models; see docs/library.md)")
 
-    # filled by validate()
-    levels: System | None = field(default=None, init=False, repr=False, metadata={"derived": True})
+    @functools.cached_property
+    def levels(self) -> System:
+        """The resource levels and each client's, parsed from `system`: a view, derived once, never written."""
+        return System.parse(self.system)
 
     @property
     def num_clients(self) -> int:
         return self.levels.num_clients
 
     def to_dict(self) -> dict:
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if not f.metadata.get("derived")}
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
 
 
 def options() -> dict[str, Option]:
@@ -307,16 +313,16 @@ def check_security(cfg) -> None:
 
 
 def validate(cfg: Config) -> Config:
-    """Check every value; fill derived fields. Raises ConfigError naming the key and the allowed values."""
-    for name, opt in options().items():
-        if opt.type in (dict, list) or "parsed" in opt.tags:   # containers and parsed strings: their own rules
-            continue
-        setattr(cfg, name, check_value(name, opt, getattr(cfg, name)))
-    cfg.levels = System.parse(cfg.system)
-    cfg.participation = parse_participation(cfg.participation)
+    """The checked copy of `cfg`: every value checked and coerced (`cfg` itself is left as it was). Raises
+    ConfigError naming the key and the allowed values."""
+    checked = {name: check_value(name, opt, getattr(cfg, name)) for name, opt in options().items()
+               if not (opt.type in (dict, list) or "parsed" in opt.tags)}   # those have their own rules
+    System.parse(cfg.system)
+    participation = parse_participation(cfg.participation)
     if not isinstance(cfg.betas, (list, tuple)) or len(cfg.betas) != 2:
         raise ConfigError("betas", f"must be two numbers in [0, 1), got {cfg.betas}")
-    cfg.betas = [check_value("betas", _BETA, b) for b in cfg.betas]
+    cfg = dataclasses.replace(cfg, **checked, participation=participation,
+                              betas=[check_value("betas", _BETA, b) for b in cfg.betas])
     method = METHODS.get(cfg.method)
     if not isinstance(cfg.method_args, dict):
         raise ConfigError("method_args", f"expected a mapping of options, got {cfg.method_args!r}")
@@ -432,7 +438,7 @@ def import_plugins(modules) -> None:
 
 
 def config_from_dict(raw: dict, validate_: bool = True) -> Config:
-    names = {f.name for f in dataclasses.fields(Config) if not f.metadata.get("derived")}
+    names = {f.name for f in dataclasses.fields(Config)}
     for key in raw:
         if key not in names:
             close = [n for n in sorted(names) if n.startswith(str(key)[:3])]
