@@ -136,14 +136,13 @@ class Config:
                               "kept (mask, but a BN or bias channel only where the client kept a weight of that "
                               "channel); unset: the method's own (nonzero for FIARSE, mask for the others); see "
                               "docs/methods.md", kind=str, choices=("mask", "nonzero", "kept"))
-    robust: str = _f("screen", "the server's rule (docs/methods.md, Robust aggregation): screen (the mean, after "
-                     "rejecting non-finite updates or losses and absurd norms), clip, adaptive_clip, trimmed_mean, "
-                     "median, multikrum (each after the screen), or none (the plain mean of everything)",
+    robust: str = _f("screen", "the server's rule (docs/methods.md, Robust aggregation; a plug-in may register "
+                     "more): screen is the mean after rejecting non-finite updates or losses and absurd norms, none "
+                     "the plain mean of everything; every other built-in runs after that screen",
                      choices=RULES.names)
     robust_args: dict = _f({}, "options of the rule, e.g. robust_args.screen=100, robust_args.trim=0.2")
-    attack: str = _f("none", "simulated faulty or malicious clients: none, scale, sign_flip, gaussian or nan, "
-                     "applied to the chosen clients' deltas as the server receives them",
-                     choices=ATTACKS.names)
+    attack: str = _f("none", "simulated faulty or malicious clients, applied to the chosen clients' deltas as the "
+                     "server receives them", choices=ATTACKS.names)
     attack_args: dict = _f({}, "options of the attack, e.g. attack_args.factor=1e3 attack_args.fraction=0.1 "
                            "(or attack_args.level=1/4, attack_args.clients=[3])")
     eval_order: str = _f("test", "global accuracy on: test (the test set in stored order, batches of "
