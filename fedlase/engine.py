@@ -1,10 +1,13 @@
 """The engine: one round loop for every way of training a round.
 
-A round: sample clients -> each level's submodel (once per level) -> the round runner trains the clients
-(one after another, in vmapped groups, or on Flower nodes) -> per-coordinate aggregation of the updates it
-returns -> trackers -> (every eval_every rounds) evaluation per resource level. The loop, the aggregation and
-the tracker calls exist once, here; a runner only turns (clients, submodels, global model) into updates. The
-engine knows no method, dataset, model or analysis by name: it builds them through fedlase.registry."""
+A run is plain parts built once from its validated config (`build_parts`: data, client splits, model, method,
+client trainer, evaluation data, server step), which the round loop (`Experiment`) takes. A round: sample
+clients -> (with a simulated clock, handed in by the caller) who makes the deadline -> each level's submodel
+(once per level) -> the round runner trains the clients (one after another, in vmapped groups, or on Flower
+nodes) -> the server step on the updates it returns (fedlase/robust.py: attack, screen, rule) -> trackers ->
+(every eval_every rounds) evaluation per resource level. The loop, the server step and the tracker calls exist
+once, here; a runner only turns (clients, submodels, global model) into updates. The engine knows no method,
+dataset, model, rule or analysis by name: it builds them through fedlase.registry."""
 from __future__ import annotations
 
 import json
