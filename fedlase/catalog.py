@@ -1,12 +1,12 @@
-"""Registers every choice a program can name: the built-in datasets, models, partitions, methods and analyses,
-then third-party plugins: any installed package that declares an entry point in the group `fedlase.plugins`
-(its target is imported, and registers what it defines).
+"""Registers every choice a program can name: the built-in datasets, models, partitions, methods, analyses, and
+the server's rules and attacks; then third-party plugins: any installed package that declares an entry point in
+the group `fedlase.plugins` (its target is imported, and registers what it defines).
 
-A built-in registers itself where it is defined, one way: a class with the `@register_method` or
-`@register_tracker` decorator, a function-based entry with a `register_dataset`/`register_model`/
-`register_partition` call beside it. The built-in modules are not listed: every module of the CHOICE_PACKAGES is
-imported, so a new method file in fedlase/methods/ is a choice with no edit here (tests/test_structure.py checks
-that no module outside them registers anything).
+A built-in registers itself where it is defined, one way: a class with the `@register_method`,
+`@register_tracker`, `@register_rule` or `@register_attack` decorator, a function-based entry with a
+`register_dataset`/`register_model`/`register_partition` call beside it. The built-in modules are not listed:
+every module of the CHOICE_PACKAGES is imported, so a new method file in fedlase/methods/ is a choice with no
+edit here (tests/test_structure.py checks that no module outside them registers anything).
 
 `load_builtins()` is called where a program starts: the CLI, `fedlase.make_config`/`fedlase.run`, Flower's
 ServerApp and ClientApp, a sweep's child process. Nothing else imports the built-ins, so the config and the
@@ -21,9 +21,9 @@ from importlib.metadata import entry_points
 
 log = logging.getLogger("fedlase")
 
-# The packages (and the one module) that hold the built-in choices. The text track's modules register their
+# The packages (and the modules) that hold the built-in choices. The text track's modules register their
 # choices only where `transformers` (extra `text`) is installed; without it, those choices are simply absent.
-CHOICE_PACKAGES = ("fedlase.analysis", "fedlase.data", "fedlase.methods", "fedlase.models")
+CHOICE_PACKAGES = ("fedlase.analysis", "fedlase.data", "fedlase.methods", "fedlase.models", "fedlase.rules")
 
 _loaded = False
 

@@ -203,7 +203,8 @@ def main(argv: list[str] | None = None) -> int:
     rep.add_argument("--paired-against", metavar="GROUP", help="compare every group with this one (its label as "
                      "the report's first table shows it), paired by seed: mean difference, t and p")
     rep.add_argument("--no-cost", action="store_true", help="leave out the cost tables and the simulated time "
-                     "(they rebuild each group's experiment: its data and one local step a level)")
+                     "(a group whose runs had no device_model or deadline has its parts rebuilt: its data and one "
+                     "local step a level; the others recorded their costs in sim.json)")
     rep.set_defaults(func=_cmd_report)
 
     args = parser.parse_args(argv)

@@ -5,6 +5,7 @@ one for its own partition only. Both compute the same delta from the same seeded
 and the same local training (fedlase/train.py)."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -22,7 +23,7 @@ from .train import LocalWork, class_keep, classifier_names, label_split_masks, l
 if TYPE_CHECKING:
     from .config import Config
 
-__all__ = ["ClientSettings", "ClientTrainer", "build_model_for", "client_splits", "pick_device"]
+__all__ = ["ClientSettings", "ClientTrainer", "build_model_for", "client_splits", "local_work", "pick_device"]
 
 
 def pick_device(name: str) -> torch.device:
@@ -56,17 +57,29 @@ def build_model_for(cfg: Config, data) -> torch.nn.Module:
 @dataclass(frozen=True)
 class ClientSettings:
     """The settings a client trains under: the run's seed (its batches and dropout streams), the local work,
-    whether a width slice trains as the smaller model, and HeteroFL's label split."""
+    whether a width slice trains as the smaller model, and HeteroFL's label split. A view of the validated
+    config (`from_config`), with no defaults of its own."""
     seed: int
     work: LocalWork
-    sliced: bool = True          # false: a width slice trains as masks over the full model (for checking)
-    label_split: bool = False    # each client trains and is credited with its classes' classifier rows only
+    sliced: bool          # false: a width slice trains as masks over the full model (for checking)
+    label_split: bool     # each client trains and is credited with its classes' classifier rows only
 
     @classmethod
     def from_config(cls, cfg: Config) -> ClientSettings:
-        work = LocalWork(cfg.local_steps, cfg.local_epochs, cfg.batch_size, cfg.optimizer, cfg.lr, cfg.momentum,
-                         cfg.weight_decay, tuple(cfg.betas), cfg.clip_norm)
-        return cls(cfg.seed, work, cfg.sliced, cfg.label_split)
+        """The view of a validated config (built once per run, by fedlase.engine.build_parts)."""
+        return cls(cfg.seed, _work(cfg), cfg.sliced, cfg.label_split)
+
+
+def _work(cfg: Config) -> LocalWork:
+    return LocalWork(cfg.local_steps, cfg.local_epochs, cfg.batch_size, cfg.optimizer, cfg.lr, cfg.momentum,
+                     cfg.weight_decay, tuple(cfg.betas), cfg.clip_norm)
+
+
+def local_work(**settings) -> LocalWork:
+    """The config's default local work with `settings` changed, for code that trains a client outside a run
+    (checks, tools): the defaults are the Config's, the one place they are written."""
+    from .config import Config
+    return dataclasses.replace(_work(Config()), **settings)
 
 
 class ClientTrainer:

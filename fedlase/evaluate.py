@@ -103,10 +103,11 @@ def fairness(accs: list[float]) -> dict:
 @dataclass(frozen=True)
 class EvalSettings:
     """How a run is evaluated: the global set's order (`global_eval_set`), the batch size, and whether a width
-    slice is evaluated as the smaller model (sliced) or as masks over the full one."""
-    order: str = "test"
-    batch_size: int = 1000
-    sliced: bool = True
+    slice is evaluated as the smaller model (sliced) or as masks over the full one. A view of the validated
+    config (`from_config`), with no defaults of its own."""
+    order: str
+    batch_size: int
+    sliced: bool
 
     @classmethod
     def from_config(cls, cfg) -> EvalSettings:

@@ -1,4 +1,5 @@
-"""Registries: the one place each kind of choice (dataset, model, partition, method, analysis) is named.
+"""Registries: the one place each kind of choice (dataset, model, partition, method, analysis, server rule,
+attack) is named.
 
 Config validation, `fedlase methods`, sweeps and Flower all read choices from here, so a dataset, model or
 method registered from outside the package (a `register` call before the run, or a `fedlase.plugins` entry
@@ -152,6 +153,8 @@ MODELS: Registry[ModelEntry] = Registry("model")
 PARTITIONS: Registry[PartitionEntry] = Registry("partition")
 METHODS: Registry[type] = Registry("method")     # Method subclasses
 TRACKERS: Registry[type] = Registry("analysis")  # Tracker subclasses
+RULES: Registry[type] = Registry("robust")       # server rules: fedlase.robust_config.Rule subclasses
+ATTACKS: Registry[type] = Registry("attack")     # simulated attacks: fedlase.robust_config.Attack subclasses
 
 
 def _check_kind(kind: str) -> str:
@@ -187,4 +190,16 @@ def register_method(cls: type, replace: bool = False) -> type:
 
 def register_tracker(cls: type, replace: bool = False) -> type:
     TRACKERS.add(cls.key, cls, replace)
+    return cls
+
+
+def register_rule(cls: type, replace: bool = False) -> type:
+    """Make `robust=cls.name` valid everywhere (a fedlase.robust_config.Rule subclass); a class decorator."""
+    RULES.add(cls.name, cls, replace)
+    return cls
+
+
+def register_attack(cls: type, replace: bool = False) -> type:
+    """Make `attack=cls.name` valid everywhere (a fedlase.robust_config.Attack subclass); a class decorator."""
+    ATTACKS.add(cls.name, cls, replace)
     return cls

@@ -35,11 +35,12 @@ class Stream(enum.IntEnum):
 @dataclass(frozen=True)
 class Sampling:
     """What decides who trains in a round and at which level: the run's seed, its system of levels, the
-    participation fractions (one drawn per round) and the assignment of levels to clients."""
+    participation fractions (one drawn per round) and the assignment of levels to clients. A view of the
+    validated config (`from_config`), with no defaults of its own."""
     seed: int
     system: System
-    participation: tuple[float, ...] = (0.1,)
-    assignment: str = "fixed"   # fixed, random or dynamic (see sample_clients)
+    participation: tuple[float, ...]
+    assignment: str   # fixed, random or dynamic (see sample_clients)
 
     @classmethod
     def from_config(cls, cfg) -> Sampling:

@@ -13,6 +13,7 @@ from fedlase.config import (
     options,
     parse_override,
     parse_participation,
+    validate,
 )
 from fedlase.errors import ConfigError, UserError
 from fedlase.levels import Level, System
@@ -130,6 +131,16 @@ def test_parse_participation_bad(value):
 
 
 # --------------------------------------------------------------------------- validation
+
+def test_validate_returns_a_checked_copy_and_the_config_is_never_changed():
+    raw = config_from_dict({"participation": "{0.1,0.2}", "lr": "1e-2"}, validate_=False)
+    cfg = validate(raw)
+    assert (raw.participation, raw.lr) == ("{0.1,0.2}", "1e-2")   # the input is left as it was
+    assert (cfg.participation, cfg.lr) == ([0.1, 0.2], 0.01)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.out = "elsewhere"   # a variant is dataclasses.replace(cfg, out=...)
+    assert dataclasses.replace(cfg, system="{1}_{3}").num_clients == 3 and cfg.num_clients == 100
+
 
 def test_defaults_validate():
     # Execute

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from conftest import TINY, counted_over, digits_test_size
+from fedlase.client import local_work
 from fedlase.config import load_config
 from fedlase.engine import Experiment, RoundResult, SequentialRounds, run_experiment
 from fedlase.errors import UserError
@@ -21,7 +22,7 @@ from fedlase.methods import build_method
 from fedlase.models import build_model
 from fedlase.registry import METHODS
 from fedlase.sampling import Sampling, client_job, derive_seed, sample_clients
-from fedlase.train import LocalWork, client_batches, local_train
+from fedlase.train import client_batches, local_train
 
 # floats computed in different ways are compared here: .ci/run runs these again on torch's portable kernels
 pytestmark = [pytest.mark.numerics,
@@ -38,13 +39,13 @@ def test_client_batches_cover_passes():
     # Prepare
     gen = torch.Generator().manual_seed(0)
     # Execute: 10 samples, batch 4, 5 steps -> pass 1: 4, 4, 2; pass 2: 4, 4
-    batches = client_batches(10, LocalWork(steps=5, batch_size=4), gen)
+    batches = client_batches(10, local_work(steps=5, batch_size=4), gen)
     # Assert
     assert [len(b) for b in batches] == [4, 4, 2, 4, 4]
     assert sorted(torch.cat(batches[:3]).tolist()) == list(range(10))
-    assert LocalWork(epochs=1.5, batch_size=4).num_steps(10) == 4      # ceil(1.5 * 10 / 4)
-    assert LocalWork(epochs=0.01, batch_size=4).num_steps(10) == 1
-    assert [len(b) for b in client_batches(3, LocalWork(steps=2, batch_size=8), gen)] == [3, 3]
+    assert local_work(epochs=1.5, batch_size=4).num_steps(10) == 4      # ceil(1.5 * 10 / 4)
+    assert local_work(epochs=0.01, batch_size=4).num_steps(10) == 1
+    assert [len(b) for b in client_batches(3, local_work(steps=2, batch_size=8), gen)] == [3, 3]
 
 
 def _cnn_setup(seed=0):
@@ -71,7 +72,7 @@ def test_delta_is_zero_outside_the_mask(kind, optimizer):
         sub = method.submodel(params, quarter, 1)
         same = method.submodel(params, 0.25, 1)   # a float still names the level
         assert all(torch.equal(sub.masks[n], same.masks[n]) for n in sub.masks)
-    work = LocalWork(steps=4, batch_size=8, optimizer=optimizer, lr=0.1, momentum=0.9, weight_decay=0.1)
+    work = local_work(steps=4, batch_size=8, optimizer=optimizer, lr=0.1, momentum=0.9, weight_decay=0.1)
     batches = client_batches(len(y), work, torch.Generator().manual_seed(2))
     before = {k: v.clone() for k, v in params.items()}
     # Execute
@@ -97,7 +98,7 @@ def test_whole_model_training_equals_the_masked_forward(bn, clip):
     params = {k: v.detach().clone() for k, v in model.named_parameters()}
     buffers = {k: v.detach().clone() for k, v in model.named_buffers()}
     x, y = torch.randn(24, 1, 8, 8), torch.randint(0, 10, (24,))
-    work = LocalWork(steps=4, batch_size=8, lr=0.1, momentum=0.9, weight_decay=0.1, clip_norm=clip)
+    work = local_work(steps=4, batch_size=8, lr=0.1, momentum=0.9, weight_decay=0.1, clip_norm=clip)
     batches = client_batches(len(y), work, torch.Generator().manual_seed(2))
     ones = Submodel({n: torch.ones_like(p, dtype=torch.bool) for n, p in params.items()})
     own = {k: v.detach().clone() for k, v in model.state_dict().items()}
@@ -118,7 +119,7 @@ def _linear_case(sub: Submodel, steps: int):
     w0 = torch.tensor([[-0.6, 0.9], [0.55, 0.9]], dtype=torch.float64)
     model = model.double()
     x, y = torch.tensor([[1.0, 0.0]], dtype=torch.float64), torch.tensor([0])
-    work = LocalWork(steps=steps, batch_size=1, lr=0.1)
+    work = local_work(steps=steps, batch_size=1, lr=0.1)
     delta, _ = local_train(model, {"weight": w0}, {}, sub, x, y, [torch.tensor([0])] * steps, work)
     return delta["weight"]
 

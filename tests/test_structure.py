@@ -96,6 +96,15 @@ def test_engine_names_no_method_analysis_dataset_or_model():
     assert not banned
 
 
+def test_the_engine_imports_nothing_that_builds_on_it():
+    """Not at module level, not inside a function: the simulated clock is built by the caller and handed in
+    (fedlase/runner.py, Flower's ServerApp), and costs and reports take the engine's parts."""
+    above = ("fedlase.simtime", "fedlase.cost", "fedlase.measure", "fedlase.report", "fedlase.sweep",
+             "fedlase.flower")
+    assert "fedlase.simtime" in imports(PKG / "runner.py")   # read inside a function too: the runner's is there
+    assert not [m for m in imports(PKG / "engine.py") if m.startswith(above)]
+
+
 # Flower's and Ray's modules fedlase may use: their documented API, each module by its exact name (so a private
 # module without an underscore fails too, not only `flwr.*._*`).
 PUBLIC = {"flwr.app", "flwr.clientapp", "flwr.serverapp", "flwr.simulation",

@@ -17,7 +17,7 @@ from fedlase.methods.heterofl import HeteroFL
 from fedlase.methods.slicing import width_slices
 from fedlase.models import ResNet18, SmallCNN
 from fedlase.models.trace import DerivedGroups, ensure_groups, remember_example, trace_groups
-from fedlase.registry import DATASETS, METHODS, MODELS
+from fedlase.registry import DATASETS, METHODS, MODELS, temporary
 
 LEVELS = (1.0, 0.25)
 
@@ -208,11 +208,10 @@ def _mlp(cfg, data):
 
 @pytest.fixture
 def tabular():
-    fedlase.register_dataset("tabular_t", _load_tabular, num_classes=5, shape=(30,))
-    fedlase.register_model("mlp_t", _mlp)
-    yield
-    DATASETS._entries.pop("tabular_t", None)
-    MODELS._entries.pop("mlp_t", None)
+    with temporary(DATASETS, MODELS):
+        fedlase.register_dataset("tabular_t", _load_tabular, num_classes=5, shape=(30,))
+        fedlase.register_model("mlp_t", _mlp)
+        yield
 
 
 REFUSED = {"depthfl": r"depthfl needs a model with stages; Sequential declares no stages"}

@@ -39,10 +39,8 @@ def config_of(text: str):
 
         from ..catalog import load_builtins
         from ..config import config_from_dict
-        from ..levels import System
         load_builtins()
         cfg = config_from_dict(json.loads(text), validate_=False)
-        cfg.levels = System.parse(cfg.system)   # the one derived field a client reads (num_clients, levels)
         _CACHE.clear()
         _CACHE.update(text=text, cfg=cfg, trainers={})
     return _CACHE["cfg"]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import importlib
 import importlib.util
 import json
@@ -129,7 +130,7 @@ def run_flower(cfg: Config, resume: bool = False, progress: bool = True) -> dict
     for mod in ("flwr", "ray") if cfg.engine == "flower-sim" else ("flwr",):
         if importlib.util.find_spec(mod) is None:
             raise UserError(f"engine={cfg.engine} needs {mod}: pip install 'fedlase[flower]'")
-    cfg.out = str(Path(cfg.out).resolve())   # the ServerApp may run in another working directory
+    cfg = dataclasses.replace(cfg, out=str(Path(cfg.out).resolve()))   # the ServerApp may run in another folder
     out = _check_out(cfg, resume)
     pins = partition_pins(cfg) if cfg.engine == "flower-deploy" else {}
     app_dir = write_app(out / "flower-app", cfg, resume, progress and cfg.engine == "flower-sim", pins)
