@@ -22,9 +22,10 @@ import yaml
 
 from .errors import ConfigError
 from .levels import System, parse_level
+from .machine import sim_actors_rule, threads_rule, writable_folder
 from .options import Option, check_value
 from .registry import ATTACKS, DATASETS, METHODS, MODELS, PARTITIONS, RULES, TRACKERS
-from .resources import check_run, sim_actors_rule, threads_rule, writable_folder
+from .resources import check_run
 from .util import split_host_port
 
 

@@ -32,7 +32,6 @@ import json
 import subprocess
 import sys
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
@@ -143,16 +142,6 @@ def with_memory(costs: list[LevelCost], cfg, checkpoint: str | None = None) -> l
 
 
 # ---- measured memory ------------------------------------------------------------------------------------------
-def _status_kb(key: str) -> int | None:
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith(key + ":"):
-                return int(line.split()[1])
-    except OSError:
-        return None
-    return None
-
-
 def measure_memory(cfg, level_index: int, checkpoint: str | None = None) -> tuple[int | None, int | None]:
     """(peak RSS bytes, bytes above the RSS before training) of one client's local training at a level, in a
     fresh child process (so no other level's pages are counted)."""

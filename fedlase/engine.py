@@ -29,12 +29,13 @@ from .config import Config, check_analysis, config_from_dict, parse_override, re
 from .errors import UserError
 from .evaluate import EvalData, EvalSettings, evaluate_levels
 from .levels import Level
+from .machine import apply_threads
 from .masks import Submodel
 from .registry import DATASETS, METHODS, TRACKERS
-from .resources import apply_threads, check_loaded
+from .resources import check_loaded
 from .robust import ServerStep
 from .sampling import Sampling, sample_clients
-from .util import atomic_write
+from .util import atomic_write, run_folder
 
 log = logging.getLogger("fedlase")
 
@@ -220,12 +221,6 @@ class Experiment:
         return {lvl: self.method.submodel(self.state.params, lvl, rnd).to(self.device)
                 for lvl in sorted(set(levels), key=lambda lv: lv.index)}
 
-    def client_update(self, client: int, sub: Submodel, rnd: int) -> tuple[dict, float]:
-        """One client's (delta, loss) on the current global model, the delta in the global model's shapes (as a
-        Flower client returns it). Public API, for library code and checks that need one client's update: the
-        runners train whole rounds (SequentialRounds, BatchedRounds, NodeRounds)."""
-        return self.trainer.update(client, self.state.params, self.state.buffers, sub, rnd)
-
     def _attacked(self, u: Update, subs, rnd: int) -> Update:
         """An update as the server receives it (`attack`, fedlase/robust.py). Applied here, after any runner,
         so the embedded, batched and Flower paths are attacked alike."""
@@ -313,12 +308,8 @@ def run_experiment(cfg: Config, resume: bool = False, progress: bool = True, run
     `runner` trains the rounds (default: sequential, or batched with batched_clients; Flower passes its own).
     `clock(cfg, parts)` builds the simulated clock a config with `device_model` or `deadline` asks for
     (fedlase.simtime.clock_for: fedlase/runner.py and Flower's ServerApp hand it in)."""
-    out = Path(cfg.out)
+    out = run_folder(cfg.out, resume)
     ckpt, metrics_path, summary_path = out / "checkpoint.pt", out / "metrics.jsonl", out / "summary.json"
-    if out.exists() and not out.is_dir():
-        raise UserError(f"out: {out} is a file, not a folder; choose another out")
-    if not resume and (ckpt.exists() or summary_path.exists()):
-        raise UserError(f"out: {out} already holds a run; pass --resume to continue it or choose another out")
     if clock is None and (cfg.device_model is not None or cfg.deadline is not None):
         raise UserError("device_model/deadline: simulated time needs a clock; run through fedlase.run or "
                         "pass clock=fedlase.simtime.clock_for")

@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 import os
 import resource
+from pathlib import Path
 
 
 # ---- memory ------------------------------------------------------------------------------------------------------
@@ -205,4 +206,15 @@ def writable_folder(value) -> str | None:
         return f"{value!r} needs a folder, but {probe!r} is not one"
     if not os.access(probe, os.W_OK | os.X_OK):
         return f"{value!r} cannot be written: {probe!r} is not writable by this user"
+    return None
+
+
+def status_kb(key: str) -> int | None:
+    """A figure of this process's /proc/self/status in KiB (VmRSS, VmHWM, ...); None where there is none."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(key + ":"):
+                return int(line.split()[1])
+    except OSError:
+        return None
     return None

@@ -9,8 +9,9 @@ import sys
 from pathlib import Path
 
 from .checkpoint import load as load_checkpoint
-from .cost import LevelCost, _status_kb, level_costs, representative, trained_submodel, with_memory
+from .cost import LevelCost, level_costs, representative, trained_submodel, with_memory
 from .engine import build_parts
+from .machine import status_kb
 
 __all__ = ["cost_table", "memory_child"]
 
@@ -51,9 +52,9 @@ def memory_child() -> None:
         Path("/proc/self/clear_refs").write_text("5")
     except OSError:
         pass
-    before = _status_kb("VmRSS")
+    before = status_kb("VmRSS")
     p.trainer.update(client, params, buffers, sub, 1)
-    peak = _status_kb("VmHWM")
+    peak = status_kb("VmHWM")
     if peak is None:   # no /proc: the process's high-water mark (kilobytes on Linux)
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     train = None if before is None else max(0, peak - before) * 1024

@@ -28,17 +28,7 @@ import math
 from types import SimpleNamespace
 
 from .errors import ConfigError
-
-# fedlase/machine.py defines these; all but available_memory are only re-exported, for config.py, engine.py and
-# flower/launch.py, which still import them from here (issue 38: to be pointed at fedlase.machine)
-from .machine import (  # noqa: F401
-    apply_threads,
-    available_memory,
-    sim_actors_rule,
-    threads_rule,
-    usable_cpus,
-    writable_folder,
-)
+from .machine import available_memory
 
 PER_CLIENT_BYTES = 4096       # a client's bookkeeping: its index arrays, level, local test split, tensor objects
 GLOBAL_COPIES = 4             # copies of the model a round holds besides the updates (old, new, sums, counts)

@@ -84,7 +84,7 @@ def test_hook_returns_clients_in_picked_order(tiny_cfg):
     subs = exp.submodels([lvl for _, lvl in picked], 1)
     batched = train_clients_batched(exp.trainer, exp.params, exp.buffers, picked, subs, 1)
     for (client, lvl), (delta, loss) in zip(picked, batched):
-        ref_delta, ref_loss = exp.client_update(client, subs[lvl], 1)
+        ref_delta, ref_loss = exp.trainer.update(client, exp.params, exp.buffers, subs[lvl], 1)
         assert _max_diff(ref_delta, delta) < 1e-5
         assert loss == pytest.approx(ref_loss, rel=1e-5)
 

@@ -259,7 +259,7 @@ def test_evaluate_random_assignment_uses_every_client(tiny_cfg, assignment):
 
 # =========================================================================== engine: state, submodels, clients
 
-def test_state_submodels_and_client_update(exp20):
+def test_state_submodels_and_a_clients_update(exp20):
     exp = exp20
     cfg = exp.cfg
     # the run state is an explicit value; the experiment's params, buffers and round are views of it
@@ -290,7 +290,7 @@ def test_state_submodels_and_client_update(exp20):
     try:
         exp.state.params = {k: v + 1 for k, v in old.items()}
         assert torch.equal(exp.params[n], old[n] + 1)
-        d3, _ = exp.client_update(client, subs[lvl], 3)
+        d3, _ = exp.trainer.update(client, exp.params, exp.buffers, subs[lvl], 3)
         assert any(not torch.equal(d3[k], delta[k]) for k in delta)
     finally:
         exp.state.params = old
