@@ -9,12 +9,13 @@ from .depthfl import DepthFL
 from .fedavg import FedAvg, FedAvgSmall
 from .feddse import FedDSE
 from .fedlase import FedLASE
+from .fedlmt import FedLMT, PFedLMT
 from .fedrolex import FedRolex
 from .fiarse import FIARSE
 from .fjord import FjORD
 from .heterofl import HeteroFL
 
-for _cls in (FedLASE, FIARSE, HeteroFL, FedRolex, FedAvg, FedAvgSmall, FjORD, DepthFL, FedDSE):
+for _cls in (FedLASE, FIARSE, HeteroFL, FedRolex, FedAvg, FedAvgSmall, FjORD, DepthFL, FedDSE, FedLMT, PFedLMT):
     if _cls.name not in METHODS:
         register_method(_cls)
 
