@@ -201,8 +201,9 @@ class PFedLMT(LowRank):
         alphas = {lvl.name: cls._ratio(model, plan, budgeted, lvl, rule) for lvl in system.levels}
         shares = {n: budget_share(model, plan, a, budgeted) for n, a in alphas.items()}
         factorize(model, plan, max(alphas.values()))
+        meta = next(model.parameters()).is_meta   # sizes only (fedlase/resources.py): no values to seed
         with torch.no_grad():   # the authors' meta_round 0: the SVD of each composed W, in the permuted layout
-            for name in plan:
+            for name in plan if not meta else ():
                 fac = model.get_submodule(name)
                 first, second = decompose(compose(fac.first.weight, fac.second.weight), fac.first.out_channels)
                 fac.first.weight.copy_(first)
