@@ -15,7 +15,7 @@ from fedlase.methods.fedlmt import FedLMT, PFedLMT
 from fedlase.models import build_model
 from fedlase.models.factorized import FactorizedConv2d, as_matrix, compose, decompose
 
-LMT = ["method=fedlmt", "method=pfedlmt"]
+LMT = [["method=fedlmt"], ["method=fedlmt", "batched_clients=true"], ["method=pfedlmt"]]
 
 
 @pytest.mark.numerics
@@ -79,9 +79,9 @@ def test_level_below_the_floor_is_refused_in_one_line(tmp_path, capsys):
         PFedLMT(build_model("resnet18", 3, 10, 0.25, "batch", 8), System.parse("{1,1/16}_{1,1}"))
 
 
-@pytest.mark.parametrize("method", LMT)
-def test_two_rounds_on_the_embedded_engine(tiny_cfg, method):
-    cfg = tiny_cfg(method)
+@pytest.mark.parametrize("args", LMT, ids=" ".join)
+def test_two_rounds_on_the_embedded_engine(tiny_cfg, args):
+    cfg = tiny_cfg(*args)
     summary = run_experiment(cfg, progress=False)
     levels = summary["final"]["levels"]
     assert summary["rounds"] == 2 and all(math.isfinite(v["local_acc"]) and math.isfinite(v["global_acc"])
@@ -89,7 +89,7 @@ def test_two_rounds_on_the_embedded_engine(tiny_cfg, method):
     ckpt = torch.load(f"{cfg.out}/checkpoint.pt", weights_only=True)
     assert "features.8.first.weight" in ckpt["params"] and "features.8.weight" not in ckpt["params"]
     kept = [v["kept"] for v in levels.values()]
-    assert (kept[0] == kept[1]) == (method == "method=fedlmt")   # fedlmt: one rank; pfedlmt: the level's
+    assert (kept[0] == kept[1]) == (args[0] == "method=fedlmt")   # fedlmt: one rank; pfedlmt: the level's
 
 
 def test_pfedlmt_keeps_each_clients_part_and_averages_the_prefix(tiny_cfg):

@@ -70,8 +70,9 @@ class LowRank(Method):
         try:
             return layer_plan(model, rule), _budgeted(model)
         except ValueError as e:
-            raise ConfigError("method_args.decom_rule" if "decom_rule" in str(e) else "model",
-                              f"{cls.name}: {e}") from None
+            if "decom_rule" in str(e):
+                raise ConfigError("method_args.decom_rule", str(e).replace("decom_rule ", "")) from None
+            raise ConfigError("model", f"{cls.name}: {e}") from None
 
     @classmethod
     def _ratio(cls, model, plan, budgeted, level, rule) -> float:
