@@ -73,8 +73,10 @@ def test_level_below_the_floor_is_refused_in_one_line(tmp_path, capsys):
                  "rounds=2", f"out={tmp_path / 'r'}", "--quiet"])
     err = capsys.readouterr().err.strip()
     assert code == 2 and len(err.splitlines()) == 1 and not (tmp_path / "r").exists()
+    # by hand, the quarter-width CNN on digits: convs 1->8, 8->16, 16->32, 32->64 and a 64->10 linear hold 24,914;
+    # at the smallest ratio (0.5/16, just above) the ranks are 1, 1, 2: 72 + 3*1*24 + 3*1*48 + 3*2*96 + 650 = 1,514
     assert err.startswith("fedlase: error: system: fedlmt cannot meet level 1/64 on SmallCNN")
-    assert "smallest feasible level is 1/20" in err
+    assert f"holds 1/{24914 / 1514:.1f} of its dense parameters, so the smallest feasible level is 1/16" in err
     with pytest.raises(ConfigError, match="pfedlmt cannot meet level 1/16 on ResNet18.*smallest feasible level is 1/6"):
         PFedLMT(build_model("resnet18", 3, 10, 0.25, "batch", 8), System.parse("{1,1/16}_{1,1}"))
 

@@ -6,8 +6,8 @@ Ranks from the budget: a level is a share of the dense model's budgeted paramete
 biases, as every method's level). A rank ratio alpha gives each factorized block the rank max(1, round(alpha *
 planes)); the model's share grows with alpha, so the level's alpha is the largest one whose factorized model holds
 at most that share, found by bisection on the counted share (`solve_ratio`). Layers that stay full-rank (the stem,
-1x1 shortcuts, the classifier, and the blocks before `decom_rule`) set a floor: a level below the share of the
-model at rank 1 everywhere cannot be met, and is refused when the run is built, in one line naming the smallest
+1x1 shortcuts, the classifier, and the blocks before `decom_rule`) and the smallest ratio the authors' rule runs
+at (`min_ratio`: every rank round(alpha * planes) >= 1) set a floor: a level below that model's share cannot be met, and is refused when the run is built, in one line naming the smallest
 feasible level (as DepthFL refuses its).
 
 fedlmt: every client trains the same model, factorized at the ratio of the weakest level the run serves (or
@@ -33,23 +33,29 @@ from ..models.factorized import (FactorizedConv2d, block_prefixes, budget_share,
 from ..models.resnet import ResNet18
 from .base import LocalObjective, Method, Option
 
-__all__ = ["FedLMT", "PFedLMT", "solve_ratio"]
+__all__ = ["FedLMT", "PFedLMT", "min_ratio", "solve_ratio"]
 
 ALPHA_CAP = 3.0   # at this ratio every block's rank is at its cap (3 * min(in, out) <= 3 * planes)
 
 
-def solve_ratio(share, level: float) -> float | None:
-    """The largest rank ratio alpha in [0, ALPHA_CAP] with share(alpha) <= level (share: non-decreasing in
-    alpha), to 1e-9; None when even alpha = 0 (rank 1 everywhere) is over."""
-    if share(0.0) > level + 1e-12:
+def solve_ratio(share, level: float, low: float) -> float | None:
+    """The largest rank ratio alpha in [low, ALPHA_CAP] with share(alpha) <= level (share: non-decreasing in
+    alpha), to 1e-9; None when even alpha = low is over."""
+    if share(low) > level + 1e-12:
         return None
-    lo, hi = 0.0, ALPHA_CAP
+    lo, hi = low, ALPHA_CAP
     if share(hi) <= level + 1e-12:
         return hi
     while hi - lo > 1e-9:
         mid = (lo + hi) / 2
         lo, hi = (mid, hi) if share(mid) <= level + 1e-12 else (lo, mid)
     return lo
+
+
+def min_ratio(plan: dict) -> float:
+    """The smallest ratio the authors' rule round(alpha * planes) runs at: every factorized block's rank >= 1,
+    i.e. alpha just above 1/(2 * the narrowest block's planes) (ranks 1, 1, 2, 4 on ResNet-18's stages)."""
+    return 0.5 * (1 + 1e-9) / min(cout for _, cout, _ in plan.values())
 
 
 def _budgeted(model) -> list[str]:
@@ -77,12 +83,13 @@ class LowRank(Method):
     @classmethod
     def _ratio(cls, model, plan, budgeted, level, rule) -> float:
         """The level's rank ratio, or the one-line refusal of a level below the floor."""
-        alpha = solve_ratio(lambda a: budget_share(model, plan, a, budgeted), float(level))
+        low = min_ratio(plan)
+        alpha = solve_ratio(lambda a: budget_share(model, plan, a, budgeted), float(level), low)
         if alpha is None:
-            floor = budget_share(model, plan, 0.0, budgeted)
+            floor = budget_share(model, plan, low, budgeted)
             raise ConfigError("system", f"{cls.name} cannot meet level {level.name} on {type(model).__name__}: at "
-                              f"rank 1 in every factorized block (decom_rule={rule}) the model holds 1/{1 / floor:.1f}"
-                              f" of its dense parameters, so the smallest feasible level is 1/{math.floor(1 / floor)}")
+                              f"its smallest ranks (decom_rule={rule}) the model holds 1/{1 / floor:.1f} of its dense "
+                              f"parameters, so the smallest feasible level is 1/{math.floor(1 / floor)}")
         return alpha
 
     @staticmethod
@@ -119,6 +126,9 @@ class FedLMT(LowRank):
         weakest = system.smallest
         fit = cls._ratio(model, plan, budgeted, weakest, args["decom_rule"])
         alpha = fit if args["rank_ratio"] is None else args["rank_ratio"]
+        if alpha < min_ratio(plan):
+            raise ConfigError("method_args.rank_ratio", f"{alpha} gives a block rank 0 (round(alpha * planes)); "
+                              f"the smallest ratio that runs is {min_ratio(plan):.6f}")
         share = budget_share(model, plan, alpha, budgeted)
         if share > float(weakest) + 1e-12:
             raise ConfigError("method_args.rank_ratio", f"{alpha} gives fedlmt's model 1/{1 / share:.1f} of the "

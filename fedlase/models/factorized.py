@@ -20,8 +20,8 @@ A layer of rank r holds 3 r (in + out) weights against 9 in out. Which layers ar
 convolution of the blocks from `decom_rule` on (the authors' hybrid rule; blocks before it stay full-rank), never
 the stem, the 1x1 shortcuts, BatchNorm or the classifier. Blocks: ResNet-18's eight BasicBlocks in order (the
 authors' `decom_rule` (stage, block) is block 2*stage + block, both counted from 0), the small CNN's conv layers
-after its stem. A block's rank is max(1, round(alpha * planes)), planes its output width, capped at the
-matrix's full rank 3 * min(in, out)."""
+after its stem. A block's rank is round(alpha * planes), planes its output width (the methods keep alpha where
+every rank is at least 1), capped at the matrix's full rank 3 * min(in, out)."""
 from __future__ import annotations
 
 import torch
