@@ -3,12 +3,12 @@ model, each factorized 3x3 convolution a (1x3) then a (3x1) convolution through 
 (fedlase/models/factorized.py). See docs/methods.md, "FedLMT and pFedLMT".
 
 Ranks from the budget: a level is a share of the dense model's budgeted parameters (conv and linear weights and
-biases, as every method's level). A rank ratio alpha gives each factorized block the rank max(1, round(alpha *
-planes)); the model's share grows with alpha, so the level's alpha is the largest one whose factorized model holds
-at most that share, found by bisection on the counted share (`solve_ratio`). Layers that stay full-rank (the stem,
-1x1 shortcuts, the classifier, and the blocks before `decom_rule`) and the smallest ratio the authors' rule runs
-at (`min_ratio`: every rank round(alpha * planes) >= 1) set a floor: a level below that model's share cannot be met, and is refused when the run is built, in one line naming the smallest
-feasible level (as DepthFL refuses its).
+biases, as every method's level). A rank ratio alpha gives each factorized block the rank round(alpha * planes);
+the model's share grows with alpha, so the level's alpha is the largest one whose factorized model holds at most
+that share, found by bisection on the counted share (`solve_ratio`). Layers that stay full-rank (the stem, 1x1
+shortcuts, the classifier, and the blocks before `decom_rule`) and the smallest ratio the authors' rule runs at
+(`min_ratio`: every rank >= 1) set a floor: a level below that model's share cannot be met, and is refused when
+the run is built, in one line naming the smallest feasible level (as DepthFL refuses its).
 
 fedlmt: every client trains the same model, factorized at the ratio of the weakest level the run serves (or
 `rank_ratio`); the server averages the factors (FedAvg on U and V, not on UV^T), like any parameter.
@@ -27,9 +27,8 @@ import math
 import torch
 
 from ..errors import ConfigError
-from ..masks import Submodel, slice_block
-from ..models.factorized import (FactorizedConv2d, block_prefixes, budget_share, compose, decompose, factor_blocks,
-                                 factorize, layer_plan, rank_for)
+from ..masks import Submodel, maskable_names, slice_block
+from ..models import factorized as fz
 from ..models.resnet import ResNet18
 from .base import LocalObjective, Method, Option
 
@@ -58,11 +57,6 @@ def min_ratio(plan: dict) -> float:
     return 0.5 * (1 + 1e-9) / min(cout for _, cout, _ in plan.values())
 
 
-def _budgeted(model) -> list[str]:
-    from ..masks import maskable_names
-    return maskable_names(model)
-
-
 class LowRank(Method):
     """What FedLMT and pFedLMT share: the factorized model, planned on the dense one by `prepare_model_for`."""
 
@@ -74,7 +68,7 @@ class LowRank(Method):
     def _plan(cls, model, args) -> tuple[dict, list[str]]:
         rule = cls.default_rule(model) if args["decom_rule"] is None else args["decom_rule"]
         try:
-            return layer_plan(model, rule), _budgeted(model)
+            return fz.layer_plan(model, rule), maskable_names(model)
         except ValueError as e:
             if "decom_rule" in str(e):
                 raise ConfigError("method_args.decom_rule", str(e).replace("decom_rule ", "")) from None
@@ -84,9 +78,9 @@ class LowRank(Method):
     def _ratio(cls, model, plan, budgeted, level, rule) -> float:
         """The level's rank ratio, or the one-line refusal of a level below the floor."""
         low = min_ratio(plan)
-        alpha = solve_ratio(lambda a: budget_share(model, plan, a, budgeted), float(level), low)
+        alpha = solve_ratio(lambda a: fz.budget_share(model, plan, a, budgeted), float(level), low)
         if alpha is None:
-            floor = budget_share(model, plan, low, budgeted)
+            floor = fz.budget_share(model, plan, low, budgeted)
             raise ConfigError("system", f"{cls.name} cannot meet level {level.name} on {type(model).__name__}: at "
                               f"its smallest ranks (decom_rule={rule}) the model holds 1/{1 / floor:.1f} of its dense "
                               f"parameters, so the smallest feasible level is 1/{math.floor(1 / floor)}")
@@ -94,7 +88,7 @@ class LowRank(Method):
 
     @staticmethod
     def is_factorized(model) -> bool:
-        return any(isinstance(m, FactorizedConv2d) for m in model.modules())
+        return any(isinstance(m, fz.FactorizedConv2d) for m in model.modules())
 
     def __init__(self, model, system=(1.0,), *, run_seed=None, **options):
         from ..levels import as_system
@@ -106,7 +100,7 @@ class LowRank(Method):
 
 
 class FedLMT(LowRank):
-    """FedLMT: every client trains one low-rank factorized model, its rank set by the weakest level; factors averaged."""
+    """FedLMT: every client trains one low-rank factorized model at the weakest level's rank; factors averaged."""
     name = "fedlmt"
     runs_on = ("embedded", "batched")
     options = {
@@ -129,11 +123,11 @@ class FedLMT(LowRank):
         if alpha < min_ratio(plan):
             raise ConfigError("method_args.rank_ratio", f"{alpha} gives a block rank 0 (round(alpha * planes)); "
                               f"the smallest ratio that runs is {min_ratio(plan):.6f}")
-        share = budget_share(model, plan, alpha, budgeted)
+        share = fz.budget_share(model, plan, alpha, budgeted)
         if share > float(weakest) + 1e-12:
             raise ConfigError("method_args.rank_ratio", f"{alpha} gives fedlmt's model 1/{1 / share:.1f} of the "
                               f"dense parameters, over the weakest level {weakest.name}; at most {fit:.4f} fits it")
-        factorize(model, plan, alpha)
+        fz.factorize(model, plan, alpha)
         model.lmt_alphas = {lvl.name: alpha for lvl in system.levels}
         model.lmt_shares = {lvl.name: share for lvl in system.levels}
         return model
@@ -210,13 +204,13 @@ class PFedLMT(LowRank):
         plan, budgeted = cls._plan(model, args)
         rule = cls.default_rule(model) if args["decom_rule"] is None else args["decom_rule"]
         alphas = {lvl.name: cls._ratio(model, plan, budgeted, lvl, rule) for lvl in system.levels}
-        shares = {n: budget_share(model, plan, a, budgeted) for n, a in alphas.items()}
-        factorize(model, plan, max(alphas.values()))
+        shares = {n: fz.budget_share(model, plan, a, budgeted) for n, a in alphas.items()}
+        fz.factorize(model, plan, max(alphas.values()))
         meta = next(model.parameters()).is_meta   # sizes only (fedlase/resources.py): no values to seed
         with torch.no_grad():   # the authors' meta_round 0: the SVD of each composed W, in the permuted layout
             for name in plan if not meta else ():
                 fac = model.get_submodule(name)
-                first, second = decompose(compose(fac.first.weight, fac.second.weight), fac.first.out_channels)
+                first, second = fz.decompose(fz.compose(fac.first.weight, fac.second.weight), fac.first.out_channels)
                 fac.first.weight.copy_(first)
                 fac.second.weight.copy_(second)
         model.lmt_alphas, model.lmt_shares, model.lmt_rule = alphas, shares, rule
@@ -224,8 +218,8 @@ class PFedLMT(LowRank):
 
     def __init__(self, model, system=(1.0,), *, run_seed=None, **options):
         super().__init__(model, system, run_seed=run_seed, **options)
-        blocks = factor_blocks(model)
-        prefixes = tuple(p for block in block_prefixes(model)[model.lmt_rule:] for p in block)
+        blocks = fz.factor_blocks(model)
+        prefixes = tuple(p for block in fz.block_prefixes(model)[model.lmt_rule:] for p in block)
         head = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)][-1] + "."
         # the client's own part: its factorized blocks (with their BN and shortcuts) and the classifier
         self.custom = [n for n, _ in model.named_parameters() if n.startswith(prefixes + (head,))]
@@ -236,7 +230,7 @@ class PFedLMT(LowRank):
     def ranks(self, level) -> dict[str, int]:
         """Each factorized convolution's rank at `level` (nested: at most the global model's)."""
         a = self.alphas[level.name]
-        return {c: min(rank_for(a, f.first.in_channels, f.second.out_channels), f.first.out_channels)
+        return {c: min(fz.rank_for(a, f.first.in_channels, f.second.out_channels), f.first.out_channels)
                 for c, f in self.factored.items()}
 
     def submodel(self, params, level, round):

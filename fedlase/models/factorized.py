@@ -128,7 +128,7 @@ def budget_share(model: nn.Module, plan: dict, alpha: float, budgeted: list[str]
     sizes = dict((n, p.numel()) for n, p in model.named_parameters())
     dense = sum(sizes[n] for n in budgeted)
     held = dense
-    for name, (cin, cout, _) in plan.items():
+    for cin, cout, _ in plan.values():
         held += 3 * rank_for(alpha, cin, cout) * (cin + cout) - 9 * cin * cout
     return held / dense
 
