@@ -14,6 +14,7 @@ from fedlase.levels import System
 from fedlase.methods.fedlmt import FedLMT, PFedLMT
 from fedlase.models import build_model
 from fedlase.models.factorized import FactorizedConv2d, as_matrix, compose, decompose
+from fedlase.train import LocalWork, local_train
 
 LMT = [["method=fedlmt"], ["method=fedlmt", "batched_clients=true"], ["method=pfedlmt"]]
 
@@ -94,6 +95,20 @@ def test_two_rounds_on_the_embedded_engine(tiny_cfg, args):
     assert (kept[0] == kept[1]) == (args[0] == "method=fedlmt")   # fedlmt: one rank; pfedlmt: the level's
 
 
+def test_fedlmt_averages_the_factors_not_their_product(tiny_cfg):
+    exp = Experiment(tiny_cfg("method=fedlmt"))
+    old = {n: t.clone() for n, t in exp.params.items()}
+    picked = exp.sample(1)
+    subs = exp.submodels([lvl for _, lvl in picked], 1)
+    deltas = [exp.client_update(c, subs[lvl], 1)[0] for c, lvl in picked]   # the round's own seeded updates
+    exp.run_round(1)
+    u, v = "features.11.second.weight", "features.11.first.weight"
+    for n in (u, v):
+        assert torch.allclose(exp.params[n], old[n] + sum(d[n] for d in deltas) / len(deltas), atol=1e-6)
+    mean_product = sum(compose(old[v] + d[v], old[u] + d[u]) for d in deltas) / len(deltas)
+    assert not torch.allclose(compose(exp.params[v], exp.params[u]), mean_product, atol=1e-6)
+
+
 def test_pfedlmt_keeps_each_clients_part_and_averages_the_prefix(tiny_cfg):
     exp = Experiment(tiny_cfg("method=pfedlmt"))
     seed = {n: t.clone() for n, t in exp.params.items()}
@@ -140,8 +155,10 @@ def test_resnet18_trains_at_its_own_size(cls):
     params = {n: t.detach() for n, t in m.model.named_parameters()}
     sub = m.submodel(params, system.levels[1], 1)
     weights = sub.gather(params)
-    out = torch.func.functional_call(m.model, weights, (torch.randn(2, 3, 8, 8),))
-    assert out.shape == (2, 10)
+    x, y = torch.randn(8, 3, 8, 8), torch.arange(8) % 10
+    delta, loss = local_train(m.model, params, {}, sub, x, y, [torch.arange(8)], LocalWork(steps=1), scatter=False)
+    assert math.isfinite(loss) and all(delta[n].shape == weights[n].shape for n in delta)   # trained at its size
+    assert (sub.slices != {}) == (cls is PFedLMT)   # pfedlmt's 1/4 is a rank slice; fedlmt's model is small itself
     assert isinstance(m.model.layer2[0].conv1, FactorizedConv2d)
     assert not isinstance(m.model.layer1[1].conv1, FactorizedConv2d)   # before decom_rule 2: full-rank
     held = sum(t.numel() for n, t in weights.items() if n in m.maskable)
