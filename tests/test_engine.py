@@ -503,7 +503,8 @@ def test_end_to_end_each_method(tmp_path, tiny_cfg, method):
             assert math.isfinite(v[key]) and 0 <= v[key] <= 1, (key, v)
     assert math.isfinite(final["train_loss"])
     assert _metric_rounds(out) == [1, 2]
-    model = METHODS.get(method).prepare_model(build_model("cnn", 1, 10, 0.25, image_size=8), cfg.method_args)
+    model = METHODS.get(method).prepare_model_for(build_model("cnn", 1, 10, 0.25, image_size=8), cfg.method_args,
+                                                 cfg.levels)
     exp_total = sum(p.numel() for n, p in _final_params(out)["params"].items() if n in maskable_names(model))
     kept = {lvl: v["kept"] for lvl, v in final["levels"].items()}
     assert kept["1/4"] <= kept["1"] <= exp_total
