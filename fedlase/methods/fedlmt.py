@@ -27,6 +27,7 @@ import math
 import torch
 
 from ..errors import ConfigError
+from ..levels import as_system
 from ..masks import Submodel, maskable_names, slice_block
 from ..models import factorized as fz
 from ..models.resnet import ResNet18
@@ -65,10 +66,11 @@ class LowRank(Method):
         return 0
 
     @classmethod
-    def _plan(cls, model, args) -> tuple[dict, list[str]]:
+    def _plan(cls, model, args) -> tuple[dict, list[str], int]:
+        """(the convolutions factorized, the budgeted parameter names, the decom_rule in force)."""
         rule = cls.default_rule(model) if args["decom_rule"] is None else args["decom_rule"]
         try:
-            return fz.layer_plan(model, rule), maskable_names(model)
+            return fz.layer_plan(model, rule), maskable_names(model), rule
         except ValueError as e:
             if "decom_rule" in str(e):
                 raise ConfigError("method_args.decom_rule", str(e).replace("decom_rule ", "")) from None
@@ -91,12 +93,11 @@ class LowRank(Method):
         return any(isinstance(m, fz.FactorizedConv2d) for m in model.modules())
 
     def __init__(self, model, system=(1.0,), *, run_seed=None, **options):
-        from ..levels import as_system
         if not self.is_factorized(model):   # a model built without the run's builder is factorized here
             self.prepare_model_for(model, options, as_system(system))
         super().__init__(model, system, run_seed=run_seed, **options)
         self.alphas = dict(model.lmt_alphas)   # level name -> rank ratio
-        self.dense_share = dict(model.lmt_shares)   # level name -> share of the dense model
+        self.shares = dict(model.lmt_shares)   # level name -> share of the dense model's budgeted parameters
 
 
 class FedLMT(LowRank):
@@ -116,9 +117,9 @@ class FedLMT(LowRank):
         if cls.is_factorized(model):
             return model
         args = cls.check_args(options)
-        plan, budgeted = cls._plan(model, args)
+        plan, budgeted, rule = cls._plan(model, args)
         weakest = system.smallest
-        fit = cls._ratio(model, plan, budgeted, weakest, args["decom_rule"])
+        fit = cls._ratio(model, plan, budgeted, weakest, rule)
         alpha = fit if args["rank_ratio"] is None else args["rank_ratio"]
         if alpha < min_ratio(plan):
             raise ConfigError("method_args.rank_ratio", f"{alpha} gives a block rank 0 (round(alpha * planes)); "
@@ -138,8 +139,8 @@ class FedLMT(LowRank):
 
 class Personal(LocalObjective):
     """pFedLMT's per-client part: plain cross-entropy training (the base class), from and into the client's own
-    copy of its factorized blocks and classifier. fedlase.client.ClientTrainer.update calls `start` and `finish`
-    around local training when a submodel's objective has `personal` set."""
+    copy of its factorized blocks and classifier. fedlase.client.ClientTrainer.update calls `params_for` and
+    `finish` around local training when a submodel's objective has `personal` set."""
     personal = True
 
     def __init__(self, method: PFedLMT, level):
@@ -201,8 +202,7 @@ class PFedLMT(LowRank):
         if cls.is_factorized(model):
             return model
         args = cls.check_args(options)
-        plan, budgeted = cls._plan(model, args)
-        rule = cls.default_rule(model) if args["decom_rule"] is None else args["decom_rule"]
+        plan, budgeted, rule = cls._plan(model, args)
         alphas = {lvl.name: cls._ratio(model, plan, budgeted, lvl, rule) for lvl in system.levels}
         shares = {n: fz.budget_share(model, plan, a, budgeted) for n, a in alphas.items()}
         fz.factorize(model, plan, max(alphas.values()))
