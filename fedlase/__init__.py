@@ -1,7 +1,8 @@
 """fedlase: system-heterogeneous federated learning by submodel extraction.
 
 The Python API (docs/library.md): `make_config`, `run`, `read_summary`, `read_metrics`, and `register_method`,
-`register_dataset`, `register_model` with the base classes `Method`/`ThresholdMethod` and `Submodel`.
+`register_dataset`, `register_model`, `register_rule` with the base classes `Method`/`ThresholdMethod`, `Rule`
+and `Submodel`.
 `fedlase.ConfigError`, `fedlase.UserError` and the module `fedlase.errors` are there after `import fedlase`.
 Everything else is loaded on first use: `import fedlase` imports no torch."""
 __version__ = "0.1.0"
@@ -12,7 +13,8 @@ from .errors import ConfigError, DataError, UserError  # noqa: E402
 _API = {
     "make_config": "api", "run": "api", "read_summary": "api", "read_metrics": "api",
     "register_method": "registry", "register_dataset": "registry", "register_model": "registry",
-    "register_partition": "registry", "load_builtins": "catalog", "Method": "methods.base",
+    "register_partition": "registry", "register_rule": "registry", "register_attack": "registry",
+    "Rule": "robust", "Attack": "robust", "load_builtins": "catalog", "Method": "methods.base",
     "ThresholdMethod": "methods.base",
     "Option": "options", "Submodel": "masks", "Dataset": "data.sources", "Config": "config",
 }

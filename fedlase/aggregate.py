@@ -27,6 +27,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .layers import BatchNorm
 from .masks import Submodel, slice_block
 
 AGGREGATIONS = ("coverage", "mean")
@@ -53,7 +54,7 @@ def channel_owners(model: nn.Module) -> dict[str, list[str]]:
     for name, (out_g, _) in groups.items():
         if out_g is not None and shapes.get(name, 0) > 1:
             producers.setdefault(out_g, []).append(name)
-    bn = {f"{m}.{p}" for m, mod in model.named_modules() if isinstance(mod, nn.modules.batchnorm._BatchNorm)
+    bn = {f"{m}.{p}" for m, mod in model.named_modules() if isinstance(mod, BatchNorm)
           for p, _ in mod.named_parameters(recurse=False)}
     for name, (out_g, _) in groups.items():
         if name in bn and out_g in producers:

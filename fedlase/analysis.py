@@ -23,10 +23,11 @@ import numpy as np
 import torch
 
 from .errors import ConfigError
+from .layers import forward_uses
 from .levels import level_name
+from .machine import writable_folder
 from .options import Option, check_options
 from .registry import register_tracker
-from .resources import writable_folder
 from .util import atomic_write
 
 
@@ -361,23 +362,10 @@ class TensorBoard(Tracker):
 
 
 def row_macs(model: torch.nn.Module, x: torch.Tensor) -> dict[str, int]:
-    """Weight name of each conv / linear -> multiply-adds one of its output channels (rows) costs per input."""
-    out, hooks = {}, []
-    for name, m in model.named_modules():
-        if isinstance(m, (torch.nn.Conv2d, torch.nn.Linear)):
-            def hook(mod, inputs, o, name=name):
-                out[f"{name}.weight"] = o[0].numel() // o.shape[1] * mod.weight[0].numel()
-            hooks.append(m.register_forward_hook(hook))
-    was_training = model.training
-    model.eval()
-    try:
-        with torch.no_grad():
-            model(x)
-    finally:
-        model.train(was_training)
-        for h in hooks:
-            h.remove()
-    return out
+    """Weight name (2+ dims) -> multiply-adds one of its output channels (rows) costs per input: its uses in a
+    forward pass of `x` (fedlase.layers.forward_uses) times one row's size."""
+    params = dict(model.named_parameters())
+    return {n: uses * params[n][0].numel() for n, uses in forward_uses(model, x).items()}
 
 
 def empty_rows(sub, macs: dict[str, int]) -> tuple[int, int, float]:

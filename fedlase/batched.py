@@ -32,6 +32,7 @@ from torch import nn
 from torch.func import functional_call, vmap
 
 from .errors import ConfigError
+from .layers import BatchNorm, Dropout
 from .masks import Submodel
 from .train import LocalWork, has_tied_weights, make_optimizer
 
@@ -45,7 +46,7 @@ def _without_running_stats(model: nn.Module) -> nn.Module:
     if model not in _TRAINING_COPIES:
         copy = deepcopy(model)
         for m in copy.modules():
-            if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats:
+            if isinstance(m, BatchNorm) and m.track_running_stats:
                 m.track_running_stats = False
                 m.running_mean = m.running_var = m.num_batches_tracked = None
         _TRAINING_COPIES[model] = copy
@@ -120,7 +121,7 @@ def train_clients_batched(trainer, params: dict[str, torch.Tensor], buffers: dic
                           picked: list, subs: dict, rnd: int) -> list[tuple[dict, float]]:
     """(delta, loss) of every picked (client, level), in `picked` order, trained group by group with the
     trainer's model, data and batches (`ClientTrainer` of fedlase/client.py)."""
-    if any(isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0 for m in trainer.model.modules()):
+    if any(isinstance(m, Dropout) and m.p > 0 for m in trainer.model.modules()):
         raise ConfigError("batched_clients", "the model uses dropout, whose random draws under vmap cannot "
                           "match the sequential ones; set batched_clients=false")
     if any(s.local is not None for s in subs.values()):   # a method's own local objective is sequential only

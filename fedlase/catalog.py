@@ -1,7 +1,12 @@
-"""Registers every choice a program can name: the built-in datasets, models, partitions, methods and analyses
-(their modules register themselves in fedlase.registry on import), then third-party plugins: any installed
-package that declares an entry point in the group `fedlase.plugins` (its target is imported, and registers
-what it defines).
+"""Registers every choice a program can name: the built-in datasets, models, partitions, methods, analyses, and
+the server's rules and attacks; then third-party plugins: any installed package that declares an entry point in
+the group `fedlase.plugins` (its target is imported, and registers what it defines).
+
+A built-in registers itself where it is defined, one way: a class with the `@register_method`,
+`@register_tracker`, `@register_rule` or `@register_attack` decorator, a function-based entry with a
+`register_dataset`/`register_model`/`register_partition` call beside it. The built-in modules are not listed:
+every module of the CHOICE_PACKAGES is imported, so a new method file in fedlase/methods/ is a choice with no
+edit here (tests/test_structure.py checks that no module outside them registers anything).
 
 `load_builtins()` is called where a program starts: the CLI, `fedlase.make_config`/`fedlase.run`, Flower's
 ServerApp and ClientApp, a sweep's child process. Nothing else imports the built-ins, so the config and the
@@ -11,14 +16,14 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import logging
+import pkgutil
 from importlib.metadata import entry_points
 
 log = logging.getLogger("fedlase")
 
-BUILTINS = ("fedlase.analysis", "fedlase.data.builtins", "fedlase.methods", "fedlase.methods.fedlase_width",
-            "fedlase.models")
-# The text track needs `transformers` (extra `text`); without it, its choices are simply absent.
-TEXT_BUILTINS = ("fedlase.data.text", "fedlase.models.transformer")
+# The packages (and the modules) that hold the built-in choices. The text track's modules register their
+# choices only where `transformers` (extra `text`) is installed; without it, those choices are simply absent.
+CHOICE_PACKAGES = ("fedlase.analysis", "fedlase.data", "fedlase.methods", "fedlase.models", "fedlase.rules")
 
 _loaded = False
 
@@ -35,8 +40,15 @@ def load_plugins() -> list[str]:
     return loaded
 
 
-def has_text() -> bool:
-    return importlib.util.find_spec("transformers") is not None
+def builtin_modules() -> list[str]:
+    """Every module of the CHOICE_PACKAGES, each package before its modules (found on disk, not imported)."""
+    names = []
+    for package in CHOICE_PACKAGES:
+        names.append(package)
+        spec = importlib.util.find_spec(package)
+        if spec.submodule_search_locations:   # a package, not a module
+            names += [f"{package}.{m.name}" for m in pkgutil.iter_modules(spec.submodule_search_locations)]
+    return names
 
 
 def load_builtins() -> None:
@@ -44,7 +56,7 @@ def load_builtins() -> None:
     global _loaded
     if _loaded:
         return
-    for name in BUILTINS + (TEXT_BUILTINS if has_text() else ()):
+    for name in builtin_modules():
         importlib.import_module(name)
     load_plugins()
     _loaded = True
@@ -79,17 +91,17 @@ def _option_cell(key: str, opt) -> str:
 
 
 def method_table(builtin_only: bool = True) -> str:
-    """The Markdown table of the registered methods: name, what it is (its docstring's first sentence) and its
-    method_args options with their choices and defaults. `builtin_only`: only fedlase's own (a test or a session
-    may have registered more)."""
+    """The Markdown table of the registered methods: name, what it is (its docstring's first sentence), its
+    coverage rule (the config's `coverage` when unset) and its method_args options with their choices and
+    defaults. `builtin_only`: only fedlase's own (a test or a session may have registered more)."""
     from .registry import METHODS
     load_builtins()
-    rows = ["| method | what it is | options (`method_args.<key>=...`) |", "|---|---|---|"]
+    rows = ["| method | what it is | `coverage` unset | options (`method_args.<key>=...`) |", "|---|---|---|---|"]
     for name, cls in METHODS.items():
         if builtin_only and not cls.__module__.startswith("fedlase."):
             continue
         opts = "; ".join(_option_cell(k, o) for k, o in cls.options.items()) or "none"
-        rows.append(f"| `{name}` | {_summary(cls.__doc__)} | {opts} |")
+        rows.append(f"| `{name}` | {_summary(cls.__doc__)} | `{cls.coverage}` | {opts} |")
     return "\n".join(rows)
 
 

@@ -52,7 +52,8 @@ def _cmd_convert(args) -> int:
 
 
 def _cmd_sweep(args) -> int:
-    from .sweep import describe_plan, plan_sweep, run_sweep
+    from .sweep import run_sweep
+    from .sweep_plan import describe_plan, plan_sweep
     if args.dry_run:
         print(describe_plan(*plan_sweep(args.sweep)))
         return 0
@@ -77,17 +78,16 @@ def _cmd_report(args) -> int:
 
 def _bench(argv: list[str]) -> int:
     """`fedlase bench ARGS` runs the benchmark of a source checkout, tools/bench.py beside the package (a tool,
-    not part of the library: an installed fedlase without its checkout has none). Its own parser reads ARGS."""
+    not part of the library: an installed fedlase without its checkout has none), as its docs say to run it:
+    `python -m tools.bench ARGS` in the checkout, in a process of its own. Its own parser reads ARGS."""
+    import subprocess
     from pathlib import Path
     root = Path(__file__).resolve().parents[1]
     if not (root / "tools" / "bench.py").is_file():
         print("fedlase: error: bench: the benchmark is tools/bench.py of fedlase's source checkout; run "
               "`python -m tools.bench` there", file=sys.stderr)
         return 2
-    if str(root) not in sys.path:
-        sys.path.insert(0, str(root))
-    from tools.bench import main as bench_main
-    return bench_main(argv)
+    return subprocess.run([sys.executable, "-m", "tools.bench", *argv], cwd=root).returncode
 
 
 def _cmd_cost(args) -> int:
@@ -130,7 +130,7 @@ def _keys_with_choices() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .resources import passive_openmp
+    from .machine import passive_openmp
     passive_openmp()   # before anything imports torch (its OpenMP reads the policy once, when it loads)
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["bench"]:
@@ -203,7 +203,8 @@ def main(argv: list[str] | None = None) -> int:
     rep.add_argument("--paired-against", metavar="GROUP", help="compare every group with this one (its label as "
                      "the report's first table shows it), paired by seed: mean difference, t and p")
     rep.add_argument("--no-cost", action="store_true", help="leave out the cost tables and the simulated time "
-                     "(they rebuild each group's experiment: its data and one local step a level)")
+                     "(a group whose runs had no device_model or deadline has its parts rebuilt: its data and one "
+                     "local step a level; the others recorded their costs in sim.json)")
     rep.set_defaults(func=_cmd_report)
 
     args = parser.parse_args(argv)

@@ -5,6 +5,7 @@ one for its own partition only. Both compute the same delta from the same seeded
 and the same local training (fedlase/train.py)."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -15,13 +16,14 @@ from .data.partition import local_test_split
 from .errors import UserError
 from .masks import Submodel
 from .registry import MODELS, PARTITIONS
+from .resources import check_clients
 from .sampling import client_job, dropout_seed, seed_global_stream
 from .train import LocalWork, class_keep, classifier_names, label_split_masks, local_train, restrict_submodel
 
 if TYPE_CHECKING:
     from .config import Config
 
-__all__ = ["ClientSettings", "ClientTrainer", "build_model_for", "client_splits", "pick_device"]
+__all__ = ["ClientSettings", "ClientTrainer", "build_model_for", "client_splits", "local_work", "pick_device"]
 
 
 def pick_device(name: str) -> torch.device:
@@ -35,8 +37,7 @@ def pick_device(name: str) -> torch.device:
 def client_splits(cfg: Config, y_train: np.ndarray, y_test: np.ndarray, num_classes: int):
     """Each client's training indices (the configured partition) and local test indices."""
     n = cfg.num_clients
-    if n > len(y_train):
-        raise UserError(f"system: {n} clients but only {len(y_train)} training samples")
+    check_clients(n, len(y_train), cfg.dataset)   # a node cutting its data may not have run the config's checks
     train = PARTITIONS.get(cfg.partition).split(y_train, n, cfg)
     ratio = cfg.local_test_ratio or len(y_test) / len(y_train)
     test = local_test_split([y_train[i] for i in train], y_test, num_classes, ratio, seed=cfg.seed)
@@ -44,25 +45,41 @@ def client_splits(cfg: Config, y_train: np.ndarray, y_test: np.ndarray, num_clas
 
 
 def build_model_for(cfg: Config, data) -> torch.nn.Module:
-    """The global model, initialised from the run's seed."""
+    """The global model, initialised from the run's seed. A model that declares no channel groups keeps two training
+    samples to be traced with, should a width method need its groups (fedlase/models/trace.py)."""
+    from .models.trace import remember_example  # here: importing fedlase.models registers the built-in models
     torch.manual_seed(cfg.seed)
-    return MODELS.get(cfg.model).build(cfg, data)
+    model = MODELS.get(cfg.model).build(cfg, data)
+    remember_example(model, data)
+    return model
 
 
 @dataclass(frozen=True)
 class ClientSettings:
     """The settings a client trains under: the run's seed (its batches and dropout streams), the local work,
-    whether a width slice trains as the smaller model, and HeteroFL's label split."""
+    whether a width slice trains as the smaller model, and HeteroFL's label split. A view of the validated
+    config (`from_config`), with no defaults of its own."""
     seed: int
     work: LocalWork
-    sliced: bool = True          # false: a width slice trains as masks over the full model (for checking)
-    label_split: bool = False    # each client trains and is credited with its classes' classifier rows only
+    sliced: bool          # false: a width slice trains as masks over the full model (for checking)
+    label_split: bool     # each client trains and is credited with its classes' classifier rows only
 
     @classmethod
     def from_config(cls, cfg: Config) -> ClientSettings:
-        work = LocalWork(cfg.local_steps, cfg.local_epochs, cfg.batch_size, cfg.optimizer, cfg.lr, cfg.momentum,
-                         cfg.weight_decay, tuple(cfg.betas), cfg.clip_norm)
-        return cls(cfg.seed, work, cfg.sliced, cfg.label_split)
+        """The view of a validated config (built once per run, by fedlase.engine.build_parts)."""
+        return cls(cfg.seed, _work(cfg), cfg.sliced, cfg.label_split)
+
+
+def _work(cfg: Config) -> LocalWork:
+    return LocalWork(cfg.local_steps, cfg.local_epochs, cfg.batch_size, cfg.optimizer, cfg.lr, cfg.momentum,
+                     cfg.weight_decay, tuple(cfg.betas), cfg.clip_norm)
+
+
+def local_work(**settings) -> LocalWork:
+    """The config's default local work with `settings` changed, for code that trains a client outside a run
+    (checks, tools): the defaults are the Config's, the one place they are written."""
+    from .config import Config
+    return dataclasses.replace(_work(Config()), **settings)
 
 
 class ClientTrainer:

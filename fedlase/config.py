@@ -11,6 +11,7 @@ This module sits low in the import graph: it reads choices from the registries w
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 import os
 from dataclasses import dataclass, field
@@ -21,9 +22,10 @@ import yaml
 
 from .errors import ConfigError
 from .levels import System, parse_level
+from .machine import sim_actors_rule, threads_rule, writable_folder
 from .options import Option, check_value
-from .registry import DATASETS, METHODS, MODELS, PARTITIONS, TRACKERS
-from .resources import check_run, sim_actors_rule, threads_rule, writable_folder
+from .registry import ATTACKS, DATASETS, METHODS, MODELS, PARTITIONS, RULES, TRACKERS
+from .resources import check_run
 from .util import split_host_port
 
 
@@ -77,8 +79,11 @@ def _positive_number(x) -> bool:
         return False
 
 
-@dataclass
+@dataclass(frozen=True)
 class Config:
+    """The run's settings. Frozen: `validate` returns a checked copy and nothing changes a config after it (a
+    variant is `dataclasses.replace(cfg, key=value)`); what is derived from it is a view (`levels`, and the typed
+    settings built from it: ClientSettings, EvalSettings, Sampling)."""
     method: str = _f("fiarse", "submodel method (see `fedlase methods`)", choices=METHODS.names)
     method_args: dict = _f({}, "options of the method, e.g. method_args.score=max (see `fedlase methods`)")
     dataset: str = _f("fashion_mnist", "dataset", choices=DATASETS.names)
@@ -130,16 +135,15 @@ class Config:
     coverage: str | None = _f(None, "which clients a coordinate's step is averaged over: mask (the clients whose "
                               "mask holds it), nonzero (those whose delta is nonzero: the official FIARSE server), "
                               "kept (mask, but a BN or bias channel only where the client kept a weight of that "
-                              "channel); unset: the method's own (nonzero for FIARSE, mask for the others); see "
+                              "channel); unset: the method's own (`fedlase methods` lists each one's); see "
                               "docs/methods.md", kind=str, choices=("mask", "nonzero", "kept"))
-    robust: str = _f("screen", "the server's rule (docs/methods.md, Robust aggregation): screen (the mean, after "
-                     "rejecting non-finite updates or losses and absurd norms), clip, adaptive_clip, trimmed_mean, "
-                     "median, multikrum (each after the screen), or none (the plain mean of everything)",
-                     choices=("none", "screen", "clip", "adaptive_clip", "trimmed_mean", "median", "multikrum"))
+    robust: str = _f("screen", "the server's rule (docs/methods.md, Robust aggregation; a plug-in may register "
+                     "more): screen is the mean after rejecting non-finite updates or losses and absurd norms, none "
+                     "the plain mean of everything; every other built-in runs after that screen",
+                     choices=RULES.names)
     robust_args: dict = _f({}, "options of the rule, e.g. robust_args.screen=100, robust_args.trim=0.2")
-    attack: str = _f("none", "simulated faulty or malicious clients: none, scale, sign_flip, gaussian or nan, "
-                     "applied to the chosen clients' deltas as the server receives them",
-                     choices=("none", "scale", "sign_flip", "gaussian", "nan"))
+    attack: str = _f("none", "simulated faulty or malicious clients, applied to the chosen clients' deltas as the "
+                     "server receives them", choices=ATTACKS.names)
     attack_args: dict = _f({}, "options of the attack, e.g. attack_args.factor=1e3 attack_args.fraction=0.1 "
                            "(or attack_args.level=1/4, attack_args.clients=[3])")
     eval_order: str = _f("test", "global accuracy on: test (the test set in stored order, batches of "
@@ -210,17 +214,17 @@ class Config:
     plugins: list = _f([], "Python modules imported before the config is checked, in every process of the run "
                        "(they register methods, datasets or models; see docs/library.md)")
 
-    # filled by validate()
-    levels: System | None = field(default=None, init=False, repr=False, metadata={"derived": True})
-    # attack_args checked against the system, defaults filled (robust_config.check_attack): what the engine reads
-    attack_settings: dict | None = field(default=None, init=False, repr=False, metadata={"derived": True})
+    @functools.cached_property
+    def levels(self) -> System:
+        """The resource levels and each client's, parsed from `system`: a view, derived once, never written."""
+        return System.parse(self.system)
 
     @property
     def num_clients(self) -> int:
         return self.levels.num_clients
 
     def to_dict(self) -> dict:
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if not f.metadata.get("derived")}
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
 
 
 def options() -> dict[str, Option]:
@@ -309,16 +313,16 @@ def check_security(cfg) -> None:
 
 
 def validate(cfg: Config) -> Config:
-    """Check every value; fill derived fields. Raises ConfigError naming the key and the allowed values."""
-    for name, opt in options().items():
-        if opt.type in (dict, list) or "parsed" in opt.tags:   # containers and parsed strings: their own rules
-            continue
-        setattr(cfg, name, check_value(name, opt, getattr(cfg, name)))
-    cfg.levels = System.parse(cfg.system)
-    cfg.participation = parse_participation(cfg.participation)
+    """The checked copy of `cfg`: every value checked and coerced (`cfg` itself is left as it was). Raises
+    ConfigError naming the key and the allowed values."""
+    checked = {name: check_value(name, opt, getattr(cfg, name)) for name, opt in options().items()
+               if not (opt.type in (dict, list) or "parsed" in opt.tags)}   # those have their own rules
+    System.parse(cfg.system)
+    participation = parse_participation(cfg.participation)
     if not isinstance(cfg.betas, (list, tuple)) or len(cfg.betas) != 2:
         raise ConfigError("betas", f"must be two numbers in [0, 1), got {cfg.betas}")
-    cfg.betas = [check_value("betas", _BETA, b) for b in cfg.betas]
+    cfg = dataclasses.replace(cfg, **checked, participation=participation,
+                              betas=[check_value("betas", _BETA, b) for b in cfg.betas])
     method = METHODS.get(cfg.method)
     if not isinstance(cfg.method_args, dict):
         raise ConfigError("method_args", f"expected a mapping of options, got {cfg.method_args!r}")
@@ -341,7 +345,7 @@ def validate(cfg: Config) -> Config:
     check_analysis(cfg.analysis)
     from .robust_config import check_attack, check_robust
     check_robust(cfg.robust, cfg.robust_args)
-    cfg.attack_settings = check_attack(cfg.attack, cfg.attack_args, cfg.levels)
+    check_attack(cfg.attack, cfg.attack_args, cfg.levels)
     check_device_model(cfg.device_model, len(cfg.levels.levels))
     if cfg.data_dir is not None and not Path(cfg.data_dir).is_dir():
         raise ConfigError("data_dir", f"folder {cfg.data_dir!r} does not exist")
@@ -434,7 +438,7 @@ def import_plugins(modules) -> None:
 
 
 def config_from_dict(raw: dict, validate_: bool = True) -> Config:
-    names = {f.name for f in dataclasses.fields(Config) if not f.metadata.get("derived")}
+    names = {f.name for f in dataclasses.fields(Config)}
     for key in raw:
         if key not in names:
             close = [n for n in sorted(names) if n.startswith(str(key)[:3])]

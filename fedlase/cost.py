@@ -1,6 +1,7 @@
 """What each resource level of a run really costs a client (`fedlase cost CONFIG`; issue 30).
 
-This module knows no Experiment (the engine's clock uses it); fedlase/measure.py builds one for a config.
+This module knows no Experiment: it costs a run's parts (fedlase.engine.build_parts: model, method, client
+trainer, levels); fedlase/simtime.py's clock and fedlase/measure.py build them for a config.
 Per level, on the submodel of round 1 of the initial model (or of the model a checkpoint holds):
   held        parameters the client must hold to train: the whole model for masked methods (FIARSE, FedLASE:
               the client trains the full-size tensors under masks), the gathered slice for width methods
@@ -31,11 +32,10 @@ import json
 import subprocess
 import sys
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
-__all__ = ["LevelCost", "format_cost_table", "level_costs", "measure_memory", "untimed"]
+__all__ = ["LevelCost", "format_cost_table", "level_costs", "measure_memory", "with_memory"]
 
 
 @dataclass
@@ -57,30 +57,27 @@ class LevelCost:
         return dataclasses.asdict(self)
 
 
-def _client_of(exp, lvl) -> int:
-    clients = exp.level_clients.get(lvl) or [0]
-    return clients[0]
+def representative(level_clients: dict, lvl) -> int:
+    """The client a level is costed on: its first (client 0 when it has none)."""
+    return (level_clients.get(lvl) or [0])[0]
 
 
-def _trained(exp, lvl, rnd: int = 1):
-    """(client, the submodel as that client trains it) of a level at round `rnd`."""
-    client = _client_of(exp, lvl)
-    sub = exp.method.submodel(exp.params, lvl, rnd)
-    sub = exp.trainer.submodel(client, sub, exp.params)
-    return client, sub, exp.trainer.trained(sub)
+def trained_submodel(method, trainer, params: dict, client: int, lvl, rnd: int = 1):
+    """(the level's submodel, the client's own, that one as the client trains it) at round `rnd`."""
+    sub = trainer.submodel(client, method.submodel(params, lvl, rnd), params)
+    return sub, trainer.trained(sub)
 
 
-def _step_flops(exp, client: int, trained) -> tuple[int, int]:
+def _step_flops(model, trainer, params: dict, buffers: dict, client: int, trained) -> tuple[int, int]:
     """(FLOPs of one local step, the same with each layer's FLOPs times its weight's kept fraction)."""
     from torch.utils.flop_counter import FlopCounterMode
 
     from .train import local_train
-    tr = exp.trainer
-    batches, augment = tr.job(client, 1)
-    one = dataclasses.replace(tr.work, steps=1, epochs=None)
-    classes = tr.classes[client] if tr.classes is not None else None
+    batches, augment = trainer.job(client, 1)
+    one = dataclasses.replace(trainer.work, steps=1, epochs=None)
+    classes = trainer.classes[client] if trainer.classes is not None else None
     with torch.random.fork_rng(), FlopCounterMode(display=False) as counter:
-        local_train(exp.model, exp.params, exp.buffers, trained, tr.x, tr.y, batches[:1], one, augment, classes)
+        local_train(model, params, buffers, trained, trainer.x, trainer.y, batches[:1], one, augment, classes)
     counts = counter.get_flop_counts()
     total = int(sum(counts.get("Global", {}).values()))
     # the layers that own a weight: their counted FLOPs scale with its density (a slice's inner masks, if any)
@@ -94,64 +91,57 @@ def _step_flops(exp, client: int, trained) -> tuple[int, int]:
     return total, int(round(total - saved))
 
 
-def _payload(exp, sub) -> tuple[int, int]:
+def _payload(params: dict, buffers: dict, sub) -> tuple[int, int]:
     """Bytes down and up as the Flower codec encodes them; a method whose local objective the codec cannot
     send (FjORD, DepthFL, FedDSE) is charged the dense model each way."""
     from .errors import UserError
     try:
         from .flower.codec import encode_delta, encode_submodel, record_bytes
-        down = encode_submodel(exp.params, exp.buffers, sub)
+        down = encode_submodel(params, buffers, sub)
     except (UserError, ImportError):
-        dense = sum(p.numel() * p.element_size() for p in exp.params.values())
+        dense = sum(p.numel() * p.element_size() for p in params.values())
         return dense, dense
-    zeros = {n: torch.zeros_like(p) for n, p in exp.params.items()}
+    zeros = {n: torch.zeros_like(p) for n, p in params.items()}
     return record_bytes(*down.array_records.values()), record_bytes(encode_delta(zeros, sub))
 
 
-def level_costs(exp, memory: bool = False, checkpoint: str | None = None) -> list[LevelCost]:
-    """The cost of every level of an Experiment (largest first), on its current global model. The method's own
-    state (FedDSE's selection counts) is restored afterwards, so a run's results do not change. `memory`:
-    measure the peak of local training in a child process per level (`checkpoint`: the params it loads)."""
-    state = copy.deepcopy(exp.method.state_dict())
+def level_costs(model, method, trainer, levels, level_clients: dict, params: dict | None = None,
+                buffers: dict | None = None) -> list[LevelCost]:
+    """The cost of every level (largest first) of a run's parts (fedlase.engine.build_parts), on the global model
+    `params`/`buffers` (default: the model's own, the initial one). The method's own state (FedDSE's selection
+    counts) is restored afterwards, so a run's results do not change. The peak memory is measured apart
+    (`measure_memory`, a child process per level)."""
+    params = params if params is not None else {k: v.detach() for k, v in model.named_parameters()}
+    buffers = buffers if buffers is not None else {k: v.detach() for k, v in model.named_buffers()}
+    state = copy.deepcopy(method.state_dict())
     out = []
     try:
-        for lvl in exp.levels:
-            client, sub, trained = _trained(exp, lvl)
+        for lvl in levels:
+            client = representative(level_clients, lvl)
+            sub, trained = trained_submodel(method, trainer, params, client, lvl)
             if trained.slices:
-                held = sum(t.numel() for t in trained.gather(exp.params).values())
+                held = sum(t.numel() for t in trained.gather(params).values())
             else:
-                held = sum(p.numel() for p in exp.params.values())
-            flops, sparse = _step_flops(exp, client, trained)
-            down, up = _payload(exp, sub)
-            steps = exp.trainer.work.num_steps(len(exp.trainer.train_idx[client]))
-            out.append(LevelCost(lvl.name, float(lvl), held, sub.kept(exp.method.maskable, exp.params), flops,
+                held = sum(p.numel() for p in params.values())
+            flops, sparse = _step_flops(model, trainer, params, buffers, client, trained)
+            down, up = _payload(params, buffers, sub)
+            steps = trainer.work.num_steps(len(trainer.train_idx[client]))
+            out.append(LevelCost(lvl.name, float(lvl), held, sub.kept(method.maskable, params), flops,
                                  sparse, down, up, steps, bool(trained.slices)))
     finally:
-        exp.method.load_state_dict(state)
-    if memory:
-        for i, c in enumerate(out):
-            c.peak_bytes, c.train_bytes = measure_memory(exp.cfg, i, checkpoint)
+        method.load_state_dict(state)
     return out
 
 
-def untimed(raw: dict):
-    """The validated config of `raw` (a config's to_dict) without simulated time: an Experiment built from it
-    does not cost its levels (a memory child that did would start children of its own, without end)."""
-    from .config import config_from_dict
-    return config_from_dict({**raw, "device_model": None, "deadline": None})
+def with_memory(costs: list[LevelCost], cfg, checkpoint: str | None = None) -> list[LevelCost]:
+    """`costs` with each level's peak memory of local training measured (a child process per level;
+    `checkpoint`: the params it loads)."""
+    for i, c in enumerate(costs):
+        c.peak_bytes, c.train_bytes = measure_memory(cfg, i, checkpoint)
+    return costs
 
 
 # ---- measured memory ------------------------------------------------------------------------------------------
-def _status_kb(key: str) -> int | None:
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith(key + ":"):
-                return int(line.split()[1])
-    except OSError:
-        return None
-    return None
-
-
 def measure_memory(cfg, level_index: int, checkpoint: str | None = None) -> tuple[int | None, int | None]:
     """(peak RSS bytes, bytes above the RSS before training) of one client's local training at a level, in a
     fresh child process (so no other level's pages are counted)."""

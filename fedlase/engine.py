@@ -1,19 +1,23 @@
 """The engine: one round loop for every way of training a round.
 
-A round: sample clients -> each level's submodel (once per level) -> the round runner trains the clients
-(one after another, in vmapped groups, or on Flower nodes) -> per-coordinate aggregation of the updates it
-returns -> trackers -> (every eval_every rounds) evaluation per resource level. The loop, the aggregation and
-the tracker calls exist once, here; a runner only turns (clients, submodels, global model) into updates. The
-engine knows no method, dataset, model or analysis by name: it builds them through fedlase.registry."""
+A run is plain parts built once from its validated config (`build_parts`: data, client splits, model, method,
+client trainer, evaluation data, server step), which the round loop (`Experiment`) takes. A round: sample
+clients -> (with a simulated clock, handed in by the caller) who makes the deadline -> each level's submodel
+(once per level) -> the round runner trains the clients (one after another, in vmapped groups, or on Flower
+nodes) -> the server step on the updates it returns (fedlase/robust.py: attack, screen, rule) -> trackers ->
+(every eval_every rounds) evaluation per resource level. The loop, the server step and the tracker calls exist
+once, here; a runner only turns (clients, submodels, global model) into updates. The engine knows no method,
+dataset, model, rule or analysis by name: it builds them through fedlase.registry."""
 from __future__ import annotations
 
 import json
 import logging
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -25,19 +29,20 @@ from .config import Config, check_analysis, config_from_dict, parse_override, re
 from .errors import UserError
 from .evaluate import EvalData, EvalSettings, evaluate_levels
 from .levels import Level
+from .machine import apply_threads
 from .masks import Submodel
 from .registry import DATASETS, METHODS, TRACKERS
-from .resources import apply_threads, check_loaded
-from .robust import Robust, attackers, corrupt
+from .resources import check_loaded
+from .robust import ServerStep
 from .sampling import Sampling, sample_clients
-from .util import atomic_write
+from .util import atomic_write, run_folder
 
 log = logging.getLogger("fedlase")
 
 BN_RECOMPUTE_SAMPLES = 5000   # training samples used to recompute static BN statistics before evaluation
 
-__all__ = ["Experiment", "RunState", "Update", "RoundResult", "RoundRunner", "SequentialRounds", "BatchedRounds",
-           "run_experiment", "evaluate_run"]
+__all__ = ["Experiment", "Parts", "build_parts", "Clock", "RunState", "Update", "RoundResult", "RoundRunner",
+           "SequentialRounds", "BatchedRounds", "run_experiment", "evaluate_run"]
 
 
 # ---- state and rounds ----------------------------------------------------------------------------------------
@@ -58,6 +63,7 @@ class Update:
     delta: dict[str, torch.Tensor]
     loss: float
     sub: Submodel | None = None   # the client's own submodel where it differs from its level's (label_split)
+    weight: float = 1.0           # room for a staleness-weighted server step: 1 unless a `weighted` rule reads it
 
 
 @dataclass
@@ -104,51 +110,95 @@ class BatchedRounds(SequentialRounds):
         return RoundResult([Update(c, lvl, d, loss) for (c, lvl), (d, loss) in zip(picked, results)])
 
 
+# ---- the parts ------------------------------------------------------------------------------------------------
+@dataclass
+class Parts:
+    """What a run is made of, built once from a validated config (`build_parts`). The round loop (`Experiment`)
+    takes them; so do, without any round loop, the cost tables (fedlase/cost.py), the simulated clock
+    (fedlase/simtime.py) and the memory measurement (fedlase/measure.py)."""
+    device: torch.device
+    data: Any                                   # the loaded fedlase.data.Dataset (CPU tensors)
+    x_train: torch.Tensor                       # the data on the run's device
+    y_train: torch.Tensor
+    x_test: torch.Tensor
+    y_test: torch.Tensor
+    client_train: list                          # each client's training indices (the partition)
+    client_test: list                           # and local test indices
+    model: torch.nn.Module
+    method: Any                                 # the fedlase.methods.base.Method (through the registry)
+    trainer: ClientTrainer
+    levels: tuple[Level, ...]
+    level_clients: dict[Level, list[int]]       # who is evaluated (and costed) at each level
+    sampling: Sampling
+    eval_data: EvalData
+    eval_settings: EvalSettings
+    server: ServerStep
+
+
+def build_parts(cfg: Config) -> Parts:
+    """Data, client splits, model, method, client trainer, evaluation data and server step of a validated config
+    (the order is part of the result: the model is built from the run's seed before the method)."""
+    device = pick_device(cfg.device)
+    apply_threads(cfg.threads)   # 0: the CPUs this process may use (fedlase/resources.py)
+    d = DATASETS.get(cfg.dataset).load(cfg)
+    check_loaded(cfg, d)   # clients and batch_size against the samples, before anything trains
+    x_train, y_train = d.x_train.to(device), d.y_train.to(device)
+    x_test, y_test = d.x_test.to(device), d.y_test.to(device)
+    client_train, client_test = client_splits(cfg, d.y_train.numpy(), d.y_test.numpy(), d.num_classes)
+    model = build_model_for(cfg, d).to(device)
+    system = cfg.levels
+    method = METHODS.get(cfg.method)(model, system, run_seed=cfg.seed, **cfg.method_args)
+    trainer = ClientTrainer(ClientSettings.from_config(cfg), model, x_train, y_train,
+                            {c: torch.as_tensor(i, device=device) for c, i in enumerate(client_train)}, d.augment)
+    g = torch.Generator().manual_seed(cfg.seed)
+    bn_sample = torch.randperm(len(d.y_train), generator=g)[:BN_RECOMPUTE_SAMPLES].to(device)
+    eval_data = EvalData(x_test, y_test, [torch.as_tensor(i, device=device) for i in client_test], x_train,
+                         bn_sample, trainer.classes)
+    # who is evaluated at each level: unless the assignment is fixed a client has no fixed level, so every
+    # client is evaluated at every level
+    owner = system.client_level
+    level_clients = {lvl: [c for c in range(cfg.num_clients) if cfg.assignment != "fixed" or owner[c] == lvl.index]
+                     for lvl in system.levels}
+    coverage = cfg.coverage or method.coverage
+    server = ServerStep.of(cfg.robust, cfg.robust_args, cfg.attack, cfg.attack_args, system, cfg.seed,
+                           method.aggregation, coverage, channel_owners(model) if coverage == "kept" else None)
+    return Parts(device, d, x_train, y_train, x_test, y_test, client_train, client_test, model, method, trainer,
+                 system.levels, level_clients, Sampling.from_config(cfg), eval_data, EvalSettings.from_config(cfg),
+                 server)
+
+
+class Clock(Protocol):
+    """Simulated time (fedlase/simtime.py's SimClock), built by the caller and handed in: the engine imports
+    nothing that builds on it."""
+    def admit(self, picked: list[tuple[int, Level]], rnd: int) -> tuple[list[tuple[int, Level]], dict]:
+        """(the clients that train, the round's metrics fields)."""
+
+    def record(self) -> dict:
+        """What recomputes the run's simulated time without its data (written to sim.json)."""
+
+
 # ---- the experiment --------------------------------------------------------------------------------------------
 class Experiment:
-    """One run: its data and client splits, model, method, trackers, state, and the runner of its rounds."""
+    """One run: its parts (`build_parts`), trackers, state, the runner of its rounds and, if asked for, its
+    simulated clock. `clock(cfg, parts)` builds the clock (fedlase.simtime.clock_for; the caller hands it in);
+    `parts`: already built ones (default: built from `cfg`)."""
 
-    def __init__(self, cfg: Config, runner: RoundRunner | None = None):
+    def __init__(self, cfg: Config, runner: RoundRunner | None = None,
+                 clock: Callable[[Config, Parts], Clock | None] | None = None, parts: Parts | None = None):
         self.cfg = cfg
-        self.device = pick_device(cfg.device)
-        apply_threads(cfg.threads)   # 0: the CPUs this process may use (fedlase/resources.py)
-        self.data = d = DATASETS.get(cfg.dataset).load(cfg)
-        check_loaded(cfg, d)   # clients and batch_size against the samples, before anything trains
-        self.x_train, self.y_train = d.x_train.to(self.device), d.y_train.to(self.device)
-        self.x_test, self.y_test = d.x_test.to(self.device), d.y_test.to(self.device)
-        self.client_train, self.client_test = client_splits(cfg, d.y_train.numpy(), d.y_test.numpy(), d.num_classes)
-        self.client_test_t = [torch.as_tensor(i, device=self.device) for i in self.client_test]
-        self.model = build_model_for(cfg, d).to(self.device)
+        self.parts = p = parts or build_parts(cfg)
+        self.device, self.data, self.model, self.method, self.trainer = p.device, p.data, p.model, p.method, p.trainer
+        self.x_train, self.y_train, self.x_test, self.y_test = p.x_train, p.y_train, p.x_test, p.y_test
+        self.client_train, self.client_test = p.client_train, p.client_test
+        self.levels, self.level_clients, self.sampling = p.levels, p.level_clients, p.sampling
+        self.eval_data, self.eval_settings, self.server = p.eval_data, p.eval_settings, p.server
+        self.coverage, self.owners = p.server.coverage, p.server.owners
         self.state = RunState(0, {k: v.detach().clone() for k, v in self.model.named_parameters()},
                               {k: v.detach().clone() for k, v in self.model.named_buffers()})
-        self.levels: tuple[Level, ...] = cfg.levels.levels
-        self.sampling = Sampling.from_config(cfg)
-        self.method = METHODS.get(cfg.method)(self.model, cfg.levels, run_seed=cfg.seed, **cfg.method_args)
-        self.trainer = ClientTrainer(ClientSettings.from_config(cfg), self.model, self.x_train, self.y_train,
-                                     {c: torch.as_tensor(i, device=self.device)
-                                      for c, i in enumerate(self.client_train)},
-                                     d.augment)
-        g = torch.Generator().manual_seed(cfg.seed)
-        bn_sample = torch.randperm(len(d.y_train), generator=g)[:BN_RECOMPUTE_SAMPLES].to(self.device)
-        self.eval_data = EvalData(self.x_test, self.y_test, self.client_test_t, self.x_train, bn_sample,
-                                  self.trainer.classes)
-        self.eval_settings = EvalSettings.from_config(cfg)
-        # who is evaluated at each level: unless the assignment is fixed a client has no fixed level, so every
-        # client is evaluated at every level
-        owner = cfg.levels.client_level
-        self.level_clients = {lvl: [c for c in range(cfg.num_clients) if cfg.assignment != "fixed"
-                                    or owner[c] == lvl.index] for lvl in self.levels}
         self.trackers = [TRACKERS.get(name)(self, opts) for name, opts in check_analysis(cfg.analysis).items()]
-        self.coverage = cfg.coverage or self.method.coverage
-        self.owners = channel_owners(self.model) if self.coverage == "kept" else None
         self.runner = runner or (BatchedRounds() if cfg.batched_clients else SequentialRounds())
-        self.robust = Robust(cfg.robust, cfg.robust_args)
-        # checked once, by validate() (every Experiment needs a validated config: it fills cfg.levels too)
-        self.attack = cfg.attack_settings
-        self.attackers = attackers(cfg.attack, self.attack, cfg.levels, cfg.seed)
         self._broken = False
-        from .simtime import clock_for  # simulated time (device_model, deadline); None unless asked for
-        self.clock = clock_for(self)
+        self.clock = clock(cfg, p) if clock is not None else None
 
     # the global model, as trackers and runners read it
     @property
@@ -171,19 +221,10 @@ class Experiment:
         return {lvl: self.method.submodel(self.state.params, lvl, rnd).to(self.device)
                 for lvl in sorted(set(levels), key=lambda lv: lv.index)}
 
-    def client_update(self, client: int, sub: Submodel, rnd: int) -> tuple[dict, float]:
-        """One client's (delta, loss) on the current global model, the delta in the global model's shapes (as a
-        Flower client returns it). Public API, for library code and checks that need one client's update: the
-        runners train whole rounds (SequentialRounds, BatchedRounds, NodeRounds)."""
-        return self.trainer.update(client, self.state.params, self.state.buffers, sub, rnd)
-
     def _attacked(self, u: Update, subs, rnd: int) -> Update:
-        """An attacking client's update as the server receives it (`attack`, fedlase/robust.py). Applied here,
-        after any runner, so the embedded, batched and Flower paths are attacked alike."""
-        shapes = {n: p.shape for n, p in self.state.params.items()}
-        delta = corrupt(self.cfg.attack, self.attack, u.delta, u.sub or subs[u.level], shapes, self.cfg.seed, rnd,
-                        u.client)
-        return Update(u.client, u.level, delta, u.loss, u.sub)
+        """An update as the server receives it (`attack`, fedlase/robust.py). Applied here, after any runner,
+        so the embedded, batched and Flower paths are attacked alike."""
+        return self.server.receive(u, subs, self.state.params, rnd)
 
     def run_round(self, rnd: int) -> dict:
         picked = self.sample(rnd)
@@ -193,16 +234,15 @@ class Experiment:
         subs = self.submodels([lvl for _, lvl in picked], rnd)
         result = self.runner.train(self, rnd, picked, subs)
         old = self.state.params
-        # the server step (fedlase/robust.py): simulated attacks, the screen, then the robust rule's aggregate
-        updates = [self._attacked(u, subs, rnd) if u.client in self.attackers else u for u in result.updates]
-        updates, rejected, rms = self.robust.screen(updates, subs, old)
+        # the server step (fedlase/robust.py): simulated attacks, the screen, then the rule makes the new model
+        updates = [self._attacked(u, subs, rnd) for u in result.updates]
+        updates, rejected, rms = self.server.screen(updates, subs, old)
         stats = {"train_loss": float(np.mean([u.loss for u in updates])) if updates else float("nan"),
                  "clients": len(updates), **result.stats, **sim}
         if rejected:   # beside the replies a Flower runner rejected already
             stats["rejected"] = {**stats.get("rejected", {}), **rejected}
         if len(updates) >= self.cfg.min_replies and updates:
-            self.state.params, info = self.robust.aggregate(old, updates, subs, rms, self.method.aggregation,
-                                                            self.coverage, self.owners)
+            self.state.params, info = self.server.new_model(old, updates, subs, rms, rnd)
             if info:
                 stats["robust"] = info
             # kept for every rule: the screen rejects non-finite updates, yet finite ones can still overflow the
@@ -210,7 +250,7 @@ class Experiment:
             if not self._broken and not all(bool(torch.isfinite(p).all()) for p in self.state.params.values()):
                 self._broken = True   # a result, not a crash: said once
                 log.warning("round %d: the global model now holds non-finite values (robust=%s)", rnd,
-                            self.robust.rule)
+                            self.server.rule.name)
             trained = {u.level for u in updates}
             for t in self.trackers:   # analyses see the clients that were aggregated
                 t.on_round(rnd, [(u.client, u.level) for u in updates], {lv: subs[lv] for lv in trained},
@@ -262,17 +302,22 @@ def config_changes(saved: dict, cfg: Config) -> set[str]:
     return {k for k in result_keys() if k in saved and saved[k] != now.get(k)}
 
 
-def run_experiment(cfg: Config, resume: bool = False, progress: bool = True, runner: RoundRunner | None = None) -> dict:
+def run_experiment(cfg: Config, resume: bool = False, progress: bool = True, runner: RoundRunner | None = None,
+                   clock: Callable[[Config, Parts], Clock | None] | None = None) -> dict:
     """Run (or resume) one experiment; write metrics.jsonl, checkpoint.pt and summary.json into cfg.out.
-    `runner` trains the rounds (default: sequential, or batched with batched_clients; Flower passes its own)."""
-    out = Path(cfg.out)
+    `runner` trains the rounds (default: sequential, or batched with batched_clients; Flower passes its own).
+    `clock(cfg, parts)` builds the simulated clock a config with `device_model` or `deadline` asks for
+    (fedlase.simtime.clock_for: fedlase/runner.py and Flower's ServerApp hand it in)."""
+    out = run_folder(cfg.out, resume)
     ckpt, metrics_path, summary_path = out / "checkpoint.pt", out / "metrics.jsonl", out / "summary.json"
-    if out.exists() and not out.is_dir():
-        raise UserError(f"out: {out} is a file, not a folder; choose another out")
-    if not resume and (ckpt.exists() or summary_path.exists()):
-        raise UserError(f"out: {out} already holds a run; pass --resume to continue it or choose another out")
-    exp = Experiment(cfg, runner)
+    if clock is None and (cfg.device_model is not None or cfg.deadline is not None):
+        raise UserError("device_model/deadline: simulated time needs a clock; run through fedlase.run or "
+                        "pass clock=fedlase.simtime.clock_for")
+    exp = Experiment(cfg, runner, clock)
     out.mkdir(parents=True, exist_ok=True)
+    if exp.clock is not None:   # what `fedlase report` recomputes the simulated time from, without the data
+        record = exp.clock.record()
+        atomic_write(out / "sim.json", lambda p: p.write_text(json.dumps(record)))
     lines: list[str] = []
     if resume and ckpt.exists():
         state = checkpoint.load(ckpt)   # weights-only: nothing in a run folder runs

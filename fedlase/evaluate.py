@@ -11,6 +11,7 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
+from .layers import BatchNorm
 from .train import label_mask_logits
 
 EVAL_ORDERS = ("test", "clients")
@@ -78,7 +79,7 @@ def recompute_bn_stats(model: nn.Module, weights: dict, buffers: dict, x: torch.
             fresh[n] = b.clone()
     model.eval()   # only the BN layers in training mode: dropout (a text model's) stays off and draws nothing
     for m in model.modules():
-        if isinstance(m, nn.modules.batchnorm._BatchNorm):
+        if isinstance(m, BatchNorm):
             m.train()   # BN momentum=None: a cumulative average over the batches of this pass
     for i in range(0, len(x), batch_size):
         functional_call(model, (weights, fresh), (x[i:i + batch_size],))
@@ -102,10 +103,11 @@ def fairness(accs: list[float]) -> dict:
 @dataclass(frozen=True)
 class EvalSettings:
     """How a run is evaluated: the global set's order (`global_eval_set`), the batch size, and whether a width
-    slice is evaluated as the smaller model (sliced) or as masks over the full one."""
-    order: str = "test"
-    batch_size: int = 1000
-    sliced: bool = True
+    slice is evaluated as the smaller model (sliced) or as masks over the full one. A view of the validated
+    config (`from_config`), with no defaults of its own."""
+    order: str
+    batch_size: int
+    sliced: bool
 
     @classmethod
     def from_config(cls, cfg) -> EvalSettings:

@@ -1,4 +1,5 @@
-"""Registries: the one place each kind of choice (dataset, model, partition, method, analysis) is named.
+"""Registries: the one place each kind of choice (dataset, model, partition, method, analysis, server rule,
+attack) is named.
 
 Config validation, `fedlase methods`, sweeps and Flower all read choices from here, so a dataset, model or
 method registered from outside the package (a `register` call before the run, or a `fedlase.plugins` entry
@@ -9,13 +10,15 @@ engine loads no method, model or dataset module.
 
 Registering the same definition again is a no-op, so a plugin module may be imported twice: once as the
 running script (`__main__`) and once by its name (the `plugins` key). Another definition under a taken name is
-an error unless `replace=True`."""
+an error unless `replace=True`. `with temporary():` undoes every registration made inside it (tests, sessions that
+try a plugin for a while)."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
@@ -51,10 +54,12 @@ def same_definition(a, b) -> bool:
 
 class Registry(Generic[T]):
     """name -> entry, in registration order. `key` is the config key whose values these names are."""
+    every: list[Registry] = []   # all registries, in creation order (what `temporary()` restores by default)
 
     def __init__(self, key: str):
         self.key = key
         self._entries: dict[str, T] = {}
+        Registry.every.append(self)
 
     def add(self, name: str, entry: T, replace: bool = False) -> T:
         """Register `entry` as `name`; the same definition again is a no-op (the first one stays)."""
@@ -88,6 +93,18 @@ class Registry(Generic[T]):
 
     def __contains__(self, name) -> bool:
         return name in self._entries
+
+
+@contextlib.contextmanager
+def temporary(*registries: Registry) -> Iterator[None]:
+    """On leaving the block, `registries` (default: all) hold exactly what they held on entering it: a name
+    registered inside is gone, an entry replaced inside is back."""
+    saved = [(r, dict(r._entries)) for r in registries or Registry.every]
+    try:
+        yield
+    finally:
+        for r, entries in saved:
+            r._entries = entries
 
 
 @dataclass(frozen=True)
@@ -136,6 +153,8 @@ MODELS: Registry[ModelEntry] = Registry("model")
 PARTITIONS: Registry[PartitionEntry] = Registry("partition")
 METHODS: Registry[type] = Registry("method")     # Method subclasses
 TRACKERS: Registry[type] = Registry("analysis")  # Tracker subclasses
+RULES: Registry[type] = Registry("robust")       # server rules: fedlase.robust_config.Rule subclasses
+ATTACKS: Registry[type] = Registry("attack")     # simulated attacks: fedlase.robust_config.Attack subclasses
 
 
 def _check_kind(kind: str) -> str:
@@ -171,4 +190,16 @@ def register_method(cls: type, replace: bool = False) -> type:
 
 def register_tracker(cls: type, replace: bool = False) -> type:
     TRACKERS.add(cls.key, cls, replace)
+    return cls
+
+
+def register_rule(cls: type, replace: bool = False) -> type:
+    """Make `robust=cls.name` valid everywhere (a fedlase.robust_config.Rule subclass); a class decorator."""
+    RULES.add(cls.name, cls, replace)
+    return cls
+
+
+def register_attack(cls: type, replace: bool = False) -> type:
+    """Make `attack=cls.name` valid everywhere (a fedlase.robust_config.Attack subclass); a class decorator."""
+    ATTACKS.add(cls.name, cls, replace)
     return cls

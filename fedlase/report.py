@@ -394,29 +394,47 @@ CHARGES = ("dense", "sparse")
 def run_clocks(groups: list[Group]) -> tuple[dict, dict]:
     """({group id: its cost table}, {run id: {charge: SimClock}}), recomputed from each run's config without
     training: the cost table of the group's first run (its initial model, round 1's submodels; no memory
-    measurement) and each run's own sampling. A group whose config cannot be rebuilt here (its data absent) is
-    left out, with a warning."""
+    measurement) and each run's own sampling. A run that had a clock (device_model or deadline) recorded its
+    cost table and clients' steps in sim.json: a group whose runs all did loads no data; the others build the
+    first run's parts (its data). A group whose config cannot be rebuilt here (its data absent) is left out,
+    with a warning."""
     from .checkpoint import check_plugins
     from .config import config_from_dict
-    from .cost import level_costs, untimed
-    from .engine import Experiment
-    from .simtime import SimClock, client_steps
+    from .simtime import SimClock, recorded_clock
     tables, clocks = {}, {}
     for g in groups:
         try:
             for r in g.runs:   # a run folder's `plugins` are not imported (fedlase/checkpoint.py)
                 check_plugins(r.path / "summary.json", r.summary["config"].get("plugins", []),
                               "install them as an entry point, or import them and call fedlase.report.make_report")
-            exp = Experiment(untimed(dict(g.runs[0].summary["config"])))
-            tables[id(g)] = costs = level_costs(exp)
+            records = [(r.path / "sim.json") for r in g.runs]
+            if all(f.is_file() for f in records):
+                records = [json.loads(f.read_text()) for f in records]
+                for r, rec in zip(g.runs, records):
+                    cfg = config_from_dict(dict(r.summary["config"]))
+                    clocks[id(r)] = {c: recorded_clock(cfg, rec, c) for c in CHARGES}
+                tables[id(g)] = clocks[id(g.runs[0])][CHARGES[0]].costs
+                continue
+            costs, steps = _costs_and_steps(g.runs[0].summary["config"])
+            tables[id(g)] = costs
             for r in g.runs:
                 cfg = config_from_dict(dict(r.summary["config"]))
-                steps = client_steps(exp) if cfg.local_epochs is None else client_steps(Experiment(untimed(
-                    dict(r.summary["config"]))))
-                clocks[id(r)] = {c: SimClock(cfg, costs, steps, c) for c in CHARGES}
+                run_steps = steps if cfg.local_epochs is None else _costs_and_steps(r.summary["config"], False)[1]
+                clocks[id(r)] = {c: SimClock(cfg, costs, run_steps, c) for c in CHARGES}
         except Exception as e:   # a report without these sections beats no report
             log.warning("report: no cost table or simulated time for %s (%s)", g.label, e)
     return tables, clocks
+
+
+def _costs_and_steps(raw: dict, cost: bool = True) -> tuple[list | None, dict]:
+    """(the cost table, each client's local steps) of a run's config, from its parts (its data loaded)."""
+    from .config import config_from_dict
+    from .cost import level_costs
+    from .engine import build_parts
+    from .simtime import client_steps
+    p = build_parts(config_from_dict(dict(raw)))
+    costs = level_costs(p.model, p.method, p.trainer, p.levels, p.level_clients) if cost else None
+    return costs, client_steps(p.trainer)
 
 
 def _time_curve(r: Run, clock, metric: str = "global_acc") -> list[tuple[float, float]]:
@@ -540,7 +558,8 @@ def paired_table(groups: list[Group], baseline: str) -> tuple[list, list]:
 def make_report(dirs: list[str], out: str | Path, group_by: list[str] | None = None,
                 paired_against: str | None = None, cost: bool = True) -> Path:
     """Write report.md, results.csv, runs.csv and plots/ under `out`; return the path of report.md. `cost`: add
-    each group's cost table and the runs' simulated time (rebuilds each group's experiment: data and a step)."""
+    each group's cost table and the runs' simulated time (from the runs' sim.json, or the group's parts rebuilt:
+    data and a step; `run_clocks`)."""
     runs = find_runs(dirs)
     groups = group_runs(runs, group_by)
     levels = levels_of(groups)

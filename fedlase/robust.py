@@ -1,38 +1,110 @@
-"""Robust aggregation of submodel updates, and simulated faulty or malicious clients.
+"""The server step: robust aggregation of submodel updates, and simulated faulty or malicious clients.
 
-The server step of every engine (fedlase/engine.py: `Experiment.run_round`, after the round runner returns):
+The engine's round (fedlase/engine.py: `Experiment.run_round`, after the round runner returns) hands the
+replies to the run's `ServerStep`, a pipeline of registered parts (`Rule`, `Attack`: classes with their
+options, registered in fedlase/registry.py and named by the config):
 
-1. `attack` (simulation only): the chosen clients' deltas are corrupted as the server receives them.
-2. The screen (every `robust` rule but `none`): an update is rejected, with its reason, when a value of its delta
-   or its loss is not finite, or when its norm per coordinate held exceeds `robust_args.screen` times the
-   round's median of that figure (docs/methods.md, "Robust aggregation", says why this rule and this bound).
-3. The rule (`robust`) turns the accepted updates into the new global model, per coordinate, under the run's
-   `coverage` and aggregation mode (fedlase/aggregate.py):
-   screen: the streaming mean (the default; what fedlase always computed, once the screen passed);
-   clip / adaptive_clip: each update clipped to a norm bound first, then the streaming mean;
-   trimmed_mean / median: coordinate-wise, over the clients credited with each coordinate;
-   multikrum: the streaming mean of the updates closest to their neighbours on shared coordinates.
+1. the attack (`attack`, simulation only), per arrival: an attacking client's delta is corrupted as the server
+   receives it.
+2. the screen (every rule that declares the `screen` option: all built-ins but `none`): an update is rejected,
+   with its reason, when a value of its delta or its loss is not finite, or when its norm per coordinate held
+   exceeds `robust_args.screen` times the round's median of that figure (docs/methods.md, "Robust
+   aggregation", says why this rule and this bound).
+3. the stages (none built in; `Stage`): room for a step between the screen and the rule, such as differential
+   privacy (clip each accepted update, then noise on the new model).
+4. the rule (`robust`) turns the accepted updates into the new global model, per coordinate, under the run's
+   `coverage` and aggregation mode (fedlase/aggregate.py). The built-in rules and attacks are in
+   fedlase/rules.py; a plug-in module registers its own the same way (docs/library.md, "Adding a rule").
 
 Everything here is deterministic: a client's attack noise is seeded from (run seed, round, client) and the
 attacked set from the run seed, so a resumed run equals an uninterrupted one.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from dataclasses import dataclass
+from typing import ClassVar
 
 import numpy as np
-import torch
 
-from .aggregate import Aggregator, aggregate
-from .robust_config import check_robust
+from .errors import ConfigError
+from .options import Option, check_options
+from .registry import ATTACKS, RULES
 
 log = logging.getLogger("fedlase")
 
-ATTACK_STREAM = 4   # the seed stream of attack draws, after sampling (0-2) and the methods' (3)
+
+# ---- the parts: their base classes -------------------------------------------------------------------------
+class Rule:
+    """A server rule: turns a round's accepted updates into the new global model (`ServerStep`).
+
+    Subclasses set `name` and `options` (`robust_args.<key>`) and implement `aggregate`. A rule that declares the
+    `screen` option (SCREEN) is preceded by the screen; one without it sees every update. `weighted`: whether
+    the rule reads `Update.weight` (room for a staleness-weighted step: a buffered server would weight late
+    updates); the server step refuses weights other than 1 for a rule that does not."""
+    name: ClassVar[str] = ""
+    options: ClassVar[dict[str, Option]] = {}
+    weighted: ClassVar[bool] = False
+
+    def __init__(self, **args):
+        self.args = self.check_args(args)
+
+    def screen(self, updates: list, subs: dict, params: dict) -> tuple[list, dict, list[float]]:
+        """(accepted, {client: why} of the rejected, norms per coordinate held of the accepted): the screen
+        when the rule declares its `screen` option, else every update."""
+        return screen(updates, subs, params, self.args.get("screen"))
+
+    @classmethod
+    def check_args(cls, args) -> dict:
+        """robust_args checked for this rule (one-line ConfigError naming the key), defaults filled."""
+        return check_options("robust_args", cls.options, args, f"robust={cls.name}")
+
+    def aggregate(self, params: dict, updates: list, subs: dict, rms: list[float], mode: str, coverage: str,
+                  owners) -> tuple[dict, dict]:
+        """(new global params, what the rule did for the metrics line) from the screened `updates` (each an
+        engine `Update`; `subs`: each level's submodel, for updates without one of their own; `rms`: their norms
+        per coordinate held), under the aggregation `mode`, `coverage` and `owners` (fedlase/aggregate.py)."""
+        raise NotImplementedError
 
 
+class Attack:
+    """A simulated faulty or malicious client (simulation only): `corrupt` turns an attacker's delta into what
+    the server receives. Subclasses set `name` and `options` (`attack_args.<key>`; the WHO options say who
+    attacks) and implement `corrupt`. `clients`: the attackers, drawn from the run's seed."""
+    name: ClassVar[str] = ""
+    options: ClassVar[dict[str, Option]] = {}
+
+    def __init__(self, args: dict, system, seed: int):
+        self.args, self.seed = args, seed
+        # an attack without the WHO options (`none`) has no attackers
+        self.clients = attackers(self.name, args, system, seed) if "fraction" in args else frozenset()
+
+    def corrupt(self, delta: dict, sub, full_shapes: dict, rnd: int, client: int) -> dict:
+        """One attacking client's delta as the server receives it (`sub`: its submodel; a delta whose shape
+        differs from `full_shapes` is a gathered slice's)."""
+        raise NotImplementedError
+
+    @classmethod
+    def check_args(cls, args, system) -> dict:
+        """attack_args checked for this attack against the run's `system` (client ids, level names)."""
+        out = check_options("attack_args", cls.options, args, f"attack={cls.name}")
+        if out.get("clients") is not None:
+            if (args or {}).keys() & {"fraction", "level"}:
+                raise ConfigError("attack_args.clients", "names the attackers; drop attack_args.fraction/level")
+            bad = [c for c in out["clients"] if isinstance(c, bool) or not isinstance(c, int)
+                   or not 0 <= c < system.num_clients]
+            if bad or not out["clients"]:
+                raise ConfigError("attack_args.clients", f"expected client ids in 0..{system.num_clients - 1}, "
+                                  f"got {out['clients']!r}")
+        if out.get("level") is not None and system.find(out["level"]) is None:
+            raise ConfigError("attack_args.level", f"{out['level']!r} is not a level of system "
+                              f"({', '.join(lv.name for lv in system.levels)})")
+        return out
+
+
+# ---- the attacks -------------------------------------------------------------------------------------------------
 def attackers(kind: str, args: dict, system, seed: int) -> frozenset[int]:
     """The attacking clients: the named ones, or round(fraction x pool) (at least one) drawn from the run seed
     among all clients or those of `level` (by client index, as `system` assigns them under fixed assignment)."""
@@ -44,29 +116,10 @@ def attackers(kind: str, args: dict, system, seed: int) -> frozenset[int]:
     if args["level"] is not None:
         index = system.find(args["level"]).index
         pool = [c for c in pool if system.client_level[c] == index]
-    from .sampling import derive_seed
-    rng = np.random.default_rng(derive_seed(seed, 0, ATTACK_STREAM))
+    from .sampling import Stream, derive_seed
+    rng = np.random.default_rng(derive_seed(seed, 0, Stream.ATTACK))
     k = max(1, round(args["fraction"] * len(pool)))
     return frozenset(int(c) for c in rng.choice(pool, size=k, replace=False))
-
-
-def corrupt(kind: str, args: dict, delta: dict, sub, full_shapes: dict, seed: int, rnd: int, client: int) -> dict:
-    """One attacking client's delta as the server receives it. Gaussian noise goes only where the client holds
-    coordinates (its mask; on a gathered slice, the slice's inner mask), so it stays a well-formed reply."""
-    if kind in ("scale", "sign_flip"):
-        f = args["factor"] if kind == "scale" else -args["factor"]
-        return {n: d * f for n, d in delta.items()}
-    if kind == "nan":
-        return {n: torch.full_like(d, float("nan")) for n, d in delta.items()}
-    from .sampling import derive_seed
-    g = torch.Generator().manual_seed(derive_seed(seed, rnd, ATTACK_STREAM, client))
-    out = {}
-    for n, d in delta.items():
-        small = d.shape != full_shapes[n]
-        mask = (sub.inner() if small else sub).masks.get(n)
-        noise = torch.randn(d.shape, generator=g).to(d.device, d.dtype) * args["std"]
-        out[n] = d + (noise * mask if mask is not None else noise)
-    return out
 
 
 # ---- the screen ------------------------------------------------------------------------------------------------
@@ -123,121 +176,64 @@ def screen(updates: list, subs: dict, full: dict, factor: float | None) -> tuple
     return [updates[i] for i in accepted], rejected, [rms[i] for i in accepted]
 
 
-# ---- the rules ---------------------------------------------------------------------------------------------------
+def Robust(rule: str = "screen", args: dict | None = None) -> Rule:
+    """The registered rule `rule` with its `robust_args` checked (library code and checks that call a rule on
+    updates of their own)."""
+    return RULES.get(rule)(**(args or {}))
+
+
+# ---- the pipeline ------------------------------------------------------------------------------------------------
+class Stage:
+    """A step between the screen and the rule, none built in: room for differential privacy (`updates` clips
+    each accepted update, `model` adds the noise to the new model). Both default to passing things through;
+    a stage seeds its own draws from (run seed, round) under a stream tag of its own."""
+
+    def updates(self, updates: list, subs: dict, params: dict, rnd: int) -> list:
+        return updates
+
+    def model(self, old: dict, new: dict, rnd: int) -> dict:
+        return new
+
+
 @dataclass
-class Robust:
-    """The run's server rule: `robust` and its checked `robust_args`; `aggregate` is the engine's server step."""
-    rule: str = "screen"
-    args: dict | None = None
+class ServerStep:
+    """A run's server step: `receive` (the attack, per arrival), then `screen` and `new_model` (the stages, the
+    rule, the stages' `model`) on the round's replies. The engine calls them in that order and decides between
+    the screen and the rule whether the round has enough replies (min_replies)."""
+    rule: Rule
+    attack: Attack
+    mode: str              # the method's aggregation mode (fedlase/aggregate.py)
+    coverage: str
+    owners: dict | None    # per-channel credit under coverage=kept
+    stages: tuple[Stage, ...] = ()
 
-    def __post_init__(self):
-        self.args = check_robust(self.rule, self.args or {})
+    @classmethod
+    def of(cls, robust: str, robust_args: dict, attack: str, attack_args: dict, system, seed: int, mode: str,
+           coverage: str, owners) -> ServerStep:
+        """The registered rule and attack by name, their options checked (the attackers drawn from `seed`)."""
+        kind = ATTACKS.get(attack)
+        return cls(RULES.get(robust)(**robust_args), kind(kind.check_args(attack_args, system), system, seed),
+                   mode, coverage, owners)
 
-    def screen(self, updates, subs, params):
-        return screen(updates, subs, params, None if self.rule == "none" else self.args["screen"])
+    def receive(self, u, subs: dict, params: dict, rnd: int):
+        """An update as the server receives it: an attacking client's corrupted (simulation only)."""
+        if u.client not in self.attack.clients:
+            return u
+        shapes = {n: p.shape for n, p in params.items()}
+        return dataclasses.replace(u, delta=self.attack.corrupt(u.delta, u.sub or subs[u.level], shapes, rnd,
+                                                                u.client))
 
-    def aggregate(self, params: dict, updates: list, subs: dict, rms: list[float], mode: str, coverage: str,
-                  owners) -> tuple[dict, dict]:
-        """(new global params, what the rule did for the metrics line) from the screened updates. Every rule but
-        the coordinate-wise ones ends in the streaming mean (fedlase.aggregate.aggregate) of the pairs it keeps."""
-        pairs = [(u.delta, u.sub or subs[u.level]) for u in updates]
-        info: dict = {}
-        if self.rule in ("clip", "adaptive_clip"):
-            ref = low_median(rms)
-            clipped, kept = 0, []
-            for (delta, sub), r in zip(pairs, rms):
-                size = held(delta, sub, params)
-                bound = self.args["bound"] if self.rule == "clip" else self.args["factor"] * ref * math.sqrt(size)
-                norm = r * math.sqrt(size)
-                if norm > bound:
-                    delta = {n: d * (bound / norm) for n, d in delta.items()}
-                    clipped += 1
-                kept.append((delta, sub))
-            pairs, info = kept, {"clipped": clipped}
-        elif self.rule in ("trimmed_mean", "median"):
-            agg = Aggregator(params, mode, coverage, owners)
-            return coordinatewise(agg, pairs, self.rule, self.args["trim"]), info
-        elif self.rule == "multikrum":
-            chosen = multikrum(Aggregator(params, mode, coverage, owners), pairs, self.args["faulty"])
-            info["dropped"] = sorted(updates[i].client for i in range(len(pairs)) if i not in chosen)
-            pairs = [pairs[i] for i in sorted(chosen)]
-        return aggregate(params, pairs, mode, coverage, owners), info
+    def screen(self, updates: list, subs: dict, params: dict) -> tuple[list, dict, list[float]]:
+        """(accepted updates, {client: why} of the rejected, the accepted ones' norms per coordinate held)."""
+        if not self.rule.weighted and any(u.weight != 1.0 for u in updates):
+            raise ValueError(f"robust={self.rule.name} does not take weighted updates (its `weighted`)")
+        return self.rule.screen(updates, subs, params)
 
-
-def dense(agg: Aggregator, delta: dict, sub) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    """One update as full-size (values, credited) per parameter under the aggregator's coverage rule: values hold
-    the delta (times a float credit under `kept`, as the mean adds it) where credited, and 0 elsewhere."""
-    out = {}
-    for n, block, d, count in agg.terms(delta, sub):
-        g = agg.global_params[n]
-        cred = torch.ones_like(d, dtype=torch.bool) if isinstance(count, int) else count != 0
-        if block is None:
-            out[n] = (d.expand_as(g) * cred, cred.expand(g.shape))
-        else:
-            v, c = torch.zeros_like(g), torch.zeros(g.shape, dtype=torch.bool, device=g.device)
-            v[block], c[block] = d * cred, cred
-            out[n] = (v, c)
-    for n, g in agg.global_params.items():   # a parameter the update leaves out is not credited to it
-        if n not in out:
-            out[n] = (torch.zeros_like(g), torch.zeros(g.shape, dtype=torch.bool, device=g.device))
-    return out
-
-
-def coordinatewise(agg: Aggregator, pairs: list, rule: str, trim: float) -> dict:
-    """Coordinate-wise median or trimmed mean over the clients credited with each coordinate (Yin et al.
-    2018). A coordinate credited to c clients: the median of its c values (the mean of the two middle ones
-    when c is even); the trimmed mean cuts floor(trim * c) values from each end, so a coordinate held by fewer
-    than 1/trim clients keeps all of them (their mean). Memory: every update, full size, per parameter at a
-    time (n x the parameter's size, plus the sort). Under `mean` mode the step is scaled by c/|A|, as the
-    plain mean's is; an uncredited coordinate stays."""
-    ups = [dense(agg, d, s) for d, s in pairs]
-    out = {}
-    for n, g in agg.global_params.items():
-        vals = torch.stack([u[n][0] for u in ups]) if ups else g.unsqueeze(0) * 0
-        cred = torch.stack([u[n][1] for u in ups]) if ups else torch.zeros_like(vals, dtype=torch.bool)
-        c = cred.sum(0)
-        s = torch.where(cred, vals, torch.full_like(vals, math.inf)).sort(0).values   # credited first, sorted
-        s = torch.where(torch.isinf(s), torch.zeros_like(s), s)
-        idx = torch.arange(len(ups), device=g.device).view(-1, *[1] * g.dim())
-        if rule == "median":
-            lo, hi = ((c - 1).clamp(min=0) // 2).unsqueeze(0), (c // 2).unsqueeze(0)
-            step = (s.gather(0, lo) + s.gather(0, hi)).squeeze(0) / 2
-        else:
-            t = torch.floor(trim * c.to(torch.float64)).to(c.dtype)
-            keep = (idx >= t) & (idx < c - t)
-            step = (s * keep).sum(0) / (c - 2 * t).clamp(min=1)
-        step = torch.where(c > 0, step, torch.zeros_like(step))
-        if agg.mode == "mean":
-            step = step * c / max(len(ups), 1)
-        out[n] = g + step
-    return out
-
-
-def multikrum(agg: Aggregator, pairs: list, faulty: float) -> set[int]:
-    """Multi-Krum (Blanchard et al. 2017) on updates that cover different coordinates: the distance of two
-    updates is their mean squared difference over the coordinates both are credited with (a pair sharing none
-    has no distance); an update's score is the mean of its k = n - f - 2 smallest distances (fewer if it has
-    fewer neighbours; no neighbour: last), and the m = n - f best-scored are kept. Memory: every update, full
-    size, at once, and the n x n distances."""
-    n = len(pairs)
-    f = math.floor(faulty * n)
-    if n <= 2 or f == 0:
-        return set(range(n))
-    ups = [dense(agg, d, s) for d, s in pairs]
-    dist = torch.full((n, n), math.inf, dtype=torch.float64)
-    for i in range(n):
-        for j in range(i + 1, n):
-            sq, shared = 0.0, 0
-            for name in agg.global_params:
-                (vi, ci), (vj, cj) = ups[i][name], ups[j][name]
-                both = ci & cj
-                shared += int(both.sum())
-                sq += float(((vi - vj).double().square() * both).sum())
-            if shared:
-                dist[i, j] = dist[j, i] = sq / shared
-    k = max(n - f - 2, 1)
-    scores = []
-    for i in range(n):
-        near = dist[i][torch.isfinite(dist[i])].sort().values[:k]
-        scores.append((float(near.mean()) if len(near) else math.inf, i))
-    return {i for _, i in sorted(scores)[:n - f]}
+    def new_model(self, params: dict, updates: list, subs: dict, rms: list[float], rnd: int) -> tuple[dict, dict]:
+        """(the new global params, what the rule did for the metrics line) from the accepted updates."""
+        for stage in self.stages:
+            updates = stage.updates(updates, subs, params, rnd)
+        new, info = self.rule.aggregate(params, updates, subs, rms, self.mode, self.coverage, self.owners)
+        for stage in self.stages:
+            new = stage.model(params, new, rnd)
+        return new, info

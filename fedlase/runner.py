@@ -17,4 +17,5 @@ def run_config(cfg: Config, resume: bool = False, progress: bool = True) -> dict
         from .flower import run_flower  # needs the `flower` extra
         return run_flower(cfg, resume=resume, progress=progress)
     from .engine import run_experiment
-    return run_experiment(cfg, resume=resume, progress=progress)
+    from .simtime import clock_for  # the engine is handed its clock: it imports nothing built on it
+    return run_experiment(cfg, resume=resume, progress=progress, clock=clock_for)

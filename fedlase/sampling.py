@@ -4,6 +4,7 @@ Every round and client draws from its own seeded stream, so any engine (embedded
 computes the same draws, and a resumed run draws exactly what an uninterrupted one would."""
 from __future__ import annotations
 
+import enum
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -20,18 +21,26 @@ def derive_seed(*parts: int) -> int:
     return int(np.random.SeedSequence([int(p) for p in parts]).generate_state(2, np.uint64)[0] >> 1)
 
 
-# Stream tags: the second integer after (seed, round) names what a stream is for.
-SAMPLING, BATCHES, DROPOUT = 0, 1, 2
+@enum.unique
+class Stream(enum.IntEnum):
+    """What a seeded stream is for: the integer after (seed, round) in every `derive_seed` call. Every tag of
+    the package is declared here, once: two uses sharing a tag would silently draw correlated numbers."""
+    SAMPLING = 0   # who trains in a round, at which level (sample_clients)
+    BATCHES = 1    # a client's batches and augmentation (client_job)
+    DROPOUT = 2    # torch's global stream while a client trains (dropout_seed)
+    METHOD = 3     # a method's own draws (fedlase.methods.base.Method.generator)
+    ATTACK = 4     # simulated attacks: who attacks, and each attack's noise (fedlase/robust.py)
 
 
 @dataclass(frozen=True)
 class Sampling:
     """What decides who trains in a round and at which level: the run's seed, its system of levels, the
-    participation fractions (one drawn per round) and the assignment of levels to clients."""
+    participation fractions (one drawn per round) and the assignment of levels to clients. A view of the
+    validated config (`from_config`), with no defaults of its own."""
     seed: int
     system: System
-    participation: tuple[float, ...] = (0.1,)
-    assignment: str = "fixed"   # fixed, random or dynamic (see sample_clients)
+    participation: tuple[float, ...]
+    assignment: str   # fixed, random or dynamic (see sample_clients)
 
     @classmethod
     def from_config(cls, cfg) -> Sampling:
@@ -43,7 +52,7 @@ def sample_clients(plan: Sampling, rnd: int) -> list[tuple[int, Level]]:
 
     fixed: each client keeps the level of its index; random: the system's counts permuted over clients;
     dynamic: each sampled client's level drawn independently, with probabilities proportional to the counts."""
-    rng = np.random.default_rng(derive_seed(plan.seed, rnd, SAMPLING))
+    rng = np.random.default_rng(derive_seed(plan.seed, rnd, Stream.SAMPLING))
     system, n = plan.system, plan.system.num_clients
     frac = plan.participation[rng.integers(len(plan.participation))]
     chosen = np.sort(rng.choice(n, size=max(1, int(round(frac * n))), replace=False))
@@ -61,7 +70,7 @@ def client_job(seed: int, work: LocalWork, train_idx: torch.Tensor, rnd: int, cl
                augment: bool) -> tuple[list[torch.Tensor], Callable | None]:
     """The client's local batches (index tensors into the training set) and augmentation for this round,
     from its own seeded stream; every training path (sequential, batched, Flower, bench) draws them here."""
-    gen = torch.Generator().manual_seed(derive_seed(seed, rnd, BATCHES, client))
+    gen = torch.Generator().manual_seed(derive_seed(seed, rnd, Stream.BATCHES, client))
     positions = client_batches(len(train_idx), work, gen)
     # one gather for the whole round's batches, then cut (the same indices as batch by batch)
     batches = list(train_idx[torch.cat(positions).to(train_idx.device)].split([len(b) for b in positions]))
@@ -70,7 +79,7 @@ def client_job(seed: int, work: LocalWork, train_idx: torch.Tensor, rnd: int, cl
 
 def dropout_seed(seed: int, rnd: int, client: int) -> int:
     """The seed of the global torch stream while a client trains (dropout draws from it)."""
-    return derive_seed(seed, rnd, DROPOUT, client)
+    return derive_seed(seed, rnd, Stream.DROPOUT, client)
 
 
 def seed_global_stream(seed: int, device: torch.device) -> None:

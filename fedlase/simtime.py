@@ -87,6 +87,11 @@ class SimClock:
             self._ends.append(self._ends[-1] + self.round(len(self._ends))["time"])
         return self._ends[rnd]
 
+    def record(self) -> dict:
+        """What recomputes this run's simulated time without its data: the cost table and each client's steps
+        (`recorded_clock`; the engine writes it to the run's sim.json)."""
+        return {"costs": [c.to_dict() for c in self.costs], "steps": {str(c): n for c, n in self.steps.items()}}
+
     def admit(self, picked, rnd: int):
         """(the clients that train, the metrics fields of this round) for the engine's round loop."""
         fate = self.round(rnd, picked)
@@ -98,18 +103,28 @@ class SimClock:
         return fate["kept"], stats
 
 
-def client_steps(exp) -> dict[int, int]:
-    """Every client's local steps a round (fixed unless local_epochs is set)."""
-    tr = exp.trainer
-    return {c: tr.work.num_steps(len(idx)) for c, idx in tr.train_idx.items()}
+def client_steps(trainer) -> dict[int, int]:
+    """Every client's local steps a round (fixed unless local_epochs is set), from a run's client trainer."""
+    return {c: trainer.work.num_steps(len(idx)) for c, idx in trainer.train_idx.items()}
 
 
-def clock_for(exp, charge: str | None = None):
-    """The SimClock of an Experiment, or None when its config asks for no simulated time (no device_model and
-    no deadline). Measures memory (child processes) only when the device model gives one."""
-    cfg = exp.cfg
+def clock_for(cfg, parts, charge: str | None = None) -> SimClock | None:
+    """The SimClock of a run's parts (fedlase.engine.build_parts), or None when its config asks for no simulated
+    time (no device_model and no deadline): what callers hand to the engine (`run_experiment(cfg, clock=
+    clock_for)`). Measures memory (child processes) only when the device model gives one."""
     if cfg.device_model is None and cfg.deadline is None and charge is None:
         return None
-    from .cost import level_costs
-    memory = bool(cfg.device_model and cfg.device_model.get("memory"))
-    return SimClock(cfg, level_costs(exp, memory=memory), client_steps(exp), charge)
+    from .cost import level_costs, with_memory
+    p = parts
+    costs = level_costs(p.model, p.method, p.trainer, p.levels, p.level_clients)
+    if cfg.device_model and cfg.device_model.get("memory"):
+        costs = with_memory(costs, cfg)
+    return SimClock(cfg, costs, client_steps(p.trainer), charge)
+
+
+def recorded_clock(cfg, record: dict, charge: str | None = None) -> SimClock:
+    """The SimClock of a finished run from what it recorded (`SimClock.record`, the run's sim.json): no data
+    loaded, nothing trained."""
+    from .cost import LevelCost
+    return SimClock(cfg, [LevelCost(**c) for c in record["costs"]], {int(c): n for c, n in record["steps"].items()},
+                    charge)

@@ -20,16 +20,17 @@ from .masks import Submodel
 
 @dataclass(frozen=True)
 class LocalWork:
-    """How much and how a client trains in one round."""
-    steps: int | None = 20           # local steps; ignored when epochs is set
-    epochs: float | None = None
-    batch_size: int = 32
-    optimizer: str = "sgd"
-    lr: float = 0.05
-    momentum: float = 0.0
-    weight_decay: float = 0.0
-    betas: tuple[float, float] = (0.9, 0.999)
-    clip_norm: float | None = None   # clip each step's gradient to this total L2 norm (HeteroFL/FedRolex: 1)
+    """How much and how a client trains in one round: a view of the validated config, built once from it
+    (`fedlase.client.ClientSettings.from_config`), with no defaults of its own (the config's are the ones)."""
+    steps: int | None                # local steps; ignored when epochs is set
+    epochs: float | None
+    batch_size: int
+    optimizer: str
+    lr: float
+    momentum: float
+    weight_decay: float
+    betas: tuple[float, float]
+    clip_norm: float | None          # clip each step's gradient to this total L2 norm (HeteroFL/FedRolex: 1)
 
     def num_steps(self, n_samples: int) -> int:
         if self.epochs is not None:

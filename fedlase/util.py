@@ -1,15 +1,24 @@
-"""Small helpers that several layers need, each written once: an atomic file write, fedlase's cache folder and
-host:port addresses. Imports nothing of fedlase, so any module may import it (the config included)."""
+"""Small helpers that several layers need, each written once: an atomic file write, fedlase's cache folder, a run
+folder's check, host:port addresses and whether an optional package is installed. Imports nothing of fedlase but
+its errors, so any module may import it (the config included)."""
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
 import warnings
 from collections.abc import Callable
 from pathlib import Path
 
+from .errors import UserError
+
 CACHE_ENV = "FEDLASE_CACHE"            # the cache folder
 DEPRECATED_CACHE_ENV = "FEDLASE_CACHE_DIR"   # its old name (the text track's), still read when CACHE_ENV is unset
+
+
+def installed(package: str) -> bool:
+    """Whether `package` can be imported (an optional extra's), without importing it."""
+    return importlib.util.find_spec(package) is not None
 
 
 def atomic_write(path: Path, write: Callable[[Path], object]) -> None:
@@ -44,6 +53,17 @@ def cache_dir() -> Path:
     if root:
         return Path(root)
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "fedlase"
+
+
+def run_folder(out, resume: bool) -> Path:
+    """The run folder `out`, refused with a one-line UserError when it is a file, or when it already holds a run
+    (a checkpoint or a summary) and `resume` is false: every engine checks it so before it starts."""
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise UserError(f"out: {out} is a file, not a folder; choose another out")
+    if not resume and ((out / "checkpoint.pt").exists() or (out / "summary.json").exists()):
+        raise UserError(f"out: {out} already holds a run; pass --resume to continue it or choose another out")
+    return out
 
 
 def split_host_port(address: str) -> tuple[str, int] | None:

@@ -27,6 +27,18 @@ TINY = ["dataset=digits", "model=cnn", "width=0.25", "system={1,1/4}_{2,2}", "pa
         "checkpoint_every=1", "device=cpu"]
 
 
+def digits_test_size() -> int:
+    """The test samples of `dataset=digits` (what TINY's global accuracies are counted over)."""
+    from fedlase.data.sources import load_dataset
+    return len(load_dataset("digits", None).y_test)
+
+
+def counted_over(acc: float, n: int) -> bool:
+    """Whether `acc` is k/n for a whole k: an accuracy counted over n predictions (as the global accuracy is over
+    the test set), not a mean of per-client accuracies nor one over a part of the set."""
+    return abs(acc * n - round(acc * n)) < 1e-4 * n
+
+
 @pytest.fixture
 def tiny_cfg(tmp_path):
     """tiny_cfg(key=value, ...) -> a validated Config of the tiny run writing into a fresh tmp folder."""

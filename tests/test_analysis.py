@@ -13,7 +13,7 @@ from fedlase.errors import ConfigError
 from fedlase.levels import System
 from fedlase.masks import Submodel
 from fedlase.options import Option
-from fedlase.registry import TRACKERS, register_tracker
+from fedlase.registry import TRACKERS, register_tracker, temporary
 
 # the levels of the fake experiments: FULL = 1, HALF = 1/2
 FULL, HALF = System.of([1.0, 0.5]).levels
@@ -177,8 +177,8 @@ def test_engine_builds_registered_trackers_with_their_options(tiny_cfg):
             assert all(lvl in submodels for _, lvl in picked)
             seen.append((rnd, self.options.get("every"), [c for c, _ in picked]))
 
-    register_tracker(Counter)
-    try:
+    with temporary(TRACKERS):
+        register_tracker(Counter)
         with pytest.raises(ConfigError) as e:
             tiny_cfg("analysis.counter_test.every=0")
         assert e.value.key == "analysis.counter_test.every"
@@ -196,8 +196,6 @@ def test_engine_builds_registered_trackers_with_their_options(tiny_cfg):
             exp.state.round = rnd
         assert [(r, every) for r, every, _ in seen] == [(1, 2), (2, 2)]
         assert [clients for *_, clients in seen] == [[c for c, _ in exp.sample(r)] for r in (1, 2)]
-    finally:
-        TRACKERS._entries.pop("counter_test", None)
     assert "counter_test" not in TRACKERS
 
 

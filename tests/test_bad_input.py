@@ -22,10 +22,10 @@ import yaml
 
 from fedlase.cli import main
 from fedlase.config import load_config, options
+from fedlase.machine import sim_actors_rule, threads_rule, usable_cpus, writable_folder
 from fedlase.methods.base import RUNNERS
 from fedlase.options import Option
 from fedlase.registry import METHODS, TRACKERS
-from fedlase.resources import sim_actors_rule, threads_rule, usable_cpus, writable_folder
 
 # A base run that is valid and tiny: if a bad value were accepted, the run would start (and the test fail).
 BASE = {"dataset": "digits", "model": "cnn", "width": 0.25, "system": "{1,1/4}_{2,2}", "participation": 0.5,
@@ -122,7 +122,7 @@ CASES = cases()
 def test_every_option_has_cases():
     keys = {k for k, _, _ in CASES}
     assert set(options()) <= keys
-    assert all(f"method_args.{k}" in keys for cls in METHODS._entries.values() for k in cls.options)
+    assert all(f"method_args.{k}" in keys for _, cls in METHODS.items() for k in cls.options)
     assert len(CASES) > 200
 
 

@@ -3,11 +3,12 @@ import pytest
 import torch
 
 from fedlase.batched import local_train_batched, train_clients_batched
+from fedlase.client import local_work
 from fedlase.engine import Experiment
 from fedlase.errors import ConfigError
 from fedlase.masks import Submodel
 from fedlase.models import build_model
-from fedlase.train import LocalWork, local_train
+from fedlase.train import local_train
 
 # floats computed in different ways are compared here: .ci/run runs these again on torch's portable kernels
 pytestmark = pytest.mark.numerics
@@ -83,7 +84,7 @@ def test_hook_returns_clients_in_picked_order(tiny_cfg):
     subs = exp.submodels([lvl for _, lvl in picked], 1)
     batched = train_clients_batched(exp.trainer, exp.params, exp.buffers, picked, subs, 1)
     for (client, lvl), (delta, loss) in zip(picked, batched):
-        ref_delta, ref_loss = exp.client_update(client, subs[lvl], 1)
+        ref_delta, ref_loss = exp.trainer.update(client, exp.params, exp.buffers, subs[lvl], 1)
         assert _max_diff(ref_delta, delta) < 1e-5
         assert loss == pytest.approx(ref_loss, rel=1e-5)
 
@@ -98,7 +99,7 @@ def test_local_train_batched_by_hand():
     subs = [Submodel({w: params[w].abs() >= 0.1}, thresholds={w: 0.1}),
             Submodel({w: params[w].abs() >= 0.3}, thresholds={w: 0.3})]
     batches = [[torch.arange(0, 8), torch.arange(8, 16)], [torch.arange(16, 24), torch.arange(0, 8)]]
-    work = LocalWork(steps=2, batch_size=8, lr=0.1, momentum=0.5)
+    work = local_work(steps=2, batch_size=8, lr=0.1, momentum=0.5)
     # Execute
     got = local_train_batched(model, params, {}, subs, x, y, batches, work)
     # Assert: each client equals its own sequential training
@@ -115,7 +116,7 @@ def test_mixed_thresholds_in_one_group_is_refused():
     subs = [Submodel(thresholds={"classifier.weight": 0.1}), Submodel()]
     with pytest.raises(ValueError, match="threshold"):
         local_train_batched(model, params, {}, subs, torch.randn(4, 1, 8, 8), torch.zeros(4, dtype=torch.long),
-                            [[torch.arange(4)], [torch.arange(4)]], LocalWork(steps=1, batch_size=4))
+                            [[torch.arange(4)], [torch.arange(4)]], local_work(steps=1, batch_size=4))
 
 
 def test_dropout_model_is_a_config_error(tiny_cfg):

@@ -35,3 +35,26 @@ def test_tracker_records_every_evaluation_and_resumes(tiny_cfg, tmp_path):
     lines = [json.loads(x) for x in (tmp_path / "whole" / "metrics.jsonl").read_text().splitlines()]
     shares = [line["empty_channels"] for line in lines if "empty_channels" in line]
     assert len(shares) == 2 and shares[-1]["1/16"] == round(float(a["macs_share"][-1, 2]), 6)
+
+
+def test_forward_uses_agree_with_torchs_flop_counter():
+    """The one per-layer compute figure (fedlase.layers.forward_uses, behind row_macs and fedlase_width's
+    budget=both) against torch's FlopCounterMode (what fedlase/cost.py counts): each conv and linear layer's
+    forward FLOPs are 2 x batch x uses x its weight's size."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from fedlase.layers import forward_uses
+    from fedlase.models import ResNet18, SmallCNN
+    for model in (SmallCNN(width=0.25, image_size=8), ResNet18(width=0.0625, image_size=16)):
+        x = torch.randn(3, *model.input_shape)
+        uses = forward_uses(model, x)
+        assert uses == forward_uses(model)   # the default zero batch of input_shape: the same positions
+        model.eval()
+        with torch.no_grad(), FlopCounterMode(display=False) as counter:
+            model(x)
+        flops = {key.split(".", 1)[1] + ".weight": sum(ops.values()) for key, ops in counter.get_flop_counts().items()
+                 if "." in key and isinstance(model.get_submodule(key.split(".", 1)[1]), (nn.Conv2d, nn.Linear))}
+        params = dict(model.named_parameters())
+        assert len(flops) >= 5 and set(flops) == set(uses)
+        assert all(flops[n] == 2 * len(x) * uses[n] * params[n].numel() for n in flops), model
+        assert row_macs(model, x[:1]) == {n: uses[n] * params[n][0].numel() for n in uses}

@@ -13,7 +13,7 @@ from fedlase.config import (
     options,
     parse_override,
     parse_participation,
-    result_keys,
+    validate,
 )
 from fedlase.errors import ConfigError, UserError
 from fedlase.levels import Level, System
@@ -131,6 +131,16 @@ def test_parse_participation_bad(value):
 
 
 # --------------------------------------------------------------------------- validation
+
+def test_validate_returns_a_checked_copy_and_the_config_is_never_changed():
+    raw = config_from_dict({"participation": "{0.1,0.2}", "lr": "1e-2"}, validate_=False)
+    cfg = validate(raw)
+    assert (raw.participation, raw.lr) == ("{0.1,0.2}", "1e-2")   # the input is left as it was
+    assert (cfg.participation, cfg.lr) == ([0.1, 0.2], 0.01)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.out = "elsewhere"   # a variant is dataclasses.replace(cfg, out=...)
+    assert dataclasses.replace(cfg, system="{1}_{3}").num_clients == 3 and cfg.num_clients == 100
+
 
 def test_defaults_validate():
     # Execute
@@ -354,8 +364,8 @@ def test_a_registered_choice_is_valid_in_the_config():
         with pytest.raises(ConfigError) as e:
             load_config(None, [f"{key}={name}"])
         assert e.value.key == key
-    registry.register_dataset(name, lambda cfg: None, num_classes=3, help="a test dataset")
-    try:
+    with registry.temporary():
+        registry.register_dataset(name, lambda cfg: None, num_classes=3, help="a test dataset")
         registry.register_model(name, lambda cfg, data: None, help="a test model")
         registry.register_partition(name, lambda labels, n, cfg: None, help="a test partition")
         registry.register_method(dummy_method)
@@ -372,25 +382,12 @@ def test_a_registered_choice_is_valid_in_the_config():
         assert load_config(None, [f"dataset={name}", "partition=pathological", "classes_per_client=3"])
         with pytest.raises(ValueError, match="registered already"):
             registry.register_dataset(name, lambda cfg: None, num_classes=3)
-    finally:
-        for reg in (DATASETS, MODELS, PARTITIONS, METHODS):
-            reg._entries.pop(name, None)
     # Assert: gone again
     for key in ("dataset", "model", "partition", "method"):
         assert name not in options()[key].allowed()
         with pytest.raises(ConfigError) as e:
             load_config(None, [f"{key}={name}"])
         assert e.value.key == key
-
-
-def test_result_keys():
-    # keys that may change between a checkpoint and its resume (the old engine.RESUMABLE_CHANGES, plus the
-    # Flower deployment keys added since)
-    resumable = {"rounds", "eval_every", "checkpoint_every", "out", "device", "threads", "engine", "min_replies",
-                 "reply_timeout", "superlink", "tls_ca", "tls_cert", "tls_key", "node_keys", "insecure", "ray_address",
-                 "sim_actors"}
-    assert result_keys() == set(KEYS) - resumable
-    assert {"lr", "seed", "system", "method", "method_args", "dataset", "batched_clients"} <= result_keys()
 
 
 # --------------------------------------------------------------------------- YAML files

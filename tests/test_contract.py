@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import fedlase
-from fedlase.registry import DATASETS, KINDS, METHODS, register_dataset, register_method
+from fedlase.registry import DATASETS, KINDS, METHODS, register_dataset, register_method, temporary
 
 # A user's method that draws its masks: each budgeted tensor keeps a random `level` fraction of its
 # coordinates, a new draw every round. It logs every submodel it hands out (round, level, digest of the masks).
@@ -57,9 +57,8 @@ TINY = dict(dataset="digits", model="cnn", width=0.25, system="{1,1/4}_{2,2}", p
 def random_mask(tmp_path, monkeypatch):
     (tmp_path / "random_mask.py").write_text(RANDOM_MASK)
     monkeypatch.syspath_prepend(str(tmp_path))
-    yield "random_mask"
-    METHODS._entries.pop("random_mask", None)
-    METHODS._entries.pop("global_random_mask", None)
+    with temporary(METHODS):
+        yield "random_mask"
     sys.modules.pop("random_mask", None)
 
 
@@ -162,15 +161,26 @@ def test_registering_the_same_class_again_is_a_no_op_and_another_class_is_an_err
     cls = type("Twice", (FedAvg,), {"name": "twice_registered", "__doc__": "a test method"})
     other = type("Twice", (FedAvg,), {"name": "twice_registered", "__doc__": "another test method",
                                       "__qualname__": "OtherTwice"})
-    try:
+    with temporary():
         register_method(cls)
         assert register_method(cls) is cls and METHODS.get("twice_registered") is cls
         with pytest.raises(ValueError, match="registered already"):
             register_method(other)
         register_method(other, replace=True)
         assert METHODS.get("twice_registered") is other
-    finally:
-        METHODS._entries.pop("twice_registered", None)
+    assert "twice_registered" not in METHODS
+
+
+def test_temporary_undoes_what_was_registered_and_replaced_inside_it():
+    from fedlase.methods import FedAvg
+    builtin, names = METHODS.get("fedavg"), METHODS.names()
+    stand_in = type("StandIn", (FedAvg,), {"name": "fedavg", "__doc__": "a test method"})
+    with pytest.raises(RuntimeError), temporary(METHODS):
+        register_method(stand_in, replace=True)
+        register_method(type("New", (FedAvg,), {"name": "new_in_block", "__doc__": "a test method"}))
+        assert METHODS.get("fedavg") is stand_in and "new_in_block" in METHODS
+        raise RuntimeError("left by an error")
+    assert METHODS.get("fedavg") is builtin and METHODS.names() == names
 
 
 # ---- errors and kinds ---------------------------------------------------------------------------------------
@@ -192,9 +202,16 @@ def test_kind_is_image_or_text():
     assert "audio_data" not in DATASETS
 
 
-def test_catalog_loads_the_built_ins_once():
+def test_catalog_imports_every_choice_module_once(monkeypatch):
     from fedlase import catalog
-    before = {name: len(reg) for name, reg in (("m", METHODS), ("d", DATASETS))}
+    imported = []
+    monkeypatch.setattr(catalog, "_loaded", False)
+    monkeypatch.setattr(catalog.importlib, "import_module", lambda name: imported.append(name))
+    monkeypatch.setattr(catalog, "load_plugins", lambda: [])
     catalog.load_builtins()
-    assert {name: len(reg) for name, reg in (("m", METHODS), ("d", DATASETS))} == before
-    assert {"fedlase", "fiarse", "heterofl", "fedrolex", "fedavg"} <= set(METHODS)
+    catalog.load_builtins()
+    # every module of the choice packages, found on disk (a new method file needs no list), imported once
+    assert len(imported) == len(set(imported))
+    assert {"fedlase.analysis", "fedlase.data.builtins", "fedlase.methods.fedlase_width", "fedlase.models.cnn",
+            "fedlase.data.text", "fedlase.models.transformer"} <= set(imported)
+    assert not [m for m in imported if not m.startswith(catalog.CHOICE_PACKAGES)]

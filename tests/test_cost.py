@@ -6,15 +6,19 @@ import pytest
 from fedlase.cli import main
 from fedlase.cost import level_costs, measure_memory
 from fedlase.engine import Experiment, run_experiment
-from fedlase.errors import ConfigError
-from fedlase.simtime import SimClock, client_steps
+from fedlase.errors import ConfigError, UserError
+from fedlase.simtime import SimClock, client_steps, clock_for
 
 FOUR = ["system={1,1/4,1/16,1/64}_{1,1,1,1}", "participation=1.0"]
 
 
+def costs_of(exp):
+    return level_costs(exp.model, exp.method, exp.trainer, exp.levels, exp.level_clients, exp.params, exp.buffers)
+
+
 def _costs(tiny_cfg, method):
     exp = Experiment(tiny_cfg(*FOUR, f"method={method}"))
-    return exp, level_costs(exp)
+    return exp, costs_of(exp)
 
 
 def test_masked_methods_hold_and_compute_the_dense_model(tiny_cfg):
@@ -42,7 +46,7 @@ def test_costing_leaves_the_run_unchanged(tiny_cfg, tmp_path):
     # a clock (device_model set) costs every level at start-up; the trained model must be the same as without
     plain = run_experiment(tiny_cfg(*FOUR, "method=feddse", out=str(tmp_path / "a")), progress=False)
     timed = run_experiment(tiny_cfg(*FOUR, "method=feddse", "device_model={}", out=str(tmp_path / "b")),
-                           progress=False)
+                           progress=False, clock=clock_for)
     assert json.dumps(plain["final"]["levels"]) == json.dumps(timed["final"]["levels"])
 
 
@@ -54,7 +58,7 @@ def test_memory_is_measured_in_a_child(tiny_cfg):
 def test_client_time_and_round_time(tiny_cfg):
     cfg = tiny_cfg(*FOUR, "method=fiarse", "device_model.speed=2e6", "device_model.bandwidth=1e5")
     exp = Experiment(cfg)
-    costs, steps = level_costs(exp), client_steps(exp)
+    costs, steps = costs_of(exp), client_steps(exp.trainer)
     dense, sparse = SimClock(cfg, costs, steps, "dense"), SimClock(cfg, costs, steps, "sparse")
     c = costs[2]   # level 1/16: speed and bandwidth 1/16 of level 1's
     want = c.step_flops * steps[2] / (2e6 / 16) + (c.down_bytes + c.up_bytes) / (1e5 / 16)
@@ -66,11 +70,13 @@ def test_client_time_and_round_time(tiny_cfg):
 
 
 def test_deadline_drops_and_records_the_slow_clients(tiny_cfg, tmp_path):
-    probe = Experiment(tiny_cfg(*FOUR, "method=fiarse", "device_model={}"))
+    probe = Experiment(tiny_cfg(*FOUR, "method=fiarse", "device_model={}"), clock=clock_for)
     times = sorted(probe.clock.client_time(c, lvl.index) for c, lvl in probe.clock.round(1)["kept"])
     deadline = (times[0] + times[-1]) / 2   # between the fastest and the slowest client
     cfg = tiny_cfg(*FOUR, "method=fiarse", "device_model={}", f"deadline={deadline}", "rounds=1")
-    run_experiment(cfg, progress=False)
+    with pytest.raises(UserError, match="simulated time needs a clock"):   # never silently without the deadline
+        run_experiment(cfg, progress=False)
+    run_experiment(cfg, progress=False, clock=clock_for)
     line = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[-1])
     assert line["missed_deadline"] and line["clients"] == 4 - len(line["missed_deadline"])
     assert line["sim_time"] == pytest.approx(deadline)
@@ -80,10 +86,10 @@ def test_sim_time_recomputes_from_the_config(tiny_cfg, tmp_path):
     # what `fedlase report` does for a finished run: the same times from config.json, without training
     from fedlase.config import config_from_dict
     cfg = tiny_cfg(*FOUR, "method=heterofl", "device_model={}")
-    run_experiment(cfg, progress=False)
+    run_experiment(cfg, progress=False, clock=clock_for)
     lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     again = Experiment(config_from_dict(json.loads((tmp_path / "run" / "config.json").read_text())))
-    clock = SimClock(again.cfg, level_costs(again), client_steps(again))
+    clock = SimClock(again.cfg, costs_of(again), client_steps(again.trainer))
     assert [x["sim_time"] for x in lines] == pytest.approx([clock.elapsed(x["round"]) for x in lines])
     assert "over_memory" not in lines[-1]   # no memory in the device model: nothing to exceed
 
@@ -92,8 +98,8 @@ def test_a_client_over_its_device_memory_is_flagged(tiny_cfg):
     import dataclasses
     cfg = tiny_cfg(*FOUR, "method=fiarse", "device_model.memory=4e8")   # a level-l device: l x 400 MB
     exp = Experiment(tiny_cfg(*FOUR, "method=fiarse"))
-    costs = [dataclasses.replace(c, peak_bytes=int(2e8)) for c in level_costs(exp)]   # every level needs 200 MB
-    fate = SimClock(cfg, costs, client_steps(exp)).round(1)
+    costs = [dataclasses.replace(c, peak_bytes=int(2e8)) for c in costs_of(exp)]   # every level needs 200 MB
+    fate = SimClock(cfg, costs, client_steps(exp.trainer)).round(1)
     assert fate["over_memory"] == [c for c, lvl in fate["kept"] if lvl.fraction < 0.5]
 
 
@@ -114,10 +120,24 @@ def test_cost_command_prints_the_table(tiny_cfg, tmp_path, capsys):
 
 
 def test_report_has_the_cost_table_and_the_simulated_time(tiny_cfg, tmp_path):
+    """A run with a device model recorded its costs (sim.json): the report loads no data for it; a run without
+    one has its parts rebuilt (its data loaded)."""
+    import dataclasses
+
+    from fedlase.registry import DATASETS
     from fedlase.report import make_report
-    for method in ("heterofl", "fedlase_width"):
-        run_experiment(tiny_cfg(*FOUR, f"method={method}", out=str(tmp_path / "runs" / method)), progress=False)
-    md = make_report([str(tmp_path / "runs")], tmp_path / "report").read_text()
+    run_experiment(tiny_cfg(*FOUR, "method=heterofl", "device_model={}", out=str(tmp_path / "runs" / "heterofl")),
+                   progress=False, clock=clock_for)
+    run_experiment(tiny_cfg(*FOUR, "method=fedlase_width", out=str(tmp_path / "runs" / "fedlase_width")),
+                   progress=False)
+    digits, loaded = DATASETS.get("digits"), []
+    DATASETS.add("digits", dataclasses.replace(digits, load=lambda cfg: loaded.append(cfg.method) or digits.load(cfg)),
+                 replace=True)
+    try:
+        md = make_report([str(tmp_path / "runs")], tmp_path / "report").read_text()
+    finally:
+        DATASETS.add("digits", digits, replace=True)
+    assert loaded == ["fedlase_width"]   # the device-model run's data was never loaded
     assert "## Cost per level" in md and md.count("(slice)") == 6   # levels 1/4..1/64 of both methods
     assert "Accuracy at equal simulated time" in md and "time to A, sparse" in md
     assert (tmp_path / "report" / "plots" / "accuracy_time.png").is_file()

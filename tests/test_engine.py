@@ -10,7 +10,8 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import TINY
+from conftest import TINY, counted_over, digits_test_size
+from fedlase.client import local_work
 from fedlase.config import load_config
 from fedlase.engine import Experiment, RoundResult, SequentialRounds, run_experiment
 from fedlase.errors import UserError
@@ -21,7 +22,7 @@ from fedlase.methods import build_method
 from fedlase.models import build_model
 from fedlase.registry import METHODS
 from fedlase.sampling import Sampling, client_job, derive_seed, sample_clients
-from fedlase.train import LocalWork, client_batches, local_train
+from fedlase.train import client_batches, local_train
 
 # floats computed in different ways are compared here: .ci/run runs these again on torch's portable kernels
 pytestmark = [pytest.mark.numerics,
@@ -38,13 +39,13 @@ def test_client_batches_cover_passes():
     # Prepare
     gen = torch.Generator().manual_seed(0)
     # Execute: 10 samples, batch 4, 5 steps -> pass 1: 4, 4, 2; pass 2: 4, 4
-    batches = client_batches(10, LocalWork(steps=5, batch_size=4), gen)
+    batches = client_batches(10, local_work(steps=5, batch_size=4), gen)
     # Assert
     assert [len(b) for b in batches] == [4, 4, 2, 4, 4]
     assert sorted(torch.cat(batches[:3]).tolist()) == list(range(10))
-    assert LocalWork(epochs=1.5, batch_size=4).num_steps(10) == 4      # ceil(1.5 * 10 / 4)
-    assert LocalWork(epochs=0.01, batch_size=4).num_steps(10) == 1
-    assert [len(b) for b in client_batches(3, LocalWork(steps=2, batch_size=8), gen)] == [3, 3]
+    assert local_work(epochs=1.5, batch_size=4).num_steps(10) == 4      # ceil(1.5 * 10 / 4)
+    assert local_work(epochs=0.01, batch_size=4).num_steps(10) == 1
+    assert [len(b) for b in client_batches(3, local_work(steps=2, batch_size=8), gen)] == [3, 3]
 
 
 def _cnn_setup(seed=0):
@@ -71,7 +72,7 @@ def test_delta_is_zero_outside_the_mask(kind, optimizer):
         sub = method.submodel(params, quarter, 1)
         same = method.submodel(params, 0.25, 1)   # a float still names the level
         assert all(torch.equal(sub.masks[n], same.masks[n]) for n in sub.masks)
-    work = LocalWork(steps=4, batch_size=8, optimizer=optimizer, lr=0.1, momentum=0.9, weight_decay=0.1)
+    work = local_work(steps=4, batch_size=8, optimizer=optimizer, lr=0.1, momentum=0.9, weight_decay=0.1)
     batches = client_batches(len(y), work, torch.Generator().manual_seed(2))
     before = {k: v.clone() for k, v in params.items()}
     # Execute
@@ -97,7 +98,7 @@ def test_whole_model_training_equals_the_masked_forward(bn, clip):
     params = {k: v.detach().clone() for k, v in model.named_parameters()}
     buffers = {k: v.detach().clone() for k, v in model.named_buffers()}
     x, y = torch.randn(24, 1, 8, 8), torch.randint(0, 10, (24,))
-    work = LocalWork(steps=4, batch_size=8, lr=0.1, momentum=0.9, weight_decay=0.1, clip_norm=clip)
+    work = local_work(steps=4, batch_size=8, lr=0.1, momentum=0.9, weight_decay=0.1, clip_norm=clip)
     batches = client_batches(len(y), work, torch.Generator().manual_seed(2))
     ones = Submodel({n: torch.ones_like(p, dtype=torch.bool) for n, p in params.items()})
     own = {k: v.detach().clone() for k, v in model.state_dict().items()}
@@ -118,7 +119,7 @@ def _linear_case(sub: Submodel, steps: int):
     w0 = torch.tensor([[-0.6, 0.9], [0.55, 0.9]], dtype=torch.float64)
     model = model.double()
     x, y = torch.tensor([[1.0, 0.0]], dtype=torch.float64), torch.tensor([0])
-    work = LocalWork(steps=steps, batch_size=1, lr=0.1)
+    work = local_work(steps=steps, batch_size=1, lr=0.1)
     delta, _ = local_train(model, {"weight": w0}, {}, sub, x, y, [torch.tensor([0])] * steps, work)
     return delta["weight"]
 
@@ -243,8 +244,8 @@ def test_evaluate_reports_every_level(exp20):
     assert [v["clients"] for v in res["levels"].values()] == [4, 6, 10]
     assert [v["kept"] for v in res["levels"].values()] == [total, int(total / 4), int(total / 16)]
     for v in res["levels"].values():
-        for key in ("global_acc", "local_acc", "local_std", "local_worst10"):
-            assert math.isfinite(v[key]) and 0 <= v[key] <= 1
+        assert all(math.isfinite(v[key]) for key in ("local_acc", "local_std", "local_worst10"))
+        assert counted_over(v["global_acc"], digits_test_size())   # over the whole test set
         assert v["local_worst10"] <= v["local_acc"]
     assert res["global_acc"] == pytest.approx(sum(v["global_acc"] for v in res["levels"].values()) / 3)
 
@@ -258,7 +259,7 @@ def test_evaluate_random_assignment_uses_every_client(tiny_cfg, assignment):
 
 # =========================================================================== engine: state, submodels, clients
 
-def test_state_submodels_and_client_update(exp20):
+def test_state_submodels_and_a_clients_update(exp20):
     exp = exp20
     cfg = exp.cfg
     # the run state is an explicit value; the experiment's params, buffers and round are views of it
@@ -280,17 +281,16 @@ def test_state_submodels_and_client_update(exp20):
     again, _ = client_job(cfg.seed, exp.trainer.work, exp.trainer.train_idx[client], 3, client, exp.data.augment)
     assert len(batches) == cfg.local_steps and all(torch.equal(a, b) for a, b in zip(batches, again))
     assert all(set(b.tolist()) <= set(exp.client_train[client].tolist()) for b in batches)
-    delta, loss = exp.client_update(client, subs[lvl], 3)
-    d2, loss2 = exp.trainer.update(client, exp.state.params, exp.state.buffers, subs[lvl], 3)
-    assert loss == loss2 and math.isfinite(loss) and all(torch.equal(delta[k], d2[k]) for k in delta)
-    for n, m in subs[lvl].masks.items():
+    delta, loss = exp.trainer.update(client, exp.state.params, exp.state.buffers, subs[lvl], 3)
+    assert math.isfinite(loss) and any(bool(delta[n][m].any()) for n, m in subs[lvl].masks.items())   # it trained
+    for n, m in subs[lvl].masks.items():   # inside its submodel only
         assert (delta[n][~m] == 0).all()
     # a new global model is set through the state
     old = exp.state.params
     try:
         exp.state.params = {k: v + 1 for k, v in old.items()}
         assert torch.equal(exp.params[n], old[n] + 1)
-        d3, _ = exp.client_update(client, subs[lvl], 3)
+        d3, _ = exp.trainer.update(client, exp.params, exp.buffers, subs[lvl], 3)
         assert any(not torch.equal(d3[k], delta[k]) for k in delta)
     finally:
         exp.state.params = old
@@ -494,13 +494,13 @@ def test_end_to_end_each_method(tmp_path, tiny_cfg, method):
     out = Path(cfg.out)
     assert json.loads((out / "summary.json").read_text()) == json.loads(json.dumps(summary, default=str))
     assert summary["rounds"] == 2 and summary["num_clients"] == 4 and summary["config"]["method"] == method
-    assert summary["train_time"] >= 0
+    assert summary["train_time"] > 0   # measured, not left at its initial 0
     final = summary["final"]
     assert final["round"] == 2 and list(final["levels"]) == ["1", "1/4"]
     assert [v["clients"] for v in final["levels"].values()] == [2, 2]
-    for v in [final, *final["levels"].values()]:
-        for key in ("global_acc", "local_acc"):
-            assert math.isfinite(v[key]) and 0 <= v[key] <= 1, (key, v)
+    assert all(math.isfinite(v["local_acc"]) for v in [final, *final["levels"].values()])
+    assert all(counted_over(v["global_acc"], digits_test_size()) for v in final["levels"].values())
+    assert final["global_acc"] == pytest.approx(sum(v["global_acc"] for v in final["levels"].values()) / 2)
     assert math.isfinite(final["train_loss"])
     assert _metric_rounds(out) == [1, 2]
     model = METHODS.get(method).prepare_model_for(build_model("cnn", 1, 10, 0.25, image_size=8), cfg.method_args,

@@ -8,13 +8,14 @@ import torch
 import torch.nn.functional as F
 
 from fedlase.cli import main
+from fedlase.client import local_work
 from fedlase.engine import Experiment, run_experiment
 from fedlase.errors import ConfigError
 from fedlase.levels import System
 from fedlase.methods.fedlmt import FedLMT, PFedLMT
 from fedlase.models import build_model
 from fedlase.models.factorized import FactorizedConv2d, as_matrix, compose, decompose
-from fedlase.train import LocalWork, local_train
+from fedlase.train import local_train
 
 LMT = [["method=fedlmt"], ["method=fedlmt", "batched_clients=true"], ["method=pfedlmt"]]
 
@@ -100,7 +101,8 @@ def test_fedlmt_averages_the_factors_not_their_product(tiny_cfg):
     old = {n: t.clone() for n, t in exp.params.items()}
     picked = exp.sample(1)
     subs = exp.submodels([lvl for _, lvl in picked], 1)
-    deltas = [exp.client_update(c, subs[lvl], 1)[0] for c, lvl in picked]   # the round's own seeded updates
+    # each client's update, seeded as the round's own
+    deltas = [exp.trainer.update(c, exp.params, exp.buffers, subs[lvl], 1)[0] for c, lvl in picked]
     exp.run_round(1)
     u, v = "features.11.second.weight", "features.11.first.weight"
     for n in (u, v):
@@ -156,7 +158,7 @@ def test_resnet18_trains_at_its_own_size(cls):
     sub = m.submodel(params, system.levels[1], 1)
     weights = sub.gather(params)
     x, y = torch.randn(8, 3, 8, 8), torch.arange(8) % 10
-    delta, loss = local_train(m.model, params, {}, sub, x, y, [torch.arange(8)], LocalWork(steps=1), scatter=False)
+    delta, loss = local_train(m.model, params, {}, sub, x, y, [torch.arange(8)], local_work(steps=1), scatter=False)
     assert math.isfinite(loss) and all(delta[n].shape == weights[n].shape for n in delta)   # trained at its size
     assert (sub.slices != {}) == (cls is PFedLMT)   # pfedlmt's 1/4 is a rank slice; fedlmt's model is small itself
     assert isinstance(m.model.layer2[0].conv1, FactorizedConv2d)

@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from fedlase.aggregate import COVERAGES, Aggregator, aggregate, channel_owners, kept_credit
+from fedlase.client import local_work
 from fedlase.data.partition import balanced_dirichlet, partition
 from fedlase.evaluate import global_eval_set, predict
 from fedlase.masks import Submodel, threshold_mask
@@ -315,9 +316,9 @@ def test_clip_norm_none_is_the_default_and_changes_nothing():
     model, params, x, y = tiny_setup()
     sub = Submodel({"0.weight": torch.rand(6, 4) < 0.5})
     batches = [torch.arange(8), torch.arange(8, 16)]
-    base = local_train(model, params, {}, sub, x, y, batches, LocalWork(lr=0.1))
-    big = local_train(model, params, {}, sub, x, y, batches, LocalWork(lr=0.1, clip_norm=1e9))
-    assert LocalWork().clip_norm is None
+    base = local_train(model, params, {}, sub, x, y, batches, local_work(lr=0.1))
+    big = local_train(model, params, {}, sub, x, y, batches, local_work(lr=0.1, clip_norm=1e9))
+    assert local_work().clip_norm is None
     assert all(torch.equal(base[0][n], big[0][n]) for n in params) and base[1] == big[1]
 
 
@@ -332,7 +333,7 @@ def test_clip_norm_clips_the_masked_gradient():
     norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
     assert norm > 0.5
     # Execute
-    delta, _ = local_train(model, params, {}, sub, x, y, [torch.arange(16)], LocalWork(lr=0.1, clip_norm=0.5))
+    delta, _ = local_train(model, params, {}, sub, x, y, [torch.arange(16)], local_work(lr=0.1, clip_norm=0.5))
     # Assert: the step is the submodel's gradient scaled to norm 0.5, still zero outside the mask
     scale = 0.5 / (norm + 1e-6)
     for (n, _), g in zip(eff.items(), grads):
@@ -352,7 +353,7 @@ def test_label_split_training_and_its_mask_form_agree():
     model, params, x, y = tiny_setup()
     present = torch.unique(y)
     batches = [torch.arange(8), torch.arange(8, 16)]
-    work = LocalWork(lr=0.1, clip_norm=1.0)
+    work = local_work(lr=0.1, clip_norm=1.0)
     # Execute: (a) the loss masks the absent logits; (b) the classifier's absent rows are masked in the submodel
     w, b = classifier_names(model)
     assert (w, b) == ("2.weight", "2.bias")

@@ -178,7 +178,7 @@ BAD = ["shape", "dtype", "nan", "inf", "outside-mask", "dense", "oversized", "lo
 def test_bad_reply_is_rejected(tmp_path, kind):
     exp = Experiment(small_cfg(tmp_path, "system={1,1/4}_{1,1}"))
     sub = exp.method.submodel(exp.params, 0.25, 1)
-    delta, _ = exp.client_update(1, sub, 1)
+    delta, _ = exp.trainer.update(1, exp.params, exp.buffers, sub, 1)
     arrays = encode_delta(delta, sub)
     expected = _spoil(kind, arrays, exp.params, sub)
     with pytest.raises(ReplyError, match=expected):

@@ -10,13 +10,16 @@ import torch
 
 import fedlase
 from fedlase.errors import ConfigError
-from fedlase.registry import METHODS
+from fedlase.registry import METHODS, RULES, temporary
 
 PLUGIN = textwrap.dedent('''
-    """A user's method: every level keeps the first rows of each budgeted weight (whole output units)."""
+    """A user's method (every level keeps the first rows of each budgeted weight: whole output units) and server
+    rule (a damped mean)."""
     import math
 
     import fedlase
+    from fedlase.aggregate import aggregate
+    from fedlase.robust_config import SCREEN
 
 
     @fedlase.register_method
@@ -36,6 +39,18 @@ PLUGIN = textwrap.dedent('''
             return fedlase.Submodel(masks)
 
 
+    @fedlase.register_rule
+    class Damped(fedlase.Rule):
+        """damped: the screened streaming mean, its step times `keep`."""
+        name = "damped"
+        options = {"screen": SCREEN, "keep": fedlase.Option(0.5, "fraction of the mean's step taken", low=0, high=1)}
+
+        def aggregate(self, params, updates, subs, rms, mode, coverage, owners):
+            mean = aggregate(params, [(u.delta, u.sub or subs[u.level]) for u in updates], mode, coverage, owners)
+            keep = self.args["keep"]
+            return {n: p + keep * (mean[n] - p) for n, p in params.items()}, {"damped": len(updates)}
+
+
     import torch  # noqa: E402
 ''')
 
@@ -49,8 +64,8 @@ def plugin(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(tmp_path))
     # Flower's simulation workers are other processes: they import the plugin from PYTHONPATH
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")])))
-    yield "user_methods"
-    METHODS._entries.pop("first_rows", None)
+    with temporary(METHODS, RULES):
+        yield "user_methods"
     sys.modules.pop("user_methods", None)
 
 
@@ -78,20 +93,26 @@ def test_missing_plugin_is_a_one_line_config_error(tmp_path):
         fedlase.make_config(**TINY_RUN, plugins=["no_such_module_xyz"], out=str(tmp_path / "r"))
 
 
-def test_plugin_method_runs_on_the_embedded_engine(plugin, tmp_path):
-    cfg = fedlase.make_config(**TINY_RUN, method="first_rows", plugins=[plugin], out=str(tmp_path / "r"))
+def test_plugin_method_and_rule_run_on_the_embedded_engine(plugin, tmp_path):
+    cfg = fedlase.make_config(**TINY_RUN, method="first_rows", robust="damped", plugins=[plugin],
+                              out=str(tmp_path / "r"))
     final = fedlase.run(cfg)["final"]
     assert final["levels"]["1/4"]["kept"] < final["levels"]["1"]["kept"]
-    assert 0 <= final["global_acc"] <= 1
+    assert final["global_acc"] == pytest.approx(sum(v["global_acc"] for v in final["levels"].values()) / 2)
+    assert [m["robust"] for m in fedlase.read_metrics(tmp_path / "r")] == [{"damped": 2}] * 2   # the plug-in rule ran
+    with pytest.raises(ConfigError, match="robust_args.keep: must be <= 1"):
+        fedlase.make_config(**TINY_RUN, robust="damped", robust_args={"keep": 2}, plugins=[plugin],
+                            out=str(tmp_path / "r"))
 
 
 @pytest.mark.flower
-def test_plugin_method_runs_on_flower_simulation(plugin, tmp_path):
+def test_plugin_method_and_rule_run_on_flower_simulation(plugin, tmp_path):
+    """The plug-in method and the plug-in server rule (`robust=damped`), with no edit to fedlase/."""
     pytest.importorskip("flwr")
-    embedded = fedlase.run(fedlase.make_config(**TINY_RUN, method="first_rows", plugins=[plugin],
-                                          out=str(tmp_path / "e")))
-    flower = fedlase.run(fedlase.make_config(**TINY_RUN, method="first_rows", plugins=[plugin], engine="flower-sim",
-                                        sim_actors=1, out=str(tmp_path / "f")))
+    run = dict(TINY_RUN, method="first_rows", robust="damped", plugins=[plugin])
+    embedded = fedlase.run(fedlase.make_config(**run, out=str(tmp_path / "e")))
+    flower = fedlase.run(fedlase.make_config(**run, engine="flower-sim", sim_actors=1, out=str(tmp_path / "f")))
+    assert [m["robust"] for m in fedlase.read_metrics(tmp_path / "f")] == [{"damped": 2}] * 2
     assert flower["final"]["levels"] == embedded["final"]["levels"]
     emb = torch.load(tmp_path / "e" / "checkpoint.pt", weights_only=True)["params"]
     flo = torch.load(tmp_path / "f" / "checkpoint.pt", weights_only=True)["params"]

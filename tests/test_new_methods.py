@@ -9,6 +9,7 @@ import torch.nn.functional as F
 
 from fedlase.aggregate import aggregate
 from fedlase.cli import main
+from fedlase.client import local_work
 from fedlase.engine import run_experiment
 from fedlase.errors import ConfigError
 from fedlase.levels import System
@@ -16,7 +17,7 @@ from fedlase.methods.depthfl import DepthFL, DepthObjective, kd_weight
 from fedlase.methods.feddse import FedDSE, top_channels
 from fedlase.methods.fjord import FjORD
 from fedlase.models import build_model
-from fedlase.train import LocalWork, local_train
+from fedlase.train import local_train
 
 # the quarter-width CNN on 8x8 digits: channels 8, 16, 32, 64; features = conv bn relu pool, conv bn relu pool,
 # conv bn relu, conv bn relu (conv indices 0, 4, 8, 11)
@@ -225,7 +226,7 @@ def test_feddse_own_slice_trains_as_its_masks():
     torch.manual_seed(1)
     x, y = torch.randn(64, 1, 8, 8), torch.randint(0, 10, (64,))
     batches = [torch.arange(i, i + 16) for i in range(0, 64, 16)]
-    work = LocalWork(steps=4, batch_size=16, lr=0.1)
+    work = local_work(steps=4, batch_size=16, lr=0.1)
     sliced, _ = local_train(model, params, buffers, sub, x, y, batches, work)
     own = sub.local.start(model, sub, params, buffers, x, batches)
     assert own.slices

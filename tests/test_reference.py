@@ -1,6 +1,8 @@
-"""A 2-round run of every method, both BN modes, reproduces the stored reference (tests/reference/
-two_rounds.json, written by the code before the engine was restructured, on another machine): the restructure
-changed no result.
+"""A 2-round run of each of the six methods the engine's restructure had to keep (FedLASE, FIARSE, HeteroFL,
+FedRolex, FedAvg, FedAvg-small; the methods added since have their own tests), both BN modes, reproduces the
+stored reference (tests/reference/two_rounds.json, written by the code before the engine was restructured, on
+another machine): the restructure changed no result. scripts/reference_runs.py runs the same 12 and says how far
+a machine is from the stored values (or, with --write, stores its own).
 
 The stored numbers come from another CPU, so they are compared with tolerances, not bit for bit. How they were
 chosen (2026-12-01, an AVX-512 Xeon; the 12 runs under ATEN_CPU_CAPABILITY=default, avx2 and avx512, plus the

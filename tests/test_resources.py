@@ -1,5 +1,6 @@
-"""Inputs that cannot exhaust the machine (fedlase/resources.py): values that scale memory are checked against
-the model, the data and the memory this process may use, before anything is loaded, built or tokenized."""
+"""Inputs that cannot exhaust the machine (fedlase/resources.py, reading fedlase/machine.py): values that scale memory
+are checked against the model, the data and the memory this process may use, before anything is loaded, built or
+tokenized; threads against the usable CPUs, folders against what may be written."""
 import importlib.util
 import os
 import resource
@@ -9,7 +10,7 @@ import time
 
 import pytest
 
-from fedlase import resources
+from fedlase import machine, resources
 from fedlase.config import load_config
 from fedlase.errors import ConfigError
 from fedlase.registry import DATASETS, MODELS
@@ -149,21 +150,21 @@ def _tree(root, files: dict[str, str]) -> str:
     ("1:cpu:/\n", {"cpu/cpu.cfs_quota_us": "-1", "cpu/cpu.cfs_period_us": "100000"}, None),
 ])
 def test_the_cgroup_cpu_quota_is_read_along_the_tree(tmp_path, own, files, want):
-    assert resources.cgroup_cpu_limit(_tree(tmp_path, files), own) == want
+    assert machine.cgroup_cpu_limit(_tree(tmp_path, files), own) == want
 
 
 def test_usable_cpus_is_the_affinity_capped_by_the_quota(monkeypatch):
     affinity = len(os.sched_getaffinity(0))
-    monkeypatch.setattr(resources, "cgroup_cpu_limit", lambda: None)
-    assert resources.usable_cpus() == affinity
-    monkeypatch.setattr(resources, "cgroup_cpu_limit", lambda: 0.5)   # half a CPU: still one thread
-    assert resources.usable_cpus() == 1
-    monkeypatch.setattr(resources, "cgroup_cpu_limit", lambda: 1000.0)
-    assert resources.usable_cpus() == affinity
+    monkeypatch.setattr(machine, "cgroup_cpu_limit", lambda: None)
+    assert machine.usable_cpus() == affinity
+    monkeypatch.setattr(machine, "cgroup_cpu_limit", lambda: 0.5)   # half a CPU: still one thread
+    assert machine.usable_cpus() == 1
+    monkeypatch.setattr(machine, "cgroup_cpu_limit", lambda: 1000.0)
+    assert machine.usable_cpus() == affinity
 
 
 def test_threads_beyond_the_usable_cpus_are_refused(monkeypatch):
-    monkeypatch.setattr(resources, "usable_cpus", lambda: 2)
+    monkeypatch.setattr(machine, "usable_cpus", lambda: 2)
     with pytest.raises(ConfigError) as e:
         load_config(None, ["dataset=digits", "threads=3"])
     assert e.value.key == "threads" and "2 CPU(s)" in str(e.value) and "\n" not in str(e.value)
@@ -174,19 +175,19 @@ def test_the_default_threads_respect_the_usable_cpus_and_omp_num_threads(monkeyp
     import torch
     before = torch.get_num_threads()
     try:
-        monkeypatch.setattr(resources, "usable_cpus", lambda: 1)
+        monkeypatch.setattr(machine, "usable_cpus", lambda: 1)
         monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-        assert resources.default_threads() == 1 and resources.apply_threads(0) == 1
+        assert machine.default_threads() == 1 and machine.apply_threads(0) == 1
         monkeypatch.setenv("OMP_NUM_THREADS", "1")   # set by the user or by Ray: threads=0 leaves torch's
         torch.set_num_threads(2)
-        assert resources.apply_threads(0) == 2
-        assert resources.apply_threads(1) == 1   # a count the config sets always holds
+        assert machine.apply_threads(0) == 2
+        assert machine.apply_threads(1) == 1   # a count the config sets always holds
     finally:
         torch.set_num_threads(before)
 
 
 def test_passive_openmp_is_set_before_torch_unless_the_user_chose():
-    code = ("import os, sys\nfrom fedlase.cli import main\nfrom fedlase.resources import passive_openmp\n"
+    code = ("import os, sys\nfrom fedlase.cli import main\nfrom fedlase.machine import passive_openmp\n"
             "passive_openmp()\nprint(os.environ['OMP_WAIT_POLICY'], 'torch' in sys.modules)")
     env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
@@ -200,10 +201,10 @@ def test_passive_openmp_is_set_before_torch_unless_the_user_chose():
 def test_a_folder_a_run_writes_is_checked_without_creating_it(tmp_path):
     a_file = tmp_path / "file"
     a_file.write_text("x")
-    assert resources.writable_folder(tmp_path / "new" / "deeper") is None
+    assert machine.writable_folder(tmp_path / "new" / "deeper") is None
     assert not (tmp_path / "new").exists()   # checking creates nothing
     for bad, why in [("/proc/x", "/proc"), ("/sys/fedlase", "/sys"), (a_file / "x", "not one"), (a_file, "not one")]:
-        assert why in resources.writable_folder(bad), bad
+        assert why in machine.writable_folder(bad), bad
 
 
 # ---- the data's size, known once loaded ------------------------------------------------------------------------

@@ -7,11 +7,12 @@ import pytest
 import torch
 from torch import nn
 
+from fedlase.client import local_work
 from fedlase.engine import Experiment, run_experiment
 from fedlase.masks import Submodel
 from fedlase.methods.heterofl import HeteroFL
 from fedlase.models import ResNet18, SmallCNN
-from fedlase.train import LocalWork, local_train
+from fedlase.train import local_train
 
 # floats computed in different ways are compared here: .ci/run runs these again on torch's portable kernels
 pytestmark = pytest.mark.numerics
@@ -124,7 +125,7 @@ def test_label_split_restriction_inside_a_slice_is_kept():
     rows[:3] = True
     sub.masks["classifier.weight"] = sub.masks["classifier.weight"] & rows[:, None]
     x, y = torch.randn(16, 1, 8, 8), torch.randint(0, 3, (16,))
-    work = LocalWork(steps=2, batch_size=8)
+    work = local_work(steps=2, batch_size=8)
     batches = [torch.arange(8), torch.arange(8, 16)]
     d_sliced, _ = local_train(model, params, {}, sub, x, y, batches, work)
     d_masked, _ = local_train(model, params, {}, sub.masked(), x, y, batches, work)
@@ -148,7 +149,7 @@ def test_small_deltas_aggregate_as_their_scattered_full_size(coverage):
     subs.append(HeteroFL(model, [1, 1 / 4]).submodel(params, 1 / 4, 1))
     subs[-1].masks["classifier.weight"] = subs[-1].masks["classifier.weight"] & rows[:, None]
     x, y = torch.randn(16, 1, 8, 8), torch.randint(0, 3, (16,))
-    work = LocalWork(steps=2, batch_size=8)
+    work = local_work(steps=2, batch_size=8)
     batches = [torch.arange(8), torch.arange(8, 16)]
     owners = channel_owners(model) if coverage == "kept" else None
     small_agg, full_agg = (Aggregator(params, "coverage", coverage, owners) for _ in range(2))
@@ -188,7 +189,7 @@ def test_folded_scaler_equals_the_old_conv_output_scaler(make, level):
     assert set(on.scales) == set(model.scaler_names()) and all(v == pytest.approx(s) for v in on.scales.values())
     assert off.scales == {}
     x, y = torch.randn(16, 1, 8, 8), torch.randint(0, 10, (16,))
-    work = LocalWork(steps=3, batch_size=8, lr=0.1, momentum=0.9)
+    work = local_work(steps=3, batch_size=8, lr=0.1, momentum=0.9)
     batches = [torch.arange(8), torch.arange(8, 16), torch.arange(4, 12)]
     old, old_loss = _old_scaler_train(model, params, on, s, x, y, batches, work)
     masked, masked_loss = local_train(model, params, {}, on.masked(), x, y, batches, work)

@@ -39,6 +39,12 @@ def imports(path: Path) -> set[str]:
 
 
 @functools.lru_cache(maxsize=1)
+def parsed() -> tuple[tuple[Path, ast.Module], ...]:
+    """Every module of the package and its syntax tree, parsed once per session."""
+    return tuple((p, ast.parse(p.read_text())) for p in sorted(PKG.rglob("*.py")))
+
+
+@functools.lru_cache(maxsize=1)
 def _graph() -> dict[str, frozenset[str]]:
     return {module_name(p): frozenset(imports(p)) for p in PKG.rglob("*.py")}
 
@@ -88,6 +94,15 @@ def test_engine_names_no_method_analysis_dataset_or_model():
     banned = [m for m in names if m.startswith(("fedlase.methods", "fedlase.analysis", "fedlase.models",
                                                  "fedlase.data.sources", "fedlase.data.text", "fedlase.flower"))]
     assert not banned
+
+
+def test_the_engine_imports_nothing_that_builds_on_it():
+    """Not at module level, not inside a function: the simulated clock is built by the caller and handed in
+    (fedlase/runner.py, Flower's ServerApp), and costs and reports take the engine's parts."""
+    above = ("fedlase.simtime", "fedlase.cost", "fedlase.measure", "fedlase.report", "fedlase.sweep",
+             "fedlase.flower")
+    assert "fedlase.simtime" in imports(PKG / "runner.py")   # read inside a function too: the runner's is there
+    assert not [m for m in imports(PKG / "engine.py") if m.startswith(above)]
 
 
 # Flower's and Ray's modules fedlase may use: their documented API, each module by its exact name (so a private
@@ -140,6 +155,54 @@ def test_the_module_check_catches_a_private_module_without_an_underscore(tmp_pat
     assert not set(names) & PUBLIC
 
 
+# torch's private names fedlase uses, each from its one file, on a line that says why (torch has no public name).
+TORCH_PRIVATE = {"nn.modules.batchnorm._BatchNorm": "fedlase/layers.py",
+                 "nn.modules.dropout._DropoutNd": "fedlase/layers.py",
+                 "nn.modules.conv._ConvNd": "fedlase/layers.py"}
+
+
+def _torch_private_uses(path: Path, tree: ast.Module | None = None) -> list[tuple[int, str]]:
+    """(line, dotted name) of every private torch name the file uses: an attribute chain from `torch`, `nn` or
+    `F` with a `_name` in it, or an import from such a module or of such a name."""
+    out = []
+    for node in ast.walk(tree or ast.parse(path.read_text())):
+        if isinstance(node, ast.Attribute):
+            parts, inner = [node.attr], node.value
+            while isinstance(inner, ast.Attribute):
+                parts.insert(0, inner.attr)
+                inner = inner.value
+            if isinstance(inner, ast.Name) and inner.id in ("torch", "nn", "F") and \
+                    any(p.startswith("_") and not p.startswith("__") for p in parts):
+                out.append((node.lineno, ".".join([inner.id, *parts])))
+        elif isinstance(node, (ast.Import, ast.ImportFrom)) and not getattr(node, "level", 0):
+            mods = [node.module or ""] if isinstance(node, ast.ImportFrom) else [a.name for a in node.names]
+            names = [f"{mods[0]}.{a.name}" for a in node.names] if isinstance(node, ast.ImportFrom) else mods
+            out += [(node.lineno, n) for n in names if n.split(".")[0] == "torch" and
+                    any(p.startswith("_") and not p.startswith("__") for p in n.split("."))]
+    # an inner chain (nn.modules.batchnorm) of a flagged one is the same use: keep the longest per line
+    return [(ln, n) for ln, n in out if not any(m != n and m.startswith(n + ".") for l2, m in out if l2 == ln)]
+
+
+def test_only_the_named_private_torch_names_are_used():
+    bad = []
+    for p, tree in parsed():
+        lines = p.read_text().splitlines()
+        rel = str(p.relative_to(PKG.parent))
+        for ln, name in _torch_private_uses(p, tree):
+            if TORCH_PRIVATE.get(name) != rel or "#" not in lines[ln - 1]:
+                bad.append(f"{rel}:{ln}: {name}")
+    assert not bad, bad
+
+
+def test_the_torch_check_catches_private_names(tmp_path):
+    f = tmp_path / "m.py"
+    f.write_text("import torch\nfrom torch import nn\nfrom torch._C import x\nimport torch._dynamo\n"
+                 "y = isinstance(m, nn.modules.batchnorm._BatchNorm)\nz = torch.utils._pytree.tree_map\n"
+                 "ok = torch.__version__, nn.Linear\n")
+    assert sorted(n for _, n in _torch_private_uses(f)) == ["nn.modules.batchnorm._BatchNorm", "torch._C.x",
+                                                             "torch._dynamo", "torch.utils._pytree.tree_map"]
+
+
 # ---- the config is a plain record low in the graph (issue 22) -------------------------------------------------
 
 HEAVY = ("fedlase.methods", "fedlase.models", "fedlase.data", "fedlase.analysis", "fedlase.catalog")
@@ -175,16 +238,16 @@ def test_importing_the_engine_loads_no_method_model_or_dataset_loader_and_regist
 
 
 def test_the_config_imports_nothing_above_it():
-    """Its imports (and theirs) are the low layer: errors, levels, options, registry, resources, robust_config,
-    util."""
+    """Its imports (and theirs) are the low layer: errors, levels, machine, options, registry, resources,
+    robust_config, util."""
     g, seen, todo = graph(), set(), ["fedlase.config"]
     while todo:
         for n in g.get(todo.pop(), ()):
             if n not in seen:
                 seen.add(n)
                 todo.append(n)
-    assert seen <= {"fedlase", "fedlase.errors", "fedlase.levels", "fedlase.options", "fedlase.registry",
-                    "fedlase.resources", "fedlase.robust_config", "fedlase.util"}, seen
+    assert seen <= {"fedlase", "fedlase.errors", "fedlase.levels", "fedlase.machine", "fedlase.options",
+                    "fedlase.registry", "fedlase.resources", "fedlase.robust_config", "fedlase.util"}, seen
     assert not any(m.startswith(HEAVY) for m in seen)
 
 
@@ -195,6 +258,55 @@ def test_only_the_edges_register_the_built_ins():
                          "fedlase.flower.server_app", "fedlase.flower.client_app",
                          "fedlase.flower.proxy", "fedlase.measure"}, importers
     # proxy: `python -m fedlase.flower.proxy front --config`; measure: the child process of `fedlase cost`
+
+
+def _registering_modules() -> set[str]:
+    """Modules that call a register_* function or use one as a decorator (registry.py itself aside)."""
+    out = set()
+    for p, tree in parsed():
+        for node in ast.walk(tree):
+            f = node.func if isinstance(node, ast.Call) else node if isinstance(node, ast.Name) else None
+            name = getattr(f, "id", None) or getattr(f, "attr", None) or ""
+            if name.startswith("register_") and name != "register_buffer" and not name.endswith("_hook"):
+                out.add(module_name(p))
+    return out - {"fedlase.registry", "fedlase"}
+
+
+def test_every_registering_module_is_in_a_choice_package():
+    """fedlase.catalog imports the choice packages' modules, not a list: a module elsewhere would never register."""
+    from fedlase.catalog import CHOICE_PACKAGES
+    found = _registering_modules()
+    assert {"fedlase.methods.fjord", "fedlase.models", "fedlase.data.builtins", "fedlase.analysis"} <= found
+    assert not [m for m in found if not m.startswith(CHOICE_PACKAGES)], found
+
+
+def test_every_built_in_method_class_is_registered():
+    from fedlase.catalog import load_builtins
+    from fedlase.methods import Method
+    from fedlase.registry import METHODS
+    load_builtins()
+    named = [cls for cls in _subclasses(Method) if cls.__module__.startswith("fedlase.") and cls.name]
+    assert len(named) >= 10 and all(METHODS.get(cls.name) is cls for cls in named), named
+
+
+def _subclasses(cls) -> list[type]:
+    return [c for sub in cls.__subclasses__() for c in (sub, *_subclasses(sub))]
+
+
+def test_every_random_stream_tag_is_declared_once_in_stream():
+    """Each `derive_seed(seed, round, TAG, ...)` in fedlase/ names a member of fedlase.sampling.Stream, and no two
+    members share a value: two uses of one tag would draw correlated numbers, silently."""
+    from fedlase.sampling import Stream
+    tags = []
+    for _, tree in parsed():
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "derive_seed" and len(node.args) > 2:
+                tag = node.args[2]
+                tags.append(f"{tag.value.id}.{tag.attr}" if isinstance(tag, ast.Attribute) and
+                            isinstance(tag.value, ast.Name) else ast.unparse(tag))
+    assert len(tags) >= 5 and all(t.startswith("Stream.") for t in tags), tags
+    assert {t.split(".")[1] for t in tags} == set(Stream.__members__)
+    assert len({int(m) for m in Stream.__members__.values()}) == len(Stream.__members__)
 
 
 # ---- the README's method table is the registry's (issue 29) ---------------------------------------------------

@@ -12,7 +12,8 @@ from fedlase.config import config_from_dict
 from fedlase.engine import run_experiment
 from fedlase.errors import UserError
 from fedlase.report import find_runs, group_runs, make_report
-from fedlase.sweep import plan_sweep, run_name, run_sweep
+from fedlase.sweep import run_sweep
+from fedlase.sweep_plan import plan_sweep, run_name
 
 BASE = {"dataset": "digits", "model": "cnn", "width": 0.25, "system": "{1,1/4}_{2,2}", "participation": 0.5,
         "local_steps": 2, "batch_size": 16, "rounds": 2, "eval_every": 1, "threads": 1, "device": "cpu",
@@ -164,7 +165,7 @@ def test_jobs_2_runs_at_once_and_equals_jobs_1_bit_for_bit(tmp_path):
 
 
 def test_jobs_split_the_threads_unless_the_sweep_sets_them(tmp_path):
-    from fedlase.resources import usable_cpus
+    from fedlase.machine import usable_cpus
     base = {k: v for k, v in BASE.items() if k not in ("threads", "analysis")}
     path = tmp_path / "sweep.yaml"
     path.write_text(yaml.safe_dump({"base": {**base, "rounds": 1}, "out": str(tmp_path / "out"),

@@ -290,6 +290,31 @@ def test_fedrolex_rolls_whole_heads():
 
 
 
+def test_derived_groups_differ_from_the_hand_written_ones_only_where_docs_say():
+    """docs/methods-structured.md, "Groups derived by tracing": the trace finds the heads and feed-forward groups
+    of the hand-written channel_groups(), and cuts the residual stream and the pooler's outputs besides."""
+    from fedlase.models.trace import _slices_match, trace_groups
+    model = tiny_model()
+    x = torch.randint(1, 1000, (2, 6))
+
+    def keys(groups):   # {(parameter, dim): group}
+        return {(p, d): g for p, pair in groups.items() for d, g in enumerate(pair) if g is not None}
+
+    def partition(k):   # the groups, each as the set of its (parameter, dim)s
+        out = {}
+        for key, g in k.items():
+            out.setdefault(g, set()).add(key)
+        return {frozenset(v) for v in out.values()}
+
+    derived_groups = trace_groups(model, x)
+    hand, derived = keys(model.channel_groups()), keys(derived_groups)
+    assert partition({k: derived[k] for k in hand}) == partition(hand)
+    extra = {derived[k] for k in derived if k not in hand}
+    assert extra == {derived["backbone.embeddings.word_embeddings.weight", 1],
+                     derived["backbone.pooler.dense.weight", 0]}
+    assert _slices_match(model, derived_groups, x, "heterofl") is False   # trains masked, as the hand-written
+
+
 def hidden_states(model, weights, x):
     inner = {k[len("backbone."):]: v for k, v in weights.items() if k.startswith("backbone.")}
     with torch.no_grad():

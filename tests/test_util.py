@@ -69,14 +69,29 @@ def test_split_host_port_refuses_what_is_not_host_port(address):
 def test_key_lists_are_read_from_the_option_tags():
     """The lists of keys that code treats alike come from the Options' tags, so a new key is declared once."""
     from fedlase.config import options, parse_override, tagged
-    from fedlase.engine import EVAL_KEYS
     from fedlase.options import TAGS, Option
-    assert set(EVAL_KEYS) == {"eval_order", "eval_batch_size", "device", "threads"}
-    assert set(tagged("submitter")) == {"tls_ca", "tls_cert", "tls_key", "node_keys"} <= set(tagged("path"))
-    assert {"out", "data_dir", "model_path"} <= set(tagged("path"))
+    assert set(tagged("path")) > set(tagged("submitter")) > set()   # a submitter's file is a path of the run
     for key in tagged("raw", "parsed", "path"):   # kept as written, never read as YAML (1.5 would be a float)
         assert parse_override(f"{key}=1.5") == (key, "1.5")
     assert parse_override("lr=1.5") == ("lr", 1.5)
     assert all(set(o.tags) <= set(TAGS) for o in options().values())
     with pytest.raises(ValueError, match="unknown Option tags"):
         Option(1, "x", tags=("evaluation",))
+
+
+def test_run_folder_refuses_a_file_and_a_finished_run_unless_resumed(tmp_path):
+    from fedlase.errors import UserError
+    from fedlase.util import run_folder
+    assert run_folder(tmp_path / "new", resume=False) == tmp_path / "new"   # nothing created
+    assert not (tmp_path / "new").exists()
+    (tmp_path / "afile").write_text("x")
+    for resume in (False, True):
+        with pytest.raises(UserError, match="^out: .* is a file"):
+            run_folder(tmp_path / "afile", resume)
+    for held in ("checkpoint.pt", "summary.json"):
+        run = tmp_path / held
+        run.mkdir()
+        (run / held).write_bytes(b"")
+        with pytest.raises(UserError, match="^out: .* already holds a run; pass --resume"):
+            run_folder(run, resume=False)
+        assert run_folder(run, resume=True) == run

@@ -336,10 +336,11 @@ def section_text(args) -> str:
         return "### Text track\n\nnot run: the text extras (transformers, the packaged MiniLM) are not installed"
     from types import SimpleNamespace
 
+    from fedlase.client import local_work
     from fedlase.data import text as textdata
     from fedlase.methods import build_method
     from fedlase.models.transformer import build_minilm
-    from fedlase.train import LocalWork, local_train
+    from fedlase.train import local_train
     old_cache, rows = os.environ.get("FEDLASE_CACHE"), []
     with tempfile.TemporaryDirectory(prefix="fedlase-bench-text-") as cache:
         os.environ["FEDLASE_CACHE"] = cache   # a fresh cache: the first load tokenizes
@@ -358,7 +359,7 @@ def section_text(args) -> str:
     params = {n: p.detach().clone() for n, p in model.named_parameters()}
     bufs = dict(model.named_buffers())
     fiarse = build_method("fiarse", model, {}, SYSTEM_LEVELS)
-    work = LocalWork(steps=1 if args.quick else 3, batch_size=20, optimizer="adamw", lr=1e-4, betas=(0.9, 0.95))
+    work = local_work(steps=1 if args.quick else 3, batch_size=20, optimizer="adamw", lr=1e-4, betas=(0.9, 0.95))
     batches = [torch.arange(i * 20, i * 20 + 20) for i in range(work.steps)]
     threads = torch.get_num_threads()
     try:
@@ -542,7 +543,7 @@ def section_contention(args, data: dict) -> str:
     """The demo config under each thread setting, quiet (the machine as it is) and beside two CPU-bound
     processes; settings alternate run by run, each one's median kept. Goal (issue 27): under contention the
     default within 1.2x of the best fixed count, on a quiet machine within 1.05x of all CPUs."""
-    from fedlase.resources import default_threads, usable_cpus
+    from fedlase.machine import default_threads, usable_cpus
     rounds, repeats = (2, 2) if args.quick else (3, 3)
     cpus, base = usable_cpus(), {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
     passive = {**base, "OMP_WAIT_POLICY": "PASSIVE"}   # what `fedlase run` sets unless the user chose

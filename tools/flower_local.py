@@ -191,7 +191,7 @@ class LocalFederation:
         """Node `name`'s warm worker, watching its SuperNode's pid; returns once its socket listens (it binds
         before it imports torch, so a message that comes early waits for it rather than finding none)."""
         folder = self.worker_dirs[name]
-        w = self._start(f"worker-{name}", [sys.executable, "-m", "fedlase.flower.worker", "--dir", str(folder),
+        w = self._start(f"worker-{name}", [sys.executable, "-P", "-m", "fedlase.flower.worker", "--dir", str(folder),
                                             "--partition-id", str(partition), "--watch-pid", str(node_pid)])
         deadline = time.monotonic() + timeout
         while not listening(folder):

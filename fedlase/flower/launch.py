@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import importlib
 import importlib.util
 import json
@@ -26,7 +27,8 @@ import psutil
 
 from ..config import Config, tagged
 from ..errors import ConfigError, UserError
-from ..resources import usable_cpus
+from ..machine import usable_cpus
+from ..util import run_folder
 
 log = logging.getLogger("fedlase")
 
@@ -93,13 +95,6 @@ partition-keys = {json.dumps(json.dumps({str(k): v for k, v in (pins or {}).item
     return folder
 
 
-def _check_out(cfg: Config, resume: bool) -> Path:
-    out = Path(cfg.out)
-    if not resume and ((out / "checkpoint.pt").exists() or (out / "summary.json").exists()):
-        raise UserError(f"out: {out} already holds a run; pass --resume to continue it or choose another out")
-    return out
-
-
 def require_tls(cfg: Config) -> None:
     """Secure by default: a deployment verifies its SuperLink with tls_ca and pins each partition to its node's
     key from node_keys, unless the user asked for insecure=true. Checked where a run is submitted, not in the
@@ -129,8 +124,8 @@ def run_flower(cfg: Config, resume: bool = False, progress: bool = True) -> dict
     for mod in ("flwr", "ray") if cfg.engine == "flower-sim" else ("flwr",):
         if importlib.util.find_spec(mod) is None:
             raise UserError(f"engine={cfg.engine} needs {mod}: pip install 'fedlase[flower]'")
-    cfg.out = str(Path(cfg.out).resolve())   # the ServerApp may run in another working directory
-    out = _check_out(cfg, resume)
+    cfg = dataclasses.replace(cfg, out=str(Path(cfg.out).resolve()))   # the ServerApp may run in another folder
+    out = run_folder(cfg.out, resume)
     pins = partition_pins(cfg) if cfg.engine == "flower-deploy" else {}
     app_dir = write_app(out / "flower-app", cfg, resume, progress and cfg.engine == "flower-sim", pins)
     if cfg.engine == "flower-sim":

@@ -18,8 +18,8 @@ import torch
 
 from ..client import ClientSettings, ClientTrainer, build_model_for, client_splits
 from ..data import Dataset
+from ..machine import apply_threads
 from ..registry import DATASETS
-from ..resources import apply_threads
 from ..util import atomic_write, cache_dir
 
 

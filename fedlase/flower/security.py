@@ -1,8 +1,10 @@
-"""Credentials of a Flower deployment, and the config's checks of them.
+"""Credentials of a Flower deployment: making them, and reading which node may serve which partition.
 
-- The config's checks of these files (`check_security(cfg)`: they exist and can be read, and
-  `engine=flower-deploy` has a CA unless `insecure=true`) live in fedlase/config.py, low in the import graph,
-  where `validate` calls them.
+- Checked elsewhere: the config's `check_security(cfg)` (fedlase/config.py, low in the import graph; `validate`
+  calls it) checks only the files a config names: tls_ca, tls_cert and tls_key readable PEM files, tls_cert and
+  tls_key together and with tls_ca, node_keys a readable folder, and none of them with `insecure=true`. That
+  `engine=flower-deploy` has tls_ca and node_keys unless `insecure=true` is checked where a run is submitted
+  (`require_tls`, fedlase/flower/launch.py): the apps on other machines get the config without those paths.
 - `make_credentials(folder, hosts, nodes)`: a CA, a certificate for the SuperLink's host signed by it (valid
   for `hosts`; the TLS proxy in front of the SuperLink and the SuperLink itself serve it), and for each
   SuperNode a key pair (Flower's node authentication) and a client certificate with its key (the node's
@@ -10,6 +12,8 @@
   --nodes N` runs it once, on a trusted machine; docs/flower.md says which file goes where.
 - `partition_keys(folder, n)`: which node key serves which partition (the public key node-<i>.key.pub serves
   partition i), as SHA-256 fingerprints; the ServerApp refuses any other node for that partition.
+- `check_node_keys(folder, partitions)`: every partition's key pair and client certificate can be read (for the
+  loopback deployment script, which plays every node).
 
 Flower 1.42 serves the Fleet, Control and Runtime APIs of a SuperLink on one HTTPS port and verifies no client
 certificate, so the SuperLink listens on loopback only and nginx in front forwards the Fleet API alone to

@@ -12,6 +12,7 @@ from flwr.serverapp import Grid, ServerApp
 from ..catalog import load_builtins
 from ..config import config_from_dict
 from ..engine import run_experiment
+from ..simtime import clock_for
 from .rounds import NodeRounds
 
 app = ServerApp()
@@ -24,4 +25,5 @@ def main(grid: Grid, context: Context) -> None:
     run_experiment(cfg, resume=bool(context.run_config.get("resume", False)),
                    progress=bool(context.run_config.get("progress", False)),
                    runner=NodeRounds(grid, cfg.reply_timeout,
-                                     pins=json.loads(str(context.run_config.get("partition-keys", "{}")))))
+                                     pins=json.loads(str(context.run_config.get("partition-keys", "{}")))),
+                   clock=clock_for)

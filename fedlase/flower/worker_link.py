@@ -5,19 +5,26 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import stat
 import struct
 import sys
+import time
 from pathlib import Path
 
 from flwr.app import Array, ArrayRecord, ConfigRecord, MetricRecord, RecordDict
 
 SOCKET = "worker.sock"
-MAX_HEADER = 64 << 20    # a header holds the config text and the array list: far below this
-MAX_BLOBS = 16 << 30     # the payload of one message (a ResNet-18 submodel is 45 MB)
+MAX_HEADER = 8 << 20     # a header holds the config text and the array list: kilobytes
+MAX_DEPTH = 16           # a header's JSON nests 6 deep; deeper is refused before json.loads recurses
+UNBOUND_LIMIT = 4 << 30  # the payload of a message before a run is bound (a ResNet-18 submodel is 45 MB)
+MAX_BLOBS = 16 << 30     # the payload of a reply the worker sends a ClientApp
+CHUNK = 1 << 20          # bytes read at a time: memory grows with the bytes that arrived, never with a claim
 CONNECT_TIMEOUT = 5.0    # connecting to a listening Unix socket is immediate; a full backlog is not a worker
-
+HEARTBEAT = 1.0          # while a request waits for training or trains, the worker sends this often a keepalive
+REPLY_TIMEOUT = 20.0     # a worker silent this long (no keepalive) is stopped or hung: the ClientApp trains itself
+KEEPALIVE = bytes(8)     # a zero header length: "still training", never a frame
 
 
 class WorkerError(RuntimeError):
@@ -26,6 +33,10 @@ class WorkerError(RuntimeError):
 
 class Closed(WorkerError):
     """The peer closed the connection before sending a byte (a probe: `listening`)."""
+
+
+class BadFrame(WorkerError):
+    """A frame that is not a well-formed message (its header's shape, types, sizes or nesting); said to the peer."""
 
 
 # ---- the wire --------------------------------------------------------------------------------------------------
@@ -62,16 +73,77 @@ def unpack(header: dict, blobs: list[bytes]) -> RecordDict:
     return RecordDict(out)
 
 
-def _recv_exact(conn: socket.socket, n: int, first: bool = False) -> bytes:
-    buf = bytearray(n)
-    view, got = memoryview(buf), 0
-    while got < n:
-        k = conn.recv_into(view[got:], n - got)
-        if k == 0:
-            if first and not got:
+def _size(x) -> bool:
+    return type(x) is int and x >= 0   # not a bool, a float (1e30) or a string
+
+
+def _scalar(x) -> bool:
+    return type(x) in (int, float, str, bool)
+
+
+def array_sizes(header) -> list[int]:
+    """The payload's array sizes, once the header is known to be a dict whose `records` are as `pack` writes
+    them (names, kinds, array entries [key, dtype, shape, stype, size], flat config and metric items); else
+    BadFrame, before anything is read or built from it."""
+    if not isinstance(header, dict):
+        raise BadFrame(f"a header must be a JSON object, not {type(header).__name__}")
+    records = header.get("records", [])
+    if not isinstance(records, list):
+        raise BadFrame("`records` must be a list")
+    sizes = []
+    for e in records:
+        if not (isinstance(e, dict) and isinstance(e.get("name"), str)
+                and e.get("kind") in ("array", "config", "metric")):
+            raise BadFrame("a record must be an object with a `name` and a `kind` (array, config or metric)")
+        if e["kind"] == "array":
+            arrays = e.get("arrays")
+            if not isinstance(arrays, list):
+                raise BadFrame(f"array record {e['name']!r} has no list of `arrays`")
+            for a in arrays:
+                if not (isinstance(a, list) and len(a) == 5 and isinstance(a[0], str) and isinstance(a[1], str)
+                        and isinstance(a[2], list) and all(map(_size, a[2])) and isinstance(a[3], str)
+                        and _size(a[4])):
+                    raise BadFrame(f"array record {e['name']!r}: an entry must be [key, dtype, shape (sizes), "
+                                   f"stype, bytes (an integer >= 0)]")
+                sizes.append(a[4])
+        else:
+            items = e.get("items")
+            if not (isinstance(items, dict) and all(
+                    _scalar(v) or (isinstance(v, list) and all(map(_scalar, v))) for v in items.values())):
+                raise BadFrame(f"{e['kind']} record {e['name']!r}: `items` must map names to values or lists")
+    return sizes
+
+
+def _depth(raw: bytes) -> int:
+    """How deep `raw`'s JSON nests: its brackets outside strings, counted without recursion (json.loads recurses
+    once a level, so a header 100,000 deep is refused before it is parsed)."""
+    import numpy as np
+    bare = raw.replace(rb"\\", b"").replace(rb'\"', b"")   # escapes, left to right as JSON reads them
+    bare = _STRING.sub(b"", bare).translate(None, _NOT_BRACKETS)
+    opens = np.frombuffer(bare, np.uint8)
+    return int(np.cumsum(np.where((opens == ord("[")) | (opens == ord("{")), 1, -1)).max(initial=0))
+
+
+_STRING = re.compile(rb'"[^"]*"')
+_NOT_BRACKETS = bytes(sorted(set(range(256)) - set(b"[]{}")))
+
+
+def _recv_exact(conn: socket.socket, n: int, deadline: float | None = None, first: bool = False) -> bytes:
+    """`n` bytes, read as they arrive (the buffer grows with them, so a claim costs nothing until it is sent),
+    all of them by `deadline` (time.monotonic()) if one is given, whatever the pace of each recv."""
+    buf = bytearray()
+    while len(buf) < n:
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise WorkerError("the request missed its deadline")
+            conn.settimeout(left)
+        chunk = conn.recv(min(n - len(buf), CHUNK))
+        if not chunk:
+            if first and not buf:
                 raise Closed("the connection closed")
             raise WorkerError("the connection closed mid-frame")
-        got += k
+        buf += chunk
     return bytes(buf)
 
 
@@ -79,15 +151,31 @@ def send(conn: socket.socket, header: dict, records: RecordDict | None = None) -
     conn.sendall(b"".join(pack(header, records)))
 
 
-def receive(conn: socket.socket) -> tuple[dict, RecordDict]:
-    (n,) = struct.unpack(">Q", _recv_exact(conn, 8, first=True))
+def receive(conn: socket.socket, limit: int = MAX_BLOBS, deadline: float | None = None,
+            keepalive: bool = False) -> tuple[dict, RecordDict]:
+    """One frame: its header, checked (`array_sizes`, at most MAX_HEADER bytes and MAX_DEPTH deep), and its
+    content, at most `limit` payload bytes, all by `deadline`. `keepalive`: skip the worker's keepalives."""
+    while True:
+        (n,) = struct.unpack(">Q", _recv_exact(conn, 8, deadline, first=True))
+        if not (keepalive and n == 0):
+            break
     if n > MAX_HEADER:
-        raise WorkerError(f"a header of {n} bytes is larger than {MAX_HEADER}")
-    header = json.loads(_recv_exact(conn, n))
-    sizes = [a[4] for e in header.get("records", []) if e.get("kind") == "array" for a in e["arrays"]]
-    if sum(sizes) > MAX_BLOBS:
-        raise WorkerError(f"a payload of {sum(sizes)} bytes is larger than {MAX_BLOBS}")
-    return header, unpack(header, [_recv_exact(conn, int(s)) for s in sizes])
+        raise BadFrame(f"a header of {n} bytes is larger than {MAX_HEADER}")
+    raw = _recv_exact(conn, n, deadline)
+    if _depth(raw) > MAX_DEPTH:
+        raise BadFrame(f"a header nested deeper than {MAX_DEPTH}")
+    try:
+        header = json.loads(raw)
+    except (ValueError, RecursionError) as e:   # UnicodeDecodeError too
+        raise BadFrame(f"a header that is not JSON ({type(e).__name__})") from None
+    sizes = array_sizes(header)
+    if sum(sizes) > limit:
+        raise BadFrame(f"a payload of {sum(sizes)} bytes is larger than this run's messages can be ({limit})")
+    blobs = [_recv_exact(conn, s, deadline) for s in sizes]
+    try:
+        return header, unpack(header, blobs)
+    except (TypeError, ValueError) as e:   # values Flower's records do not take
+        raise BadFrame(f"records Flower cannot build ({e})") from None
 
 
 def peer_uid(conn: socket.socket) -> int:
@@ -96,20 +184,29 @@ def peer_uid(conn: socket.socket) -> int:
     return uid
 
 
+def private_problem(st: os.stat_result) -> str | None:
+    """Why a folder with this stat is not private to this user (a directory of its own, mode 0700), or None."""
+    if not stat.S_ISDIR(st.st_mode):
+        return "it is not a directory"
+    if st.st_uid != os.getuid() or st.st_mode & 0o077:
+        return f"it is uid {st.st_uid}, mode {stat.S_IMODE(st.st_mode):04o}"
+    return None
+
+
 def check_private(folder: Path) -> None:
     """DIR must be a directory of this user that nobody else may enter (else anyone could swap the socket)."""
-    st = os.lstat(folder)
-    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
-        raise WorkerError(f"{folder} must be a directory owned by uid {os.getuid()} with mode 0700 "
-                          f"(it is uid {st.st_uid}, mode {stat.S_IMODE(st.st_mode):04o})")
+    why = private_problem(os.lstat(folder))
+    if why:
+        raise WorkerError(f"{folder} must be a directory owned by uid {os.getuid()} with mode 0700 ({why})")
 
 
 # ---- the ClientApp's half (no torch) ---------------------------------------------------------------------------
 def ask(folder: str | Path, run_id: int, partition: int, config_text: str,
-        content: RecordDict) -> tuple[dict, RecordDict]:
+        content: RecordDict, timeout: float | None = None) -> tuple[dict, RecordDict]:
     """Hand a TRAIN message's content to the worker in `folder`; -> (the reply's header, its content). Raises
-    WorkerError if there is no usable worker (the caller then trains itself); a training error in the worker
-    comes back as RuntimeError, as it would have been raised in-process."""
+    WorkerError if there is no usable worker (the caller then trains itself), among them one silent for `timeout`
+    seconds (default REPLY_TIMEOUT: a worker that trains sends a keepalive every HEARTBEAT s, so silence means it
+    is stopped or hung); a training error in the worker comes back as RuntimeError, as it would in-process."""
     folder = Path(folder)
     try:
         check_private(folder)
@@ -120,13 +217,16 @@ def ask(folder: str | Path, run_id: int, partition: int, config_text: str,
         try:
             conn.settimeout(CONNECT_TIMEOUT)
             conn.connect(str(folder / SOCKET))
-            conn.settimeout(None)   # training may take long; a worker that dies closes the socket
+            conn.settimeout(REPLY_TIMEOUT if timeout is None else timeout)
             if peer_uid(conn) != os.getuid():
                 raise WorkerError(f"{folder / SOCKET} is served by another user; not handing it the model")
-            send(conn, {"op": "train", "run": int(run_id), "partition": int(partition), "config": config_text},
-                 content)
-            header, reply = receive(conn)
-        except OSError as e:
+            try:
+                send(conn, {"op": "train", "run": int(run_id), "partition": int(partition),
+                            "config": config_text}, content)
+            except (BrokenPipeError, ConnectionResetError):
+                pass   # refused before it read the whole request (e.g. too large): its reply says why
+            header, reply = receive(conn, keepalive=True)
+        except OSError as e:   # a timeout too
             raise WorkerError(f"no worker answers at {folder / SOCKET} ({e.strerror or e})") from None
     if "refused" in header:
         raise WorkerError(f"the worker refused: {header['refused']}")

@@ -3,21 +3,24 @@ from __future__ import annotations
 
 from torch import nn
 
-from ..registry import METHODS, register_method
+from ..registry import METHODS
 from .base import Method, Option, ThresholdMethod
-from .depthfl import DepthFL
-from .fedavg import FedAvg, FedAvgSmall
-from .feddse import FedDSE
-from .fedlase import FedLASE
-from .fedlmt import FedLMT, PFedLMT
-from .fedrolex import FedRolex
-from .fiarse import FIARSE
-from .fjord import FjORD
-from .heterofl import HeteroFL
 
-for _cls in (FedLASE, FIARSE, HeteroFL, FedRolex, FedAvg, FedAvgSmall, FjORD, DepthFL, FedDSE, FedLMT, PFedLMT):
-    if _cls.name not in METHODS:
-        register_method(_cls)
+# Each method registers itself where it is defined (`@register_method`); importing them here, in this order,
+# gives the registry its order (the README table's and `fedlase methods`'). A module not named here is still
+# registered by fedlase.catalog, after these.
+# isort: off
+from .fedlase import FedLASE
+from .fiarse import FIARSE
+from .heterofl import HeteroFL
+from .fedrolex import FedRolex
+from .fedavg import FedAvg, FedAvgSmall
+from .fjord import FjORD
+from .depthfl import DepthFL
+from .feddse import FedDSE
+from .fedlmt import FedLMT, PFedLMT
+from .fedlase_width import FedLASEWidth
+# isort: on
 
 
 def build_method(name: str, model: nn.Module, options: dict, system) -> Method:
@@ -29,9 +32,12 @@ def describe_methods() -> str:
     lines = []
     for name, cls in METHODS.items():
         lines.append(f"{name}: {(cls.__doc__ or '').strip().splitlines()[0]}")
+        lines.append(f"    coverage (when the config leaves it unset): {cls.coverage}")
         for key, opt in cls.options.items():
             lines.append(f"    method_args.{key} [default: {opt.default}]: {opt.help}")
     return "\n".join(lines)
 
 
-__all__ = ["METHODS", "Method", "Option", "ThresholdMethod", "build_method", "describe_methods"]
+__all__ = ["METHODS", "DepthFL", "FIARSE", "FedAvg", "FedAvgSmall", "FedDSE", "FedLASE", "FedLASEWidth", "FedLMT",
+           "FedRolex", "FjORD", "HeteroFL", "Method", "Option", "PFedLMT", "ThresholdMethod", "build_method",
+           "describe_methods"]

@@ -1,9 +1,12 @@
 """What a method is: an object that turns (global parameters, level, round) into a Submodel.
 
-Methods never train and never aggregate; they only decide masks (and the aggregation rule's name). Options
-are declared once as `Option`s (fedlase/options.py, the same mechanism as config keys) and checked at
-construction with errors that name `method_args.<key>`. A method receives the run's `System` (levels largest
-first, looked up by index) and each call a `Level`; `float(level)` is its fraction."""
+A method runs neither the local training nor the aggregation: it decides what each client trains (masks, and the
+aggregation rule's name). A method whose clients need more than the cross-entropy of one forward also says how
+they train, through a `LocalObjective` on its submodels (each batch's loss, the submodel a client trains), which
+`fedlase.train.local_train` calls. Options are declared once as `Option`s (fedlase/options.py, the same mechanism
+as config keys) and checked at construction with errors that name `method_args.<key>`. A method receives the
+run's `System` (levels largest first, looked up by index) and each call a `Level`; `float(level)` is its
+fraction."""
 from __future__ import annotations
 
 import math
@@ -44,7 +47,6 @@ class LocalObjective:
 
 
 RUNNERS = ("embedded", "batched", "flower-sim", "flower-deploy")   # what a method's `runs_on` may list
-METHOD_STREAM = 3   # the stream tag of a method's draws, after fedlase/sampling.py's sampling, batches, dropout
 
 
 class Method:
@@ -71,14 +73,14 @@ class Method:
         """A method's only source of randomness: a fresh CPU generator seeded from (run seed, round, level), so
         a submodel is a function of (params, level, round, seed). Training and evaluation of a round then get
         the same submodel, and a resumed run the same as an uninterrupted one (docs/library.md)."""
-        from ..sampling import derive_seed
+        from ..sampling import Stream, derive_seed
         index = getattr(level, "index", None)
         if index is None:   # a bare fraction (library calls): its level in this method's system
             found = self.system.find(level)
             if found is None:
                 raise ValueError(f"level {level} is not one of the system's levels")
             index = found.index
-        return torch.Generator().manual_seed(derive_seed(self.seed, round, METHOD_STREAM, int(index)))
+        return torch.Generator().manual_seed(derive_seed(self.seed, round, Stream.METHOD, int(index)))
 
     @classmethod
     def check_args(cls, options: dict) -> dict:

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from ..errors import ConfigError
 from ..masks import Submodel
 from ..models.exits import EXIT_KINDS, EXIT_PREDICTIONS, attach_exits, depth_names
+from ..registry import register_method
 from .base import LocalObjective, Method, Option
 
 EXIT_PROTOCOL = ("stages", "stage_widths", "stage_prefixes", "final_exit", "final_prefixes", "norm")
@@ -55,6 +56,7 @@ class DepthObjective(LocalObjective):
         return loss
 
 
+@register_method
 class DepthFL(Method):
     """DepthFL: each level trains the model's first stages with a classifier after each, distilling mutually."""
     name = "depthfl"

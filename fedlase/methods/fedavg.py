@@ -3,10 +3,12 @@ width slice (the usual lower bound: a small dense model that every device can ho
 from __future__ import annotations
 
 from ..masks import Submodel
+from ..registry import register_method
 from .base import Method
 from .slicing import WidthSlicer
 
 
+@register_method
 class FedAvg(Method):
     """Every client trains the full model (the upper bound where every device could hold it)."""
     name = "fedavg"
@@ -15,6 +17,7 @@ class FedAvg(Method):
         return Submodel()
 
 
+@register_method
 class FedAvgSmall(Method):
     """Every client trains the width slice of the system's smallest level, whatever its own level: HeteroFL's
     slice of that level without the scaler."""

@@ -16,9 +16,10 @@ import math
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
+from ..layers import BatchNorm
 from ..masks import Submodel
+from ..registry import register_method
 from .base import LocalObjective, Method, Option
 from .slicing import channel_groups, group_keep, width_rate, width_slices
 
@@ -49,6 +50,7 @@ class ActivationExtraction(LocalObjective):
         return m.own_slice(params, keep)
 
 
+@register_method
 class FedDSE(Method):
     """FedDSE: each client keeps, per layer, the channels most activated on its own data (within its budget)."""
     name = "feddse"
@@ -69,7 +71,7 @@ class FedDSE(Method):
         self.groups = channel_groups(model, "feddse")
         # which BN layer scores which group: the group of its weight (a residual stage: the mean of its BNs)
         self.scored = {name: self.groups[f"{name}.weight"][0] for name, mod in model.named_modules()
-                       if isinstance(mod, nn.modules.batchnorm._BatchNorm) and f"{name}.weight" in self.groups}
+                       if isinstance(mod, BatchNorm) and f"{name}.weight" in self.groups}
         self.counts: dict[int, tuple[int, dict[str, torch.Tensor]]] = {}   # level index -> (round, selections)
 
     def submodel(self, params, level, round):

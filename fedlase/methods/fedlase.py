@@ -23,6 +23,7 @@ import math
 import torch
 
 from ..errors import ConfigError
+from ..registry import register_method
 from .base import Option, ThresholdMethod
 
 
@@ -64,6 +65,7 @@ def water_fill(weights: list[float], sizes: list[int], total: int) -> list[int]:
     return k
 
 
+@register_method
 class FedLASE(ThresholdMethod):
     """FedLASE: layer-adaptive extraction; per-layer budgets from log-smoothed layer magnitude scores."""
     name = "fedlase"

@@ -22,12 +22,12 @@ Each round, for each level l < 1 (level 1 trains the whole model):
    one channel per group exceeds it (then one channel per group).
    With `budget=both` the same m must also meet a compute budget: the submodel's forward work
    W(m) = sum of numel * uses * (k_out/K_out) * (k_in/K_in), where `uses` is how often one sample's forward pass
-   applies each weight coordinate (a conv weight at every output position, a linear weight once; measured once
-   by `forward_work`), is at most l times the full model's. A parameter budget alone lets the log-smoothed
-   shares give the small early layers of a CNN, which run at the highest resolution, most of their channels:
-   the same parameters then cost several times HeteroFL's compute (docs/results.md, issue 30). The default,
-   `budget=params`, is the parameter budget alone: measured, it is the more accurate of the two on both image
-   regimes, while `budget=both` holds far fewer parameters than HeteroFL at the same level.
+   applies each weight coordinate (a conv weight at every output position, a linear weight once; measured
+   once by `fedlase.layers.forward_uses`), is at most l times the full model's. A parameter budget alone lets
+   the log-smoothed shares give the small early layers of a CNN, which run at the highest resolution, most of
+   their channels: the same parameters then cost several times HeteroFL's compute (docs/results.md, issue 30).
+   The default, `budget=params`, is the parameter budget alone: measured, it is the more accurate of the two on
+   both image regimes, while `budget=both` holds far fewer parameters than HeteroFL at the same level.
 5. Inside a group the k_g channels of largest magnitude are kept (`channels=magnitude`: the sum over the
    group's producing weights of each output channel's mean |w|; ties to the lower index), or its first k_g
    (`channels=first`, HeteroFL's window: isolates the effect of the widths alone).
@@ -41,16 +41,18 @@ import math
 
 import torch
 
+from ..layers import forward_uses
 from ..masks import Submodel
-from ..registry import METHODS, register_method
+from ..registry import register_method
 from .base import Method, Option
 from .feddse import top_channels
 from .fedlase import FedLASE
-from .slicing import channel_groups, width_rate, width_slices
+from .slicing import channel_groups, group_sizes, width_rate, width_slices
 
 SCORING = ("score", "log", "transform", "extract_all_layers", "edge_layers")   # FedLASE's switches that apply
 
 
+@register_method
 class FedLASEWidth(Method):
     """FedLASE with layer-adaptive widths: FedLASE's layer budgets spent on whole output channels (sliced)."""
     name = "fedlase_width"
@@ -75,13 +77,9 @@ class FedLASEWidth(Method):
         self.scorer = FedLASE(model, (1.0,), run_seed=self.seed, **{k: self.args[k] for k in SCORING})
         self.groups = model.channel_groups()
         params = dict(model.named_parameters())
-        self.sizes: dict[str, int] = {}
-        for name, (out_g, in_g) in self.groups.items():
-            for g, dim in ((out_g, 0), (in_g, 1)):
-                if g is not None:
-                    self.sizes.setdefault(g, params[name].shape[dim])
+        self.sizes = group_sizes(self.groups, params)
         # budget=both only: each weight's uses in one forward pass (one pass at start-up) and the full model's work
-        self.uses = forward_work(model) if self.args["budget"] == "both" else None
+        self.uses = forward_uses(model) if self.args["budget"] == "both" else None
         self.full_work = self._cost(dict(self.sizes), params, self.uses) if self.uses is not None else None
 
     def _cost(self, keep: dict[str, int], params, uses: dict[str, int] | None = None) -> int:
@@ -171,37 +169,3 @@ class FedLASEWidth(Method):
                 keep[g] = torch.arange(K, device=device) < counts[g]
         masks, slices = width_slices(self.model, params, 0.0, keep=keep)
         return Submodel(masks, slices=slices)
-
-
-@torch.no_grad()
-def forward_work(model: torch.nn.Module) -> dict[str, int]:
-    """Weight name -> how often one sample's forward pass applies each of its coordinates: a conv weight at
-    every output position, a linear weight once per token. Measured by hooks on one forward pass of a zero
-    batch of the model's `input_shape`; a model that declares none gets 1 for every weight (linear layers
-    applied once, where the forward work is proportional to the parameters)."""
-    weights = {n: p for n, p in model.named_parameters() if p.dim() >= 2}
-    shape = getattr(model, "input_shape", None)
-    if shape is None:
-        return {n: 1 for n in weights}
-    uses: dict[str, int] = {}
-    hooks = []
-    for prefix, module in model.named_modules():
-        w = getattr(module, "weight", None)
-        name = f"{prefix}.weight" if prefix else "weight"
-        if isinstance(w, torch.nn.Parameter) and name in weights:
-            def record(mod, inputs, out, name=name, rows=w.shape[0]):
-                uses[name] = out.numel() // (out.shape[0] * rows)   # output positions (or tokens) per sample
-            hooks.append(module.register_forward_hook(record))
-    was_training = model.training
-    try:
-        model.eval()
-        model(torch.zeros(2, *shape, device=next(model.parameters()).device))
-    finally:
-        model.train(was_training)
-        for h in hooks:
-            h.remove()
-    return {n: uses.get(n, 1) for n in weights}
-
-
-if FedLASEWidth.name not in METHODS:
-    register_method(FedLASEWidth)

@@ -31,6 +31,7 @@ from ..levels import as_system
 from ..masks import Submodel, maskable_names, slice_block
 from ..models import factorized as fz
 from ..models.resnet import ResNet18
+from ..registry import register_method
 from .base import LocalObjective, Method, Option
 
 __all__ = ["FedLMT", "PFedLMT", "min_ratio", "solve_ratio"]
@@ -100,6 +101,7 @@ class LowRank(Method):
         self.shares = dict(model.lmt_shares)   # level name -> share of the dense model's budgeted parameters
 
 
+@register_method
 class FedLMT(LowRank):
     """FedLMT: every client trains one low-rank factorized model at the weakest level's rank; factors averaged."""
     name = "fedlmt"
@@ -183,6 +185,7 @@ def _place(name: str, value: torch.Tensor, like: torch.Tensor, sub: Submodel) ->
     return full
 
 
+@register_method
 class PFedLMT(LowRank):
     """pFedLMT: a shared full-rank prefix averaged over all levels; per-client low-rank blocks at the level's rank."""
     name = "pfedlmt"

@@ -7,9 +7,11 @@ at 0, a layer of K output channels keeps torch.roll(arange(K), r % K)[:k], i.e. 
 from 1, so round n uses r = n - 1: the first round trains the first channels, like HeteroFL."""
 from __future__ import annotations
 
+from ..registry import register_method
 from .heterofl import HeteroFL
 
 
+@register_method
 class FedRolex(HeteroFL):
     """FedRolex: HeteroFL's width slices, the window rolling by one channel per round.
 

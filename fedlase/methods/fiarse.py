@@ -9,6 +9,7 @@ model instead of one over everything; a stage is a top-level module (for the CIF
 each of the four residual stages, the classifier), each keeping int(level * its size)."""
 from __future__ import annotations
 
+from ..registry import register_method
 from .base import Option, ThresholdMethod
 
 
@@ -20,6 +21,7 @@ def stages(names: list[str]) -> list[list[str]]:
     return list(groups.values())
 
 
+@register_method
 class FIARSE(ThresholdMethod):
     """FIARSE: one global magnitude threshold over all budgeted parameters (or one per stage)."""
     name = "fiarse"

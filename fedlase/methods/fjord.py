@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from ..errors import ConfigError
 from ..masks import Submodel
+from ..registry import register_method
 from .base import LocalObjective, Method, Option
 from .slicing import channel_groups, width_rate, width_slices
 
@@ -59,6 +60,7 @@ class OrderedDropout(LocalObjective):
         return F.cross_entropy(full, yb) + F.cross_entropy(forward(*self._cut(sub, weights, buffers), xb), soft)
 
 
+@register_method
 class FjORD(Method):
     """FjORD: ordered dropout, a width drawn per local batch from the nested widths the client's level allows."""
     name = "fjord"

@@ -13,10 +13,12 @@ The scaler (each conv output times 1/rate in training) is folded into those conv
 from __future__ import annotations
 
 from ..errors import ConfigError
+from ..registry import register_method
 from .base import Method, Option
 from .slicing import WidthSlicer
 
 
+@register_method
 class HeteroFL(Method):
     """HeteroFL: each level trains the first sqrt(level) of every layer's channels (static width slices)."""
     name = "heterofl"
@@ -32,7 +34,7 @@ class HeteroFL(Method):
         scaler = self.args["scaler"]
         if scaler is None:   # the model's choice; a model without scaler_names() has nothing to scale
             scaler = hasattr(model, "scaler_names") and getattr(model, "scaler_default", True)
-        if scaler and hasattr(model, "channel_groups") and not hasattr(model, "scaler_names"):
+        if scaler and not hasattr(model, "scaler_names"):
             raise ConfigError("method_args.scaler", f"model {type(model).__name__} declares no scaler_names(); "
                               "leave method_args.scaler unset or false")
         self.scaler = bool(scaler)

@@ -10,7 +10,6 @@ import math
 import torch
 from torch import nn
 
-from ..errors import ConfigError
 from ..levels import level_name
 from ..masks import Submodel
 
@@ -26,6 +25,17 @@ def channel_window(size: int, rate: float, roll: int = 0) -> torch.Tensor:
     return (torch.arange(keep) - roll) % size
 
 
+def group_sizes(groups: dict, params: dict[str, torch.Tensor]) -> dict[str, int]:
+    """Channel group -> its channel count, read off the weights that produce or consume it (`groups`:
+    `model.channel_groups()`, weight name -> (output group, input group))."""
+    sizes: dict[str, int] = {}
+    for name, (out_g, in_g) in groups.items():
+        for g, dim in ((out_g, 0), (in_g, 1)):
+            if g is not None:
+                sizes.setdefault(g, params[name].shape[dim])
+    return sizes
+
+
 def group_keep(model: nn.Module, groups: dict, params: dict[str, torch.Tensor], rate: float,
                roll: int = 0) -> dict[str, torch.Tensor]:
     """Channel group -> bool vector of its kept channels at `rate`, the window rolled by `roll` channels (0: the
@@ -35,12 +45,7 @@ def group_keep(model: nn.Module, groups: dict, params: dict[str, torch.Tensor], 
     many consecutive channels (a transformer's attention heads: unit = head size), the window counting and
     rolling in units. Groups it does not name have unit 1 (single channels)."""
     units = model.group_units() if hasattr(model, "group_units") else {}
-    sizes: dict[str, int] = {}
-    for name, (out_g, in_g) in groups.items():
-        shape = params[name].shape
-        for g, dim in ((out_g, 0), (in_g, 1)):
-            if g is not None:
-                sizes.setdefault(g, shape[dim])
+    sizes = group_sizes(groups, params)
     keep = {g: torch.zeros(k, dtype=torch.bool) for g, k in sizes.items()}
     for g, k in sizes.items():
         u = units.get(g, 1)
@@ -68,11 +73,13 @@ def _masks(groups, params, keep) -> dict[str, torch.Tensor]:
 
 
 def channel_groups(model: nn.Module, method: str) -> dict[str, tuple]:
-    """`model.channel_groups()`, or the one-line ConfigError of a method that cuts channels (`method`: its name,
-    for the message) on a model that declares none."""
+    """`model.channel_groups()`; a model that declares none gets them derived by tracing it, once
+    (fedlase/models/trace.py: also its `sliceable`), or the one-line ConfigError of a method that cuts channels
+    (`method`: its name, for the message) on a model that cannot be traced."""
     if not hasattr(model, "channel_groups"):
-        raise ConfigError("method", f"{method} slices channels; model {type(model).__name__} declares no "
-                          "channel_groups()")
+        # Torch-Pruning is imported only for such a model
+        from ..models.trace import ensure_groups
+        ensure_groups(model, method, width_slices)
     return model.channel_groups()
 
 

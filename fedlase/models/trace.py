@@ -1,0 +1,247 @@
+"""Channel groups derived by tracing, for a model that declares no `channel_groups()`.
+
+Width methods (HeteroFL, FedRolex, FedAvg-small, FjORD, FedDSE, fedlase_width) cut channels in groups: per
+parameter, the channel group of its dim 0 and of its dim 1 (`fedlase/methods/slicing.py`). A model may declare
+them (`channel_groups()`, `group_units()`, `sliceable`); its own hooks always win. Where it declares none, they are
+derived here, once, from Torch-Pruning's dependency graph (PyPI `torch-pruning`, DepGraph): a trace of one forward
+pass on two training samples, which the registry keeps with every model it builds (`remember_example`).
+
+The mapping (docs/methods-structured.md, "Groups derived by tracing"):
+- every Torch-Pruning group (the channels cut together: a layer's outputs, the BatchNorm/LayerNorm after it, the
+  inputs of the layers it feeds, and every producer tied to them by a residual addition) becomes one fedlase group,
+  named after its first member, `"<parameter>:<dim>"`;
+- a group whose channels reach the model's output (the classes) is never cut (None), nor one that meets a layer
+  fedlase cannot cut by rows and columns (grouped or transposed convolutions, attention with packed projections,
+  recurrent layers, bare parameters), nor one whose channels do not map one to one onto every member: a
+  concatenation (a layer reading [a, b] sees a's channels at an offset) or a flatten of a feature map into a
+  linear layer (one channel becomes h*w inputs) has no (output group, input group) form, so those channels stay
+  whole;
+- sliced or masked: the model trains as the physically smaller tensors (`sliceable`) only where a trial on the
+  same two samples shows the half-width slice, run as smaller tensors, gives the same logits as the masks over
+  the full model (a forward that reads a size from a layer's attributes, a view with a fixed size, a LayerNorm
+  or GroupNorm over cut channels fail it); otherwise it trains masked.
+
+Torch-Pruning is imported only here, and only when a width method meets a model without the hooks."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+from torch import nn
+
+from ..errors import ConfigError
+from ..layers import BatchNorm, Conv
+
+EXAMPLE = "_fedlase_example_input"   # the model attribute holding the samples a trace runs on
+_CACHE: dict[tuple, tuple[dict, bool]] = {}   # (class, parameter shapes, input shape, dtype) -> (groups, sliceable)
+_TRIAL_RATE = 0.5   # the width of the slice whose smaller-tensor forward is checked against its masks
+
+
+def remember_example(model, data) -> None:
+    """Keep two of the dataset's training samples on a model that declares no channel groups, for a later trace
+    (client.build_model_for calls this on every model it builds; a build without real data keeps nothing)."""
+    x = getattr(data, "x_train", None)
+    if isinstance(model, nn.Module) and isinstance(x, torch.Tensor) and len(x) and not _declares(model) \
+            and x.device.type != "meta":
+        object.__setattr__(model, EXAMPLE, x[:2].detach().clone())   # a copy: never a view of the whole dataset
+
+
+def _declares(model) -> bool:
+    return hasattr(model, "channel_groups") or hasattr(model, "group_units")
+
+
+class DerivedGroups:
+    """A model's `channel_groups()` hook, derived by tracing (a picklable callable, not a lambda)."""
+
+    def __init__(self, groups: dict[str, tuple]):
+        self.groups = groups
+
+    def __call__(self) -> dict[str, tuple]:
+        return dict(self.groups)
+
+
+def ensure_groups(model: nn.Module, method: str, width_slices) -> None:
+    """Give `model` a `channel_groups()` (and `sliceable`, unless it declares one) derived by tracing, if it
+    declares none; a one-line ConfigError naming what failed and the hook to write instead. `width_slices`:
+    fedlase/methods/slicing.py's, handed in (slicing calls this module, so it does not import slicing back)."""
+    if hasattr(model, "channel_groups"):
+        return
+    kind = type(model).__name__
+    if hasattr(model, "group_units"):
+        raise ConfigError("model", f"{method} slices channels; model {kind} declares group_units() but no "
+                          "channel_groups(): write channel_groups() too (docs/library.md, 'The model protocol')")
+    example = getattr(model, EXAMPLE, None)
+    if example is None:
+        raise ConfigError("model", f"{method} slices channels; model {kind} declares no channel_groups() and was "
+                          "built outside fedlase's model registry, so there is no sample to trace it with: "
+                          "register it (fedlase.register_model) or write channel_groups()")
+    params = dict(model.named_parameters())
+    key = (type(model), tuple((n, tuple(p.shape)) for n, p in params.items()), tuple(example.shape), example.dtype)
+    if key not in _CACHE:
+        groups = trace_groups(model, example, method)
+        _CACHE[key] = (groups, _slices_match(model, groups, example, method, width_slices))
+    groups, sliceable = _CACHE[key]
+    object.__setattr__(model, "channel_groups", DerivedGroups(groups))
+    if not hasattr(model, "sliceable"):   # a model's own choice wins
+        object.__setattr__(model, "sliceable", sliceable)
+
+
+def _fail(method: str, model: nn.Module, what: str) -> ConfigError:
+    text = " ".join(what.split())
+    text = text[:200] + "..." if len(text) > 200 else text
+    return ConfigError("model", f"{method} slices channels; model {type(model).__name__} declares no "
+                       f"channel_groups() and tracing it failed ({text}): write channel_groups() "
+                       "(docs/library.md, 'The model protocol')")
+
+
+# ---- the trace ---------------------------------------------------------------------------------------------------
+def _dims(module: nn.Module, name: str, out: bool) -> list[tuple[str, int, int]] | None:
+    """(parameter name, dim, size) of the module's output (`out`) or input channels, or None for a layer whose
+    channels are not whole rows or columns of its parameters."""
+    p = f"{name}." if name else ""
+    with_bias = [(f"{p}bias", 0, module.bias.shape[0])] if getattr(module, "bias", None) is not None else []
+    if isinstance(module, Conv) and not module.transposed:
+        w = module.weight
+        if module.groups == 1:
+            return [(f"{p}weight", 0, w.shape[0])] + with_bias if out else [(f"{p}weight", 1, w.shape[1])]
+        if module.groups == module.in_channels == module.out_channels:   # depthwise: inputs are the outputs
+            return [(f"{p}weight", 0, w.shape[0])] + with_bias
+        return None
+    if isinstance(module, nn.Linear):
+        w = module.weight
+        return [(f"{p}weight", 0, w.shape[0])] + with_bias if out else [(f"{p}weight", 1, w.shape[1])]
+    if isinstance(module, (BatchNorm, nn.GroupNorm, nn.LayerNorm)):
+        if isinstance(module, nn.LayerNorm) and len(module.normalized_shape) != 1:
+            return None
+        return [(f"{p}{k}", 0, t.shape[0]) for k, t in module.named_parameters(recurse=False)]
+    if isinstance(module, nn.Embedding):
+        return [(f"{p}weight", 1, module.weight.shape[1])]
+    return None
+
+
+def _sinks(dg) -> set:
+    """The layers whose outputs are the model's outputs (through parameter-free operations)."""
+    found, stack, seen = set(), [n for n in dg.module2node.values() if not n.outputs], set()
+    while stack:
+        node = stack.pop()
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        if isinstance(node.module, nn.Parameter) or list(node.module.parameters(recurse=False)):
+            found.add(node.module)
+        else:
+            stack.extend(node.inputs)
+    return found
+
+
+def trace_groups(model: nn.Module, example: torch.Tensor, method: str = "width slices") -> dict[str, tuple]:
+    """Parameter name -> (group of dim 0, group of dim 1) from Torch-Pruning's dependency graph of one forward
+    pass of `model` on `example` (the module docstring gives the mapping). Parameters no group cuts are left out."""
+    try:
+        import torch_pruning as tp
+    except ImportError:
+        raise _fail(method, model, "torch-pruning is not installed: pip install torch-pruning") from None
+    device = next(model.parameters()).device
+    modes = {m: m.training for m in model.modules()}   # the trace switches the model to eval mode
+    try:
+        with torch.enable_grad():
+            dg = tp.DependencyGraph().build_dependency(model, example_inputs=(example.to(device),), verbose=False)
+    except Exception as e:   # noqa: BLE001 -- any failure of a user's model is reported in one line
+        raise _fail(method, model, f"{type(e).__name__}: {e}") from None
+    finally:
+        for m, t in modes.items():
+            m.training = t
+
+    names = {m: n for n, m in model.named_modules()}
+    parent: dict[tuple, tuple] = {}
+
+    def find(k):
+        while parent.setdefault(k, k) != k:
+            parent[k] = parent[parent[k]]
+            k = parent[k]
+        return k
+
+    whole: set[tuple] = set()   # a member of each group that must stay whole
+    sinks = _sinks(dg)
+    done: set[tuple] = set()
+    for module in list(dg.module2node):
+        if not isinstance(module, nn.Module) or module not in names or not list(module.parameters(recurse=False)):
+            continue
+        root = _dims(module, names[module], out=True)
+        pruner = dg.get_pruner_of_module(module)
+        if root is None or pruner is None or pruner.get_out_channels(module) is None:
+            continue   # a layer fedlase cannot cut: any group it belongs to is found whole from its neighbours
+        if all((n, d) in done for n, d, _ in root):
+            continue
+        size = root[0][2]
+        group = dg.get_pruning_group(module, pruner.prune_out_channels, list(range(size)))
+        members, ok = [], True
+        for dep, idxs in group:
+            target = dep.target.module
+            if not isinstance(target, nn.Parameter) and not list(target.parameters(recurse=False)):
+                continue   # an operation without parameters (add, cat, view, ...): its mapping shows downstream
+            out = dep.handler.__name__ != "prune_in_channels"
+            dims = None if isinstance(target, nn.Parameter) or target not in names else \
+                _dims(target, names[target], out)
+            if dims is None or list(idxs) != list(range(size)) or any(s != size for _, _, s in dims):
+                ok = False
+            members += [(n, d) for n, d, _ in dims or []]
+            if target in sinks and out:
+                ok = False
+        keys = [(n, d) for n, d, _ in root] + members
+        for k in keys:
+            done.add(k)
+            parent[find(k)] = find(keys[0])
+        if not ok:
+            whole.add(keys[0])
+    whole_roots = {find(k) for k in whole}
+    # a group is named after its first member in parameter order
+    order = [(n, d) for n, p in model.named_parameters() for d in range(min(p.dim(), 2))]
+    label: dict[tuple, str] = {}
+    for n, d in order:
+        if (n, d) in parent:
+            label.setdefault(find((n, d)), f"{n}:{d}")
+    groups: dict[str, tuple] = {}
+    for n, _ in model.named_parameters():
+        g = tuple(None if (n, d) not in parent or find((n, d)) in whole_roots else label[find((n, d))]
+                  for d in (0, 1))
+        if g != (None, None):
+            groups[n] = g
+    if not groups:
+        raise _fail(method, model, "the trace found no channels a width slice can cut: every group reaches the "
+                    "output, a concatenation, a flatten or a layer fedlase cannot cut")
+    return groups
+
+
+@torch.no_grad()
+def _slices_match(model: nn.Module, groups: dict, example: torch.Tensor, method: str, width_slices) -> bool:
+    """Whether the half-width slice trained as the smaller tensors is the same function as its masks over the full
+    model, on the traced samples (in eval mode, so that nothing random or stateful differs)."""
+    from torch.func import functional_call
+
+    from ..masks import Submodel
+    params = {n: p.detach() for n, p in model.named_parameters()}
+    buffers = {n: b.detach().clone() for n, b in model.named_buffers()}
+    x = example.to(next(iter(params.values())).device)
+    # a stand-in with the hooks width_slices reads, so that the model itself is not touched
+    trial = SimpleNamespace(channel_groups=DerivedGroups(groups), sliceable=True, named_buffers=model.named_buffers)
+    masks, slices = width_slices(trial, params, _TRIAL_RATE)
+    sub = Submodel(masks, slices=slices)
+    modes = {m: m.training for m in model.modules()}
+    model.eval()
+    try:
+        try:
+            full = functional_call(model, {**sub.apply(params), **buffers}, (x,))
+        except Exception as e:   # noqa: BLE001
+            raise _fail(method, model, f"its masked forward failed: {type(e).__name__}: {e}") from None
+        try:
+            small = functional_call(model, {**sub.gather(params), **sub.gather(buffers)}, (x,))
+        except Exception:   # noqa: BLE001 -- a forward that takes a size from a layer's attributes: train masked
+            return False
+    finally:
+        for m, t in modes.items():
+            m.training = t
+    if not isinstance(full, torch.Tensor) or not isinstance(small, torch.Tensor) or full.shape != small.shape:
+        return False
+    scale = float(full.abs().max()) if full.numel() else 0.0
+    return bool(torch.allclose(full, small, rtol=1e-4, atol=1e-5 * max(1.0, scale)))

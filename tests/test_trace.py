@@ -1,0 +1,248 @@
+"""Channel groups derived by tracing (fedlase/models/trace.py): equal to the hand-written ones of the built-in CNN
+and ResNet-18, right on residual blocks fedlase has never seen, concatenations and flattens kept whole, the
+sliced-or-masked decision, one-line refusals, and a user's own MLP under every method. The transformer's
+comparison is in tests/test_text.py, beside the other tiny BERTs."""
+import math
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch import nn
+
+import fedlase
+from fedlase.errors import ConfigError
+from fedlase.levels import System
+from fedlase.methods.heterofl import HeteroFL
+from fedlase.methods.slicing import width_slices
+from fedlase.models import ResNet18, SmallCNN
+from fedlase.models.trace import DerivedGroups, ensure_groups, remember_example, trace_groups
+from fedlase.registry import DATASETS, METHODS, MODELS, temporary
+
+LEVELS = (1.0, 0.25)
+
+
+def canonical(groups: dict, model: nn.Module) -> dict:
+    """Groups renamed g0, g1, ... in order of first appearance (the model's parameter order, dim 0 before dim 1),
+    with the parameters no group cuts left out: two mappings that cut the same channels together compare equal."""
+    names: dict[str, str] = {}
+    return {p: tuple(None if g is None else names.setdefault(g, f"g{len(names)}") for g in groups[p])
+            for p, _ in model.named_parameters() if groups.get(p, (None, None)) != (None, None)}
+
+
+def traced(model: nn.Module, shape: tuple) -> dict:
+    return trace_groups(model, torch.randn(2, *shape))
+
+
+def derive(model: nn.Module, shape: tuple) -> nn.Module:
+    """The model as a width method sees it: two samples kept, groups and `sliceable` derived."""
+    remember_example(model, SimpleNamespace(x_train=torch.randn(2, *shape)))
+    ensure_groups(model, "heterofl", width_slices)
+    return model
+
+
+# ---- the built-in models: derived == hand-written ------------------------------------------------------------
+@pytest.mark.parametrize("model, shape", [(SmallCNN(in_channels=1, width=0.25, image_size=8), (1, 8, 8)),
+                                          (ResNet18(in_channels=3, width=0.125), (3, 8, 8))],
+                         ids=["cnn", "resnet18"])
+def test_derived_groups_equal_the_hand_written_ones(model, shape):
+    assert canonical(traced(model, shape), model) == canonical(model.channel_groups(), model)
+
+
+# ---- a model fedlase has never seen: torchvision-style residual blocks -------------------------------------------
+class BasicBlock(nn.Module):   # torchvision's layout: conv-bn-relu-conv-bn, identity added, relu
+    def __init__(self, c):
+        super().__init__()
+        self.conv1, self.bn1 = nn.Conv2d(c, c // 2, 3, padding=1, bias=False), nn.BatchNorm2d(c // 2)
+        self.conv2, self.bn2 = nn.Conv2d(c // 2, c, 3, padding=1, bias=False), nn.BatchNorm2d(c)
+
+    def forward(self, x):
+        return torch.relu(self.bn2(self.conv2(torch.relu(self.bn1(self.conv1(x))))) + x)
+
+
+class Bottleneck(nn.Module):   # 1x1 reduce, 3x3 (stride), 1x1 expand, projected shortcut (`downsample`)
+    def __init__(self, cin, mid, cout):
+        super().__init__()
+        self.conv1, self.bn1 = nn.Conv2d(cin, mid, 1, bias=False), nn.BatchNorm2d(mid)
+        self.conv2, self.bn2 = nn.Conv2d(mid, mid, 3, 2, 1, bias=False), nn.BatchNorm2d(mid)
+        self.conv3, self.bn3 = nn.Conv2d(mid, cout, 1, bias=False), nn.BatchNorm2d(cout)
+        self.downsample = nn.Sequential(nn.Conv2d(cin, cout, 1, 2, bias=False), nn.BatchNorm2d(cout))
+
+    def forward(self, x):
+        out = torch.relu(self.bn1(self.conv1(x)))
+        out = torch.relu(self.bn2(self.conv2(out)))
+        return torch.relu(self.bn3(self.conv3(out)) + self.downsample(x))
+
+
+class TinyTorchvisionNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv1, self.bn1, self.pool = nn.Conv2d(3, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8), nn.MaxPool2d(2)
+        self.layer1 = nn.Sequential(BasicBlock(8), BasicBlock(8))
+        self.layer2 = nn.Sequential(Bottleneck(8, 4, 16))
+        self.fc = nn.Linear(16, 10)
+
+    def forward(self, x):
+        x = self.layer2(self.layer1(self.pool(torch.relu(self.bn1(self.conv1(x))))))
+        return self.fc(torch.flatten(nn.functional.adaptive_avg_pool2d(x, 1), 1))
+
+
+def test_unseen_residual_blocks_get_the_groups_written_by_hand():
+    # written from the architecture: the stem and layer1's block outputs are added (one group, S), each block's
+    # inner conv has its own; layer2's expand conv and its projected shortcut are added (E); the classes are never cut
+    S, E = "S", "E"
+    want = {"conv1.weight": (S, None), "bn1.weight": (S, None), "bn1.bias": (S, None)}
+    for b in range(2):
+        p, inner = f"layer1.{b}", f"inner{b}"
+        want |= {f"{p}.conv1.weight": (inner, S), f"{p}.bn1.weight": (inner, None), f"{p}.bn1.bias": (inner, None),
+                 f"{p}.conv2.weight": (S, inner), f"{p}.bn2.weight": (S, None), f"{p}.bn2.bias": (S, None)}
+    p = "layer2.0"
+    want |= {f"{p}.conv1.weight": ("R", S), f"{p}.bn1.weight": ("R", None), f"{p}.bn1.bias": ("R", None),
+             f"{p}.conv2.weight": ("M", "R"), f"{p}.bn2.weight": ("M", None), f"{p}.bn2.bias": ("M", None),
+             f"{p}.conv3.weight": (E, "M"), f"{p}.bn3.weight": (E, None), f"{p}.bn3.bias": (E, None),
+             f"{p}.downsample.0.weight": (E, S), f"{p}.downsample.1.weight": (E, None),
+             f"{p}.downsample.1.bias": (E, None), "fc.weight": (None, E)}
+    model = derive(TinyTorchvisionNet(), (3, 8, 8))
+    assert canonical(model.channel_groups(), model) == canonical(want, model)
+    assert model.sliceable is True   # global pooling before fc: the slice trains as the smaller tensors
+
+
+def test_concatenated_and_flattened_channels_stay_whole():
+    class Inception(nn.Module):   # two branches concatenated; a flatten of a 4x4 map into a linear layer
+        def __init__(self):
+            super().__init__()
+            self.stem, self.bn = nn.Conv2d(1, 8, 3, padding=1), nn.BatchNorm2d(8)
+            self.b1, self.b2 = nn.Conv2d(8, 4, 1), nn.Conv2d(8, 4, 3, padding=1)
+            self.mix = nn.Conv2d(8, 6, 1)
+            self.head = nn.Sequential(nn.Linear(6 * 16, 12), nn.ReLU(), nn.Linear(12, 3))
+
+        def forward(self, x):
+            x = torch.relu(self.bn(self.stem(x)))
+            x = torch.relu(self.mix(torch.cat([self.b1(x), self.b2(x)], 1)))
+            return self.head(torch.flatten(nn.functional.avg_pool2d(x, 2), 1))
+
+    g = traced(Inception(), (1, 8, 8))
+    stem = g["stem.weight"][0]
+    assert stem is not None and g["bn.weight"] == g["stem.bias"] == (stem, None)
+    assert g["b1.weight"] == g["b2.weight"] == (None, stem)   # the branches' outputs are concatenated: whole
+    assert "b1.bias" not in g and "mix.bias" not in g          # so is mix's input; mix's output is flattened
+    assert g["head.0.weight"][1] is None and g["head.0.weight"][0] is not None
+    assert g["head.2.weight"] == (None, g["head.0.weight"][0])
+
+    class Rolled(nn.Module):   # channels moved by half the width: sizes agree, indices do not
+        def __init__(self):
+            super().__init__()
+            self.fc1, self.fc2, self.fc3 = nn.Linear(4, 8), nn.Linear(8, 8), nn.Linear(8, 3)
+
+        def forward(self, x):
+            h = torch.relu(self.fc1(x))
+            return self.fc3(torch.relu(self.fc2(torch.cat([h[:, 4:], h[:, :4]], 1))))
+
+    g = traced(Rolled(), (4,))
+    assert "fc1.weight" not in g and g["fc2.weight"] == ("fc2.weight:0", None)
+
+
+def test_a_forward_that_cannot_take_the_smaller_tensors_trains_masked():
+    class Normed(nn.Module):   # LayerNorm over the cut channels: the small LN is not the masked one
+        def __init__(self):
+            super().__init__()
+            self.fc1, self.norm, self.fc2 = nn.Linear(6, 8), nn.LayerNorm(8), nn.Linear(8, 3)
+
+        def forward(self, x):
+            return self.fc2(torch.relu(self.norm(self.fc1(x))))
+
+    model = derive(Normed(), (6,))
+    assert model.channel_groups()["norm.weight"] == model.channel_groups()["fc1.weight"]
+    assert model.sliceable is False
+    quarter = System.parse("{1,1/4}_{1,1}").levels[1]
+    sub = HeteroFL(model, LEVELS).submodel(dict(model.named_parameters()), quarter, 1)
+    assert not sub.slices and int(sub.masks["fc1.weight"].any(1).sum()) == 4   # masks: half of the 8 channels
+
+
+# ---- own hooks win; failures are one line ------------------------------------------------------------------------
+def test_a_models_own_hooks_win_and_built_ins_never_import_torch_pruning():
+    sys.modules.pop("torch_pruning", None)
+    HeteroFL(SmallCNN(width=0.25), LEVELS)
+    assert "torch_pruning" not in sys.modules
+
+    class Declared(nn.Sequential):
+        sliceable = False   # its own choice, kept although the trace would allow slicing
+
+    model = derive(Declared(nn.Linear(4, 6), nn.ReLU(), nn.Linear(6, 2)), (4,))
+    assert isinstance(model.channel_groups, DerivedGroups) and model.sliceable is False
+
+
+def test_a_model_that_cannot_be_traced_gets_one_line():
+    class NoGrad(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 2)
+
+        def forward(self, x):
+            with torch.no_grad():
+                return self.fc(x)
+
+    with pytest.raises(ConfigError, match=r"model: heterofl slices channels; model NoGrad declares no "
+                       r"channel_groups\(\) and tracing it failed \(.*\): write channel_groups\(\)") as e:
+        derive(NoGrad(), (4,))
+    assert "\n" not in str(e.value)
+
+    class UnitsOnly(nn.Sequential):
+        def group_units(self):
+            return {}
+    with pytest.raises(ConfigError, match=r"declares group_units\(\) but no channel_groups\(\)"):
+        HeteroFL(UnitsOnly(nn.Linear(4, 2)), LEVELS)
+
+
+# ---- a user's own MLP on tabular data, registered through the public API, under every method ---------------------
+def _load_tabular(cfg):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(120, 30, generator=g)
+    y = (x @ torch.randn(30, 5, generator=g)).argmax(1)   # five classes, learnable from the features
+    return fedlase.Dataset("tabular", x[:96], y[:96], x[96:], y[96:], num_classes=5)
+
+
+def _mlp(cfg, data):
+    return nn.Sequential(nn.Linear(30, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 5))
+
+
+@pytest.fixture
+def tabular():
+    with temporary(DATASETS, MODELS):
+        fedlase.register_dataset("tabular_t", _load_tabular, num_classes=5, shape=(30,))
+        fedlase.register_model("mlp_t", _mlp)
+        yield
+
+
+REFUSED = {"depthfl": r"depthfl needs a model with stages; Sequential declares no stages"}
+
+
+def test_a_users_mlp_trains_under_every_method_that_can_serve_it(tabular, tmp_path):
+    run = dict(dataset="tabular_t", model="mlp_t", system="{1,1/4}_{1,1}", rounds=2, local_steps=1,
+               batch_size=16, threads=1, device="cpu", checkpoint_every=0)
+    for method in METHODS.names():
+        cfg = fedlase.make_config(**run, method=method, out=str(tmp_path / method))
+        if method in REFUSED:
+            with pytest.raises(ConfigError, match=REFUSED[method]):
+                fedlase.run(cfg)
+            continue
+        levels = fedlase.run(cfg)["final"]["levels"]
+        assert all(math.isfinite(v["global_acc"]) for v in levels.values()), method
+        if method not in ("fedavg", "fedavg_small"):   # every client trains the same model under these two
+            assert levels["1/4"]["kept"] < levels["1"]["kept"], method
+    # FedLASE keeps the first and last layers whole: a 1/64 level cannot hold them (its own one-line reason)
+    with pytest.raises(ConfigError, match=r"level 0.015625 allows 1172 parameters, fewer than the 9477 of the first "
+                       "and last layers"):
+        fedlase.run(fedlase.make_config(**{**run, "system": "{1,1/64}_{1,1}"}, method="fedlase",
+                                        out=str(tmp_path / "f64")))
+
+
+def test_the_mlp_trains_as_the_smaller_dense_model(tabular):
+    from fedlase.client import build_model_for
+    cfg = fedlase.make_config(dataset="tabular_t", model="mlp_t", method="heterofl", system="{1,1/4}_{1,1}",
+                              out="unused")
+    model = build_model_for(cfg, _load_tabular(cfg))
+    sub = HeteroFL(model, cfg.levels).submodel(dict(model.named_parameters()), cfg.levels.levels[1], 1)
+    small = sub.gather(dict(model.named_parameters()))
+    assert model.sliceable is True   # width rate 1/2 of a 1/4 level: hidden layers of 128
+    assert [tuple(small[f"{i}.weight"].shape) for i in (0, 2, 4)] == [(128, 30), (128, 128), (5, 128)]
