@@ -22,6 +22,7 @@ widths, a threshold method's payload) is charged its round-1 sizes throughout.""
 from __future__ import annotations
 
 import math
+import statistics
 from dataclasses import dataclass
 
 from .config import DEVICE_KEYS
@@ -167,3 +168,21 @@ def recorded_clock(cfg, record: dict, charge: str | None = None) -> SimClock:
     from .cost import LevelCost
     return SimClock(cfg, [LevelCost(**c) for c in record["costs"]], {int(c): n for c, n in record["steps"].items()},
                     charge)
+
+
+def time_spread_table(cfg, costs) -> str:
+    """The population per level (`fedlase cost`): the spread of its clients' simulated times (dense charge, each
+    client at its level's steps of the cost table), min / median / max over the clients the system gives it."""
+    system = cfg.levels
+    steps = {c: costs[system.client_level[c]].steps for c in range(cfg.num_clients)}
+    clock = SimClock(cfg, costs, steps, "dense")
+    lines = ["Client time per level (dense charge, simulated seconds a round)\n",
+             "| level | clients | min | median | max |", "|---|---|---|---|---|"]
+    for lvl in system.levels:
+        members = [c for c in range(cfg.num_clients) if system.client_level[c] == lvl.index]
+        times = sorted(clock.client_time(c, lvl.index) for c in members)
+        if times:
+            lines.append(f"| {lvl.name} | {len(times)} | {times[0]:.4g} | {statistics.median(times):.4g} | "
+                         f"{times[-1]:.4g} |")
+    return "\n".join(lines)
+

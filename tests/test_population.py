@@ -13,7 +13,7 @@ from fedlase.errors import ConfigError, DataError
 from fedlase.levels import System
 from fedlase.population import OnOff, Population
 from fedlase.sim_config import check_population
-from fedlase.simtime import clock_for
+from fedlase.simtime import clock_for, time_spread_table
 
 FOUR = ["system={1,1/4}_{2,2}"]
 
@@ -33,6 +33,12 @@ def test_spread_is_seeded_lognormal_and_scales_each_clients_time(tiny_cfg):
     times = [spread.client_time(c, 0) for c in (0, 1)]
     assert times[0] != times[1] and plain.client_time(0, 0) == plain.client_time(1, 0)
     assert (spread.population.speed[0] > spread.population.speed[1]) == (times[0] < times[1])
+    # `fedlase cost` shows the spread per level: min / median / max of the level's clients' times
+    rows = [ln.strip("| ").split(" | ") for ln in time_spread_table(cfg, spread.costs).splitlines()
+            if ln.startswith("| 1")]
+    assert [r[0] for r in rows] == ["1", "1/4"]
+    assert float(rows[0][2]) == pytest.approx(min(times), rel=1e-3) and float(rows[0][4]) == pytest.approx(
+        max(times), rel=1e-3)
 
 
 def test_on_off_process_is_consistent_and_seeded():
