@@ -80,6 +80,10 @@ class AsyncSchedule:
                 f = heapq.heappop(self.flight)
                 if f.lost:
                     self.lost.append(f.client)
+                    if len(self.lost) > 100 * exp.cfg.num_clients:   # else the loop would never end
+                        raise UserError("population: clients keep going offline before their updates arrive "
+                                        f"({len(self.lost)} lost since the last server step); lengthen "
+                                        "population.online or shorten the clients' times")
                 else:   # the attack, per arrival (simulation only)
                     f.update = exp._attacked(f.update, {}, f.draw)
                     self.buffer.append(f)

@@ -6,8 +6,10 @@ clients -> (with a simulated clock, handed in by the caller) who makes the deadl
 (once per level) -> the round runner trains the clients (one after another, in vmapped groups, or on Flower
 nodes) -> the server step on the updates it returns (fedlase/robust.py: attack, screen, rule) -> trackers ->
 (every eval_every rounds) evaluation per resource level. The loop, the server step and the tracker calls exist
-once, here; a runner only turns (clients, submodels, global model) into updates. The engine knows no method,
-dataset, model, rule or analysis by name: it builds them through fedlase.registry."""
+once, here; a runner only turns (clients, submodels, global model) into updates. Under schedule=fedbuff or
+fedasync the event loop of fedlase/asynchronous.py takes the round's place (who trains when, on the simulated
+clock) and ends each server step in the same `serve`. The engine knows no method, dataset, model, rule or
+analysis by name: it builds them through fedlase.registry."""
 from __future__ import annotations
 
 import json

@@ -84,3 +84,12 @@ def test_a_resumed_fedbuff_run_with_updates_in_flight_is_bit_identical(tiny_cfg,
     drop = ("train_time", "eval_time")
     assert [{k: v for k, v in x.items() if k not in drop} for x in whole_lines] == \
            [{k: v for k, v in x.items() if k not in drop} for x in split_lines]
+
+
+def test_clients_that_always_drop_out_stop_the_run_with_one_line(tiny_cfg, tmp_path):
+    from fedlase.errors import UserError
+    cfg = tiny_cfg(*FOUR, "schedule=fedbuff", "population.online=0.001", "population.offline=0.001",
+                   out=str(tmp_path / "r"))
+    with pytest.raises(UserError, match="keep going offline") as e:
+        run_experiment(cfg, progress=False, clock=clock_for)
+    assert "\n" not in str(e.value)
