@@ -369,7 +369,7 @@ def validate(cfg: Config) -> Config:
     check_attack(cfg.attack, cfg.attack_args, cfg.levels)
     check_device_model(cfg.device_model, len(cfg.levels.levels))
     from .sim_config import check_population, check_schedule
-    cfg = dataclasses.replace(cfg, population=check_population(cfg.population))
+    check_population(cfg.population)   # kept as given, like schedule_args: defaults are filled where they are used
     check_schedule(cfg, participation)
     if cfg.data_dir is not None and not Path(cfg.data_dir).is_dir():
         raise ConfigError("data_dir", f"folder {cfg.data_dir!r} does not exist")

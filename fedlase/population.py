@@ -147,9 +147,9 @@ class Population:
 
     @classmethod
     def of(cls, args: dict | None, system, seed: int) -> Population:
-        """The population the checked `args` (check_population) describe for `system`'s clients."""
+        """The population the config's `population` (`args`) describes for `system`'s clients."""
         n = system.num_clients
-        args = args or check_population({})
+        args = check_population(args or {})
         from .sampling import Stream, derive_seed
         rng = np.random.default_rng(derive_seed(seed, 0, Stream.POPULATION))
         speed = np.exp(args["speed_spread"] * rng.standard_normal(n)) if args["speed_spread"] else np.ones(n)

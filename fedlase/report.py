@@ -407,12 +407,15 @@ def run_clocks(groups: list[Group]) -> tuple[dict, dict]:
             for r in g.runs:   # a run folder's `plugins` are not imported (fedlase/checkpoint.py)
                 check_plugins(r.path / "summary.json", r.summary["config"].get("plugins", []),
                               "install them as an entry point, or import them and call fedlase.report.make_report")
+            records = [(r.path / "sim.json") for r in g.runs]
             if all(r.summary["config"].get("schedule", "sync") != "sync" for r in g.runs):
                 for r in g.runs:   # event-driven: its time is what it recorded, under the charge it ran with
                     charge = r.summary["config"].get("sim_charge", CHARGES[0])
                     clocks[id(r)] = {c: RecordedTimes(r, c == charge) for c in CHARGES}
+                if records[0].is_file():
+                    cfg = config_from_dict(dict(g.runs[0].summary["config"]))
+                    tables[id(g)] = recorded_clock(cfg, json.loads(records[0].read_text())).costs
                 continue
-            records = [(r.path / "sim.json") for r in g.runs]
             if all(f.is_file() for f in records):
                 records = [json.loads(f.read_text()) for f in records]
                 for r, rec in zip(g.runs, records):
@@ -636,6 +639,15 @@ def make_report(dirs: list[str], out: str | Path, group_by: list[str] | None = N
         for g in groups:
             if id(g) in tables:
                 md += [f"\n### {g.label}\n", format_cost_table(tables[id(g)]).split("\n\n", 1)[1]]
+        populated = [g for g in groups if id(g) in tables and g.runs[0].summary["config"].get("population")]
+        if populated:   # the device population of each group (its first run's config)
+            from .config import config_from_dict
+            from .simtime import time_spread_table
+            md.append("\n## Device populations (fedlase/population.py): each level's client times, dense charge, "
+                      "simulated seconds a round\n")
+            for g in populated:
+                cfg = config_from_dict(dict(g.runs[0].summary["config"]))
+                md += [f"\n### {g.label}\n", time_spread_table(cfg, tables[id(g)]).split("\n", 1)[1].lstrip()]
 
     plots = []
     for metric in ("global_acc", "local_acc"):

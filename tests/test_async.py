@@ -68,9 +68,12 @@ def test_fedbuff_and_fedasync_record_each_server_step(tiny_cfg, tmp_path):
         assert x["in_flight"] <= 3
     assert any(max(x["staleness"]) > 0 for x in lines)
     assert state["schedule"]["flight"]   # clients still in flight at the end
+    # fedasync, evaluated every 0.15 simulated seconds (and after the last step) instead of every step
     _, lines = _run(tiny_cfg, tmp_path / "async", *ASYNC[:-2], "schedule=fedasync", "schedule_args.concurrency=2",
-                    "schedule_args.mixing=0.6")
+                    "schedule_args.mixing=0.6", "eval_every=100", "eval_every_seconds=0.15")
     assert all(x["clients"] == 1 and len(x["staleness"]) == 1 for x in lines)
+    buckets = [int(x["sim_time"] // 0.15) for x in lines]
+    assert lines[-1]["round"] == 4 and 1 < len(lines) < 4 and buckets == sorted(set(buckets)), buckets
 
 
 def test_a_resumed_fedbuff_run_with_updates_in_flight_is_bit_identical(tiny_cfg, tmp_path):
