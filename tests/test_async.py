@@ -68,6 +68,10 @@ def test_fedbuff_and_fedasync_record_each_server_step(tiny_cfg, tmp_path):
         assert x["in_flight"] <= 3
     assert any(max(x["staleness"]) > 0 for x in lines)
     assert state["schedule"]["flight"]   # clients still in flight at the end
+    # the staleness weights reach the step: with a constant weight the same events give another model
+    same, const = _run(tiny_cfg, tmp_path / "const", *ASYNC, "schedule_args.staleness=constant")
+    assert [x["staleness"] for x in const] == [x["staleness"] for x in lines]
+    assert not all(torch.equal(same["params"][k], state["params"][k]) for k in state["params"])
     # fedasync, evaluated every 0.15 simulated seconds (and after the last step) instead of every step
     _, lines = _run(tiny_cfg, tmp_path / "async", *ASYNC[:-2], "schedule=fedasync", "schedule_args.concurrency=2",
                     "schedule_args.mixing=0.6", "eval_every=100", "eval_every_seconds=0.15")
