@@ -95,7 +95,11 @@ def _cmd_cost(args) -> int:
     from .cost import format_cost_table
     from .measure import cost_table
     cfg = load_config(args.config, args.overrides)
-    print(format_cost_table(cost_table(cfg, memory=not args.no_memory, checkpoint=args.checkpoint), cfg.method))
+    costs = cost_table(cfg, memory=not args.no_memory, checkpoint=args.checkpoint)
+    print(format_cost_table(costs, cfg.method))
+    if cfg.device_model is not None or cfg.population is not None:   # the population: its spread per level
+        from .simtime import time_spread_table
+        print("\n" + time_spread_table(cfg, costs))
     return 0
 
 

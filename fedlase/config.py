@@ -162,7 +162,21 @@ class Config:
     deadline: float | None = _f(None, "simulated seconds a round waits: clients whose simulated time exceeds it are "
                                 "dropped before training (metrics: missed_deadline); unset: none", kind=float,
                                 low=0, low_open=True)
-    eval_every: int = _f(10, "evaluate every N rounds (and always after the last)", low=1, affects_result=False)
+    population: dict | None = _f(None, "simulated device population (fedlase/population.py): "
+                                 "population.speed_spread / bandwidth_spread (lognormal sigma within a level), "
+                                 "population.online / offline (mean seconds of each), or a FedScale trace "
+                                 "(population.capacity, population.behave: pickles, read as plain data only); "
+                                 "unset: a level's devices alike and always online", kind=dict)
+    schedule: str = _f("sync", "sync: synchronous rounds; fedbuff: buffered asynchronous steps; fedasync: a step "
+                       "per arrival (event-driven on the simulated clock; schedule_args; docs/async.md)",
+                       choices=("sync", "fedbuff", "fedasync"))
+    schedule_args: dict = _f({}, "options of an asynchronous schedule, e.g. schedule_args.concurrency=20 "
+                             "schedule_args.buffer=10 schedule_args.staleness=poly (docs/async.md)")
+    eval_every: int = _f(10, "evaluate every N rounds (server steps under fedbuff/fedasync; and always after the "
+                         "last)", low=1, affects_result=False)
+    eval_every_seconds: float | None = _f(None, "also evaluate at the first round (server step) ending after each "
+                                          "multiple of this many simulated seconds; unset: rounds only",
+                                          kind=float, low=0, low_open=True, affects_result=False)
     eval_batch_size: int = _f(1000, "batch size for evaluation", low=1, tags=("eval",))
     seed: int = _f(0, "seed of model init, partition, sampling and local batches", low=0)
     device: str = _f("auto", "cpu, cuda or auto", choices=("cpu", "cuda", "auto"), affects_result=False,
@@ -222,6 +236,13 @@ class Config:
     @property
     def num_clients(self) -> int:
         return self.levels.num_clients
+
+    @property
+    def simulated(self) -> bool:
+        """Whether the run needs simulated time: a device model, a deadline, a population or an asynchronous
+        schedule (event-driven on the clock)."""
+        return (self.device_model is not None or self.deadline is not None or self.population is not None
+                or self.schedule != "sync")
 
     def to_dict(self) -> dict:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
@@ -347,6 +368,9 @@ def validate(cfg: Config) -> Config:
     check_robust(cfg.robust, cfg.robust_args)
     check_attack(cfg.attack, cfg.attack_args, cfg.levels)
     check_device_model(cfg.device_model, len(cfg.levels.levels))
+    from .sim_config import check_population, check_schedule
+    check_population(cfg.population)   # kept as given, like schedule_args: defaults are filled where they are used
+    check_schedule(cfg, participation)
     if cfg.data_dir is not None and not Path(cfg.data_dir).is_dir():
         raise ConfigError("data_dir", f"folder {cfg.data_dir!r} does not exist")
     if data.needs_data_dir and cfg.data_dir is None:

@@ -6,8 +6,10 @@ clients -> (with a simulated clock, handed in by the caller) who makes the deadl
 (once per level) -> the round runner trains the clients (one after another, in vmapped groups, or on Flower
 nodes) -> the server step on the updates it returns (fedlase/robust.py: attack, screen, rule) -> trackers ->
 (every eval_every rounds) evaluation per resource level. The loop, the server step and the tracker calls exist
-once, here; a runner only turns (clients, submodels, global model) into updates. The engine knows no method,
-dataset, model, rule or analysis by name: it builds them through fedlase.registry."""
+once, here; a runner only turns (clients, submodels, global model) into updates. Under schedule=fedbuff or
+fedasync the event loop of fedlase/asynchronous.py takes the round's place (who trains when, on the simulated
+clock) and ends each server step in the same `serve`. The engine knows no method, dataset, model, rule or
+analysis by name: it builds them through fedlase.registry."""
 from __future__ import annotations
 
 import json
@@ -199,6 +201,11 @@ class Experiment:
         self.runner = runner or (BatchedRounds() if cfg.batched_clients else SequentialRounds())
         self._broken = False
         self.clock = clock(cfg, p) if clock is not None else None
+        # fedbuff/fedasync: the event loop on the clock (fedlase/asynchronous.py); sync: run_round
+        self.schedule = None
+        if cfg.schedule != "sync":
+            from .asynchronous import AsyncSchedule
+            self.schedule = AsyncSchedule(cfg)
 
     # the global model, as trackers and runners read it
     @property
@@ -226,6 +233,17 @@ class Experiment:
         so the embedded, batched and Flower paths are attacked alike."""
         return self.server.receive(u, subs, self.state.params, rnd)
 
+    def step(self, rnd: int) -> dict:
+        """Server step `rnd`: a synchronous round, or the asynchronous schedule up to its next step."""
+        return self.run_round(rnd) if self.schedule is None else self.schedule.step(self, rnd)
+
+    @property
+    def sim_time(self) -> float | None:
+        """Simulated seconds at the last server step (None without a clock)."""
+        if self.clock is None:
+            return None
+        return self.schedule.now if self.schedule is not None else self.clock.elapsed(self.round)
+
     def run_round(self, rnd: int) -> dict:
         picked = self.sample(rnd)
         sim = {}
@@ -233,16 +251,26 @@ class Experiment:
             picked, sim = self.clock.admit(picked, rnd)
         subs = self.submodels([lvl for _, lvl in picked], rnd)
         result = self.runner.train(self, rnd, picked, subs)
-        old = self.state.params
         # the server step (fedlase/robust.py): simulated attacks, the screen, then the rule makes the new model
         updates = [self._attacked(u, subs, rnd) for u in result.updates]
+        return self.serve(rnd, updates, subs, {**result.stats, **sim})
+
+    def serve(self, rnd: int, updates: list[Update], subs: dict[Level, Submodel], extra: dict,
+              step_size: float = 1.0) -> dict:
+        """The server step on received (attacked) updates: the screen, then (with enough of them) the stages and
+        the rule make the new model, then the trackers; returns the step's metrics fields. `step_size`: the new
+        model is old + step_size x (the rule's model - old) (an asynchronous schedule's server learning rate or
+        mixing; fedlase/asynchronous.py)."""
+        old = self.state.params
         updates, rejected, rms = self.server.screen(updates, subs, old)
         stats = {"train_loss": float(np.mean([u.loss for u in updates])) if updates else float("nan"),
-                 "clients": len(updates), **result.stats, **sim}
+                 "clients": len(updates), **extra}
         if rejected:   # beside the replies a Flower runner rejected already
             stats["rejected"] = {**stats.get("rejected", {}), **rejected}
         if len(updates) >= self.cfg.min_replies and updates:
             self.state.params, info = self.server.new_model(old, updates, subs, rms, rnd)
+            if step_size != 1.0:   # 1: the rule's model exactly
+                self.state.params = {n: p + step_size * (self.state.params[n] - p) for n, p in old.items()}
             if info:
                 stats["robust"] = info
             # kept for every rule: the screen rejects non-finite updates, yet finite ones can still overflow the
@@ -251,10 +279,11 @@ class Experiment:
                 self._broken = True   # a result, not a crash: said once
                 log.warning("round %d: the global model now holds non-finite values (robust=%s)", rnd,
                             self.server.rule.name)
-            trained = {u.level for u in updates}
-            for t in self.trackers:   # analyses see the clients that were aggregated
-                t.on_round(rnd, [(u.client, u.level) for u in updates], {lv: subs[lv] for lv in trained},
-                           old, self.state.params)
+            # analyses see the clients that were aggregated, and each level's submodel (under an asynchronous
+            # schedule, whose updates carry their own: that of the level's last update)
+            trained = {u.level: subs.get(u.level) or u.sub for u in updates}
+            for t in self.trackers:
+                t.on_round(rnd, [(u.client, u.level) for u in updates], trained, old, self.state.params)
         else:
             log.warning("round %d: %d updates, fewer than min_replies=%d; global model unchanged",
                         rnd, len(updates), self.cfg.min_replies)
@@ -276,7 +305,8 @@ class Experiment:
         s = self.state
         return {"round": s.round, "params": s.params, "buffers": s.buffers, "train_time": s.train_time,
                 "method": self.method.state_dict(), "trackers": [t.state_dict() for t in self.trackers],
-                "runner": self.runner.state_dict(), "config": self.cfg.to_dict()}
+                "runner": self.runner.state_dict(), "config": self.cfg.to_dict(),
+                **({"schedule": self.schedule.state_dict()} if self.schedule is not None else {})}
 
     def load_state_dict(self, state: dict) -> None:
         self.state = RunState(state["round"], {k: v.to(self.device) for k, v in state["params"].items()},
@@ -285,6 +315,8 @@ class Experiment:
         for t, s in zip(self.trackers, state["trackers"]):
             t.load_state_dict(s)
         self.runner.load_state_dict(state.get("runner", {}))
+        if self.schedule is not None:   # what is in flight (fedlase/asynchronous.py)
+            self.schedule.load_state_dict(state["schedule"], self, Update)
 
 
 # ---- the run loop ----------------------------------------------------------------------------------------------
@@ -310,9 +342,9 @@ def run_experiment(cfg: Config, resume: bool = False, progress: bool = True, run
     (fedlase.simtime.clock_for: fedlase/runner.py and Flower's ServerApp hand it in)."""
     out = run_folder(cfg.out, resume)
     ckpt, metrics_path, summary_path = out / "checkpoint.pt", out / "metrics.jsonl", out / "summary.json"
-    if clock is None and (cfg.device_model is not None or cfg.deadline is not None):
-        raise UserError("device_model/deadline: simulated time needs a clock; run through fedlase.run or "
-                        "pass clock=fedlase.simtime.clock_for")
+    if clock is None and cfg.simulated:
+        raise UserError("device_model/deadline/population/schedule: simulated time needs a clock; run through "
+                        "fedlase.run or pass clock=fedlase.simtime.clock_for")
     exp = Experiment(cfg, runner, clock)
     out.mkdir(parents=True, exist_ok=True)
     if exp.clock is not None:   # what `fedlase report` recomputes the simulated time from, without the data
@@ -347,11 +379,14 @@ def run_experiment(cfg: Config, resume: bool = False, progress: bool = True, run
         while exp.round < cfg.rounds:
             rnd = exp.round + 1
             t0 = time.perf_counter()
-            stats = exp.run_round(rnd)
+            before = exp.sim_time
+            stats = exp.step(rnd)
             exp.state.train_time += time.perf_counter() - t0
             exp.state.round = rnd
             line = {"round": rnd, **stats, "train_time": exp.state.train_time}
-            if rnd % cfg.eval_every == 0 or rnd == cfg.rounds:
+            every = cfg.eval_every_seconds
+            timed = every is not None and before is not None and exp.sim_time // every > before // every
+            if rnd % cfg.eval_every == 0 or rnd == cfg.rounds or timed:
                 t1 = time.perf_counter()
                 line.update(exp.evaluate(rnd))
                 line["eval_time"] = time.perf_counter() - t1
@@ -365,6 +400,8 @@ def run_experiment(cfg: Config, resume: bool = False, progress: bool = True, run
             if bar is not None:
                 bar.update(1)
                 post = {"s/round": f"{time.perf_counter() - t0:.2f}", "loss": f"{stats['train_loss']:.3f}"}
+                if "sim_time" in stats:   # progress in simulated time
+                    post["sim"] = f"{stats['sim_time']:.0f}s"
                 if last:
                     post["acc"] = f"{last['global_acc']:.3f}"
                 bar.set_postfix(post)

@@ -408,6 +408,14 @@ def run_clocks(groups: list[Group]) -> tuple[dict, dict]:
                 check_plugins(r.path / "summary.json", r.summary["config"].get("plugins", []),
                               "install them as an entry point, or import them and call fedlase.report.make_report")
             records = [(r.path / "sim.json") for r in g.runs]
+            if all(r.summary["config"].get("schedule", "sync") != "sync" for r in g.runs):
+                for r in g.runs:   # event-driven: its time is what it recorded, under the charge it ran with
+                    charge = r.summary["config"].get("sim_charge", CHARGES[0])
+                    clocks[id(r)] = {c: RecordedTimes(r, c == charge) for c in CHARGES}
+                if records[0].is_file():
+                    cfg = config_from_dict(dict(g.runs[0].summary["config"]))
+                    tables[id(g)] = recorded_clock(cfg, json.loads(records[0].read_text())).costs
+                continue
             if all(f.is_file() for f in records):
                 records = [json.loads(f.read_text()) for f in records]
                 for r, rec in zip(g.runs, records):
@@ -426,6 +434,17 @@ def run_clocks(groups: list[Group]) -> tuple[dict, dict]:
     return tables, clocks
 
 
+class RecordedTimes:
+    """The simulated time an asynchronous run (schedule fedbuff/fedasync) recorded at each evaluated step: its
+    events depend on every client's time, so it cannot be recomputed under the other charge (NaN there)."""
+
+    def __init__(self, run: Run, valid: bool):
+        self.times = {ln["round"]: ln["sim_time"] if valid else math.nan for ln in run.curve() if "sim_time" in ln}
+
+    def elapsed(self, rnd: int) -> float:
+        return self.times.get(rnd, math.nan)
+
+
 def _costs_and_steps(raw: dict, cost: bool = True) -> tuple[list | None, dict]:
     """(the cost table, each client's local steps) of a run's config, from its parts (its data loaded)."""
     from .config import config_from_dict
@@ -439,7 +458,8 @@ def _costs_and_steps(raw: dict, cost: bool = True) -> tuple[list | None, dict]:
 
 def _time_curve(r: Run, clock, metric: str = "global_acc") -> list[tuple[float, float]]:
     """(simulated seconds at the end of the round, metric) at each evaluated round of a run."""
-    return [(clock.elapsed(ln["round"]), ln[metric]) for ln in r.curve() if ln.get(metric) is not None]
+    pts = [(clock.elapsed(ln["round"]), ln[metric]) for ln in r.curve() if ln.get(metric) is not None]
+    return [(t, v) for t, v in pts if math.isfinite(t)]   # an asynchronous run has no time under the other charge
 
 
 def equal_time_table(groups: list[Group], clocks: dict) -> tuple[str, list, list] | None:
@@ -452,7 +472,8 @@ def equal_time_table(groups: list[Group], clocks: dict) -> tuple[str, list, list
     header, rows, budgets = ["group", "runs"], {id(g): [g.label, str(len(g.runs))] for g in timed}, []
     for c in CHARGES:
         ends = {id(g): float(np.mean([clocks[id(r)][c].elapsed(r.summary["rounds"]) for r in g.runs])) for g in timed}
-        T = min(ends.values())
+        finite = [v for v in ends.values() if math.isfinite(v)]
+        T = min(finite) if finite else math.nan
         budgets.append(f"T = {T:.4g} s under the {c} charge")
         header += [f"time to finish, {c} (s)", f"acc at T, {c} (%)"]
         for g in timed:
@@ -463,7 +484,7 @@ def equal_time_table(groups: list[Group], clocks: dict) -> tuple[str, list, list
                     accs.append(float(np.interp(T, [t for t, _ in pts], [a for _, a in pts])))
             cell = _cell(float(np.mean(accs)), float(np.std(accs, ddof=1)) if len(accs) > 1 else 0.0, len(accs)) \
                 if accs else "—"
-            rows[id(g)] += [f"{ends[id(g)]:.4g}", cell]
+            rows[id(g)] += [f"{ends[id(g)]:.4g}" if math.isfinite(ends[id(g)]) else "—", cell]
     # time to accuracy: the simulated time a group's runs need to first reach A, the median of the groups' final
     # accuracies (the lowest would let one weak group set an easy target), interpolated between evaluations
     # (mean over the runs that reach it; how many did when not all)
@@ -618,6 +639,15 @@ def make_report(dirs: list[str], out: str | Path, group_by: list[str] | None = N
         for g in groups:
             if id(g) in tables:
                 md += [f"\n### {g.label}\n", format_cost_table(tables[id(g)]).split("\n\n", 1)[1]]
+        populated = [g for g in groups if id(g) in tables and g.runs[0].summary["config"].get("population")]
+        if populated:   # the device population of each group (its first run's config)
+            from .config import config_from_dict
+            from .simtime import time_spread_table
+            md.append("\n## Device populations (fedlase/population.py): each level's client times, dense charge, "
+                      "simulated seconds a round\n")
+            for g in populated:
+                cfg = config_from_dict(dict(g.runs[0].summary["config"]))
+                md += [f"\n### {g.label}\n", time_spread_table(cfg, tables[id(g)]).split("\n", 1)[1].lstrip()]
 
     plots = []
     for metric in ("global_acc", "local_acc"):

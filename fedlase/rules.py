@@ -88,11 +88,13 @@ def _pairs(updates: list, subs: dict) -> list:
 
 @register_rule
 class Mean(Rule):
-    """The plain streaming mean (fedlase.aggregate.aggregate) of every update, unscreened."""
+    """The plain streaming mean (fedlase.aggregate.aggregate) of every update, unscreened; weighted by each
+    update's `weight` (a staleness weight under schedule=fedbuff)."""
     name = "none"
+    weighted = True
 
     def aggregate(self, params, updates, subs, rms, mode, coverage, owners):
-        return aggregate(params, _pairs(updates, subs), mode, coverage, owners), {}
+        return aggregate(params, _pairs(updates, subs), mode, coverage, owners, [u.weight for u in updates]), {}
 
 
 @register_rule
@@ -106,6 +108,7 @@ class Screened(Mean):
 class Clip(Screened):
     """Each update clipped to the L2 norm `bound`, then the streaming mean."""
     name = "clip"
+    weighted = False
     options = {"screen": SCREEN, "bound": Option(
         1.0, "clip: the L2 norm each update is clipped to (the scale of the model's updates: see a run's norms in "
         "its rejections' reasons or use adaptive_clip)", low=0, low_open=True)}
@@ -141,6 +144,7 @@ class AdaptiveClip(Clip):
 class Median(Screened):
     """The coordinate-wise median over the clients credited with each coordinate."""
     name = "median"
+    weighted = False
     options = {"screen": SCREEN}
 
     def aggregate(self, params, updates, subs, rms, mode, coverage, owners):
@@ -160,6 +164,7 @@ class TrimmedMean(Median):
 class MultiKrum(Screened):
     """The streaming mean of the updates closest to their neighbours on shared coordinates."""
     name = "multikrum"
+    weighted = False
     options = {"screen": SCREEN, "faulty": Option(0.2, "multikrum: fraction f/n of a round's updates assumed "
                                                   "faulty, in [0, 0.5)", low=0, high=0.5, high_open=True)}
 

@@ -21,9 +21,12 @@ table is taken once, on round 1's submodels: a method whose submodel sizes follo
 widths, a threshold method's payload) is charged its round-1 sizes throughout."""
 from __future__ import annotations
 
+import math
+import statistics
 from dataclasses import dataclass
 
 from .config import DEVICE_KEYS
+from .population import Population
 
 DEFAULTS = dict(zip(DEVICE_KEYS, (1e10, 1.25e6, None)))   # speed, bandwidth, memory of a level-1 device
 CHARGES = ("dense", "sparse")
@@ -59,27 +62,60 @@ class SimClock:
         self.device = DeviceModel.of(cfg.device_model, [c.fraction for c in costs])
         self.deadline = cfg.deadline
         self.sampling = Sampling.from_config(cfg)
+        # fedlase/population.py: per-client spread and availability (None: a level's devices alike, always on)
+        self.population = None if cfg.population is None else Population.of(cfg.population, cfg.levels, cfg.seed)
+        self.availability = self.population.availability if self.population is not None else None
         self._ends: list[float] = [0.0]   # cumulative time at the end of round r (index r)
 
     def client_time(self, client: int, level_index: int) -> float:
         c, d = self.costs[level_index], self.device
         flops = c.step_flops if self.charge == "dense" else c.sparse_flops
-        compute = flops * self.steps[client] / d.speed[level_index]
-        return compute + (c.down_bytes + c.up_bytes) / d.bandwidth[level_index]
+        speed, bandwidth = d.speed[level_index], d.bandwidth[level_index]
+        if self.population is not None:
+            speed, bandwidth = speed * self.population.speed[client], bandwidth * self.population.bandwidth[client]
+        compute = flops * self.steps[client] / speed
+        return float(compute + (c.down_bytes + c.up_bytes) / bandwidth)
+
+    def online(self, client: int, t: float) -> bool:
+        return self.availability is None or self.availability.online(client, t)
+
+    def dispatch(self, client: int, level_index: int, t: float) -> tuple[float, bool]:
+        """(when a client sent at time t returns, whether it is lost): a client that goes offline before its update
+        would arrive is lost at the moment it goes offline."""
+        end = t + self.client_time(client, level_index)
+        off = math.inf if self.availability is None else self.availability.offline_at(client, t)
+        return (off, True) if off < end else (end, False)
+
+    def next_online(self, t: float, clients=None) -> float:
+        """The earliest time from t on that one of `clients` (default: any) is online."""
+        return t if self.availability is None else self.availability.next_online(t, clients)
 
     def round(self, rnd: int, picked=None) -> dict:
         """This round's clients' fates: {"time", "kept" [(client, level)], "missed" [clients], "over_memory"
         [clients]}. `picked`: the round's sampled (client, level) pairs (default: drawn from the config)."""
         from .sampling import sample_clients
         picked = sample_clients(self.sampling, rnd) if picked is None else picked
+        offline, lost = [], {}
+        if self.availability is not None:   # who is offline at the round's start, and who drops out during it
+            start = self.elapsed(rnd - 1)
+            offline = [c for c, _ in picked if not self.online(c, start)]
+            picked = [(c, lvl) for c, lvl in picked if c not in offline]
+            for c, lvl in picked:
+                end, gone = self.dispatch(c, lvl.index, start)
+                if gone:
+                    lost[c] = end - start
         times = {c: self.client_time(c, lvl.index) for c, lvl in picked}
         missed = [c for c, t in times.items() if self.deadline is not None and t > self.deadline]
-        kept = [(c, lvl) for c, lvl in picked if c not in missed]
-        slowest = max((times[c] for c, _ in kept), default=0.0)
+        kept = [(c, lvl) for c, lvl in picked if c not in missed and c not in lost]
+        # the server waits for its last client to return or to drop out
+        slowest = max([times[c] for c, _ in kept] + [t for c, t in lost.items() if c not in missed], default=0.0)
+        if offline and not kept and not lost:   # nobody to wait for: the round lasts until one comes back
+            slowest = self.availability.next_online(start, offline) - start
         over = [c for c, lvl in picked if self.device.memory[lvl.index] is not None
                 and self.costs[lvl.index].peak_bytes is not None
                 and self.costs[lvl.index].peak_bytes > self.device.memory[lvl.index]]
-        return {"time": self.deadline if missed else slowest, "kept": kept, "missed": missed, "over_memory": over}
+        return {"time": self.deadline if missed else slowest, "kept": kept, "missed": missed, "over_memory": over,
+                "offline": offline, "lost": [c for c in lost if c not in missed]}
 
     def elapsed(self, rnd: int) -> float:
         """Simulated time at the end of round `rnd` (rounds 1..rnd, computed once each)."""
@@ -100,6 +136,10 @@ class SimClock:
             stats["missed_deadline"] = fate["missed"]
         if fate["over_memory"]:
             stats["over_memory"] = fate["over_memory"]
+        if fate["offline"]:
+            stats["offline"] = fate["offline"]
+        if fate["lost"]:
+            stats["lost_offline"] = fate["lost"]
         return fate["kept"], stats
 
 
@@ -112,7 +152,7 @@ def clock_for(cfg, parts, charge: str | None = None) -> SimClock | None:
     """The SimClock of a run's parts (fedlase.engine.build_parts), or None when its config asks for no simulated
     time (no device_model and no deadline): what callers hand to the engine (`run_experiment(cfg, clock=
     clock_for)`). Measures memory (child processes) only when the device model gives one."""
-    if cfg.device_model is None and cfg.deadline is None and charge is None:
+    if not cfg.simulated and charge is None:
         return None
     from .cost import level_costs, with_memory
     p = parts
@@ -128,3 +168,21 @@ def recorded_clock(cfg, record: dict, charge: str | None = None) -> SimClock:
     from .cost import LevelCost
     return SimClock(cfg, [LevelCost(**c) for c in record["costs"]], {int(c): n for c, n in record["steps"].items()},
                     charge)
+
+
+def time_spread_table(cfg, costs) -> str:
+    """The population per level (`fedlase cost`): the spread of its clients' simulated times (dense charge, each
+    client at its level's steps of the cost table), min / median / max over the clients the system gives it."""
+    system = cfg.levels
+    steps = {c: costs[system.client_level[c]].steps for c in range(cfg.num_clients)}
+    clock = SimClock(cfg, costs, steps, "dense")
+    lines = ["Client time per level (dense charge, simulated seconds a round)\n",
+             "| level | clients | min | median | max |", "|---|---|---|---|---|"]
+    for lvl in system.levels:
+        members = [c for c in range(cfg.num_clients) if system.client_level[c] == lvl.index]
+        times = sorted(clock.client_time(c, lvl.index) for c in members)
+        if times:
+            lines.append(f"| {lvl.name} | {len(times)} | {times[0]:.4g} | {statistics.median(times):.4g} | "
+                         f"{times[-1]:.4g} |")
+    return "\n".join(lines)
+

@@ -130,6 +130,10 @@ def test_report_has_the_cost_table_and_the_simulated_time(tiny_cfg, tmp_path):
                    progress=False, clock=clock_for)
     run_experiment(tiny_cfg(*FOUR, "method=fedlase_width", out=str(tmp_path / "runs" / "fedlase_width")),
                    progress=False)
+    # an asynchronous run: its recorded time, under the charge it ran with only (docs/async.md)
+    buff = run_experiment(tiny_cfg(*FOUR, "method=heterofl", "schedule=fedbuff", "schedule_args.concurrency=3",
+                                   "population.speed_spread=0.5", out=str(tmp_path / "runs" / "fedbuff")),
+                          progress=False, clock=clock_for)
     digits, loaded = DATASETS.get("digits"), []
     DATASETS.add("digits", dataclasses.replace(digits, load=lambda cfg: loaded.append(cfg.method) or digits.load(cfg)),
                  replace=True)
@@ -138,8 +142,13 @@ def test_report_has_the_cost_table_and_the_simulated_time(tiny_cfg, tmp_path):
     finally:
         DATASETS.add("digits", digits, replace=True)
     assert loaded == ["fedlase_width"]   # the device-model run's data was never loaded
-    assert "## Cost per level" in md and md.count("(slice)") == 6   # levels 1/4..1/64 of both methods
+    assert "## Cost per level" in md and md.count("(slice)") == 9   # levels 1/4..1/64 of the three runs
     assert "Accuracy at equal simulated time" in md and "time to A, sparse" in md
     assert (tmp_path / "report" / "plots" / "accuracy_time.png").is_file()
+    timed = md[md.index("Accuracy at equal simulated time"):]
+    row = next(ln for ln in timed.splitlines() if "schedule=fedbuff" in ln)
+    assert f"{buff['final']['sim_time']:.4g}" in row and "—" in row
+    population = md[md.index("## Device populations"):]   # the fedbuff run's population: its spread per level
+    assert "schedule=fedbuff" in population and "| 1/64 | 1 |" in population
     plain = make_report([str(tmp_path / "runs")], tmp_path / "plain", cost=False).read_text()
     assert "Cost per level" not in plain

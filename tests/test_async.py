@@ -1,0 +1,102 @@
+"""Asynchronous schedules (fedlase/asynchronous.py, options in fedlase/sim_config.py): the reduction to the
+synchronous run, the staleness-weighted step, the metrics per server step, and resume with updates in flight."""
+import json
+
+import pytest
+import torch
+
+from fedlase import checkpoint
+from fedlase.aggregate import aggregate
+from fedlase.engine import run_experiment
+from fedlase.masks import Submodel
+from fedlase.sim_config import staleness_weight
+from fedlase.simtime import clock_for
+
+FOUR = ["system={1,1/4}_{2,2}"]
+
+
+def _run(tiny_cfg, out, *overrides, resume=False):
+    run_experiment(tiny_cfg(*overrides, out=str(out)), resume=resume, progress=False, clock=clock_for)
+    lines = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()]
+    return checkpoint.load(out / "checkpoint.pt"), lines
+
+
+@pytest.mark.numerics
+@pytest.mark.parametrize("method", ["fiarse", "heterofl"])
+def test_fedbuff_at_equal_speeds_and_c_equal_k_is_the_synchronous_run_bit_for_bit(tiny_cfg, tmp_path, method):
+    """Every client at one level (1/4: submodels), so all take the same simulated time; concurrency = buffer =
+    the 2 clients a round samples (the default), a constant staleness weight, every client online."""
+    same = ["system={1/4}_{4}", f"method={method}", "rounds=3", "device_model={}"]
+    sync, sync_lines = _run(tiny_cfg, tmp_path / "sync", *same)
+    buff, buff_lines = _run(tiny_cfg, tmp_path / "buff", *same, "schedule=fedbuff",
+                            "schedule_args.staleness=constant")
+    assert sync["params"].keys() == buff["params"].keys()
+    assert all(torch.equal(sync["params"][k], buff["params"][k]) for k in sync["params"])
+    for a, b in zip(sync_lines, buff_lines, strict=True):
+        assert (a["train_loss"], a["clients"], a["sim_time"], a["global_acc"]) == \
+               (b["train_loss"], b["clients"], b["sim_time"], b["global_acc"])
+        assert b["staleness"] == [0, 0] and b["level_updates"] == {"1/4": 2}
+
+
+def test_the_buffer_step_is_the_staleness_weighted_mean_per_coordinate():
+    params = {"w": torch.zeros(4)}
+    half = Submodel(masks={"w": torch.tensor([True, True, False, False])})
+    full = Submodel(masks={"w": torch.ones(4, dtype=torch.bool)})
+    d1, d2 = {"w": torch.tensor([1.0, 1.0, 0.0, 0.0])}, {"w": torch.tensor([4.0, 4.0, 4.0, 4.0])}
+    new = aggregate(params, [(d1, half), (d2, full)], weights=[1.0, 0.5])["w"]
+    # held by both: (1*1 + 0.5*4) / 1.5; held by the second only: its delta whatever its weight
+    assert new.tolist() == pytest.approx([2.0, 2.0, 4.0, 4.0])
+    assert torch.equal(aggregate(params, [(d1, half), (d2, full)], weights=[1.0, 1.0])["w"],
+                       aggregate(params, [(d1, half), (d2, full)])["w"])
+    args = {"staleness": "poly", "a": 0.5, "b": 4.0}
+    assert staleness_weight(args, 3) == 0.5 and staleness_weight({**args, "staleness": "constant"}, 9) == 1.0
+    assert staleness_weight({**args, "staleness": "hinge", "a": 10}, 4) == 1.0
+    assert staleness_weight({**args, "staleness": "hinge", "a": 10}, 6) == pytest.approx(1 / 21)
+
+
+ASYNC = [*FOUR, "rounds=4", "device_model={}", "population.speed_spread=0.5", "population.online=0.6",
+         "population.offline=0.2", "schedule=fedbuff", "schedule_args.concurrency=3", "schedule_args.buffer=2"]
+
+
+def test_fedbuff_and_fedasync_record_each_server_step(tiny_cfg, tmp_path):
+    state, lines = _run(tiny_cfg, tmp_path / "buff", *ASYNC)
+    assert [x["round"] for x in lines] == [1, 2, 3, 4]
+    times = [x["sim_time"] for x in lines]
+    assert times == sorted(times) and times[0] > 0
+    for x in lines:
+        assert len(x["staleness"]) == 2 and sum(x["level_updates"].values()) == x["clients"] == 2
+        assert x["in_flight"] <= 3
+    assert any(max(x["staleness"]) > 0 for x in lines)
+    assert state["schedule"]["flight"]   # clients still in flight at the end
+    # the staleness weights reach the step: with a constant weight the same events give another model
+    same, const = _run(tiny_cfg, tmp_path / "const", *ASYNC, "schedule_args.staleness=constant")
+    assert [x["staleness"] for x in const] == [x["staleness"] for x in lines]
+    assert not all(torch.equal(same["params"][k], state["params"][k]) for k in state["params"])
+    # fedasync, evaluated every 0.15 simulated seconds (and after the last step) instead of every step
+    _, lines = _run(tiny_cfg, tmp_path / "async", *ASYNC[:-2], "schedule=fedasync", "schedule_args.concurrency=2",
+                    "schedule_args.mixing=0.6", "eval_every=100", "eval_every_seconds=0.15")
+    assert all(x["clients"] == 1 and len(x["staleness"]) == 1 for x in lines)
+    buckets = [int(x["sim_time"] // 0.15) for x in lines]
+    assert lines[-1]["round"] == 4 and 1 < len(lines) < 4 and buckets == sorted(set(buckets)), buckets
+
+
+def test_a_resumed_fedbuff_run_with_updates_in_flight_is_bit_identical(tiny_cfg, tmp_path):
+    """The pattern of the other resume tests: a run stopped after step 2 (its checkpoint, as a kill -9 would leave
+    it: the metrics lines after it are dropped) and resumed ends as the uninterrupted one."""
+    whole, whole_lines = _run(tiny_cfg, tmp_path / "whole", *ASYNC, "schedule_args.staleness=poly")
+    stopped, _ = _run(tiny_cfg, tmp_path / "split", *ASYNC, "rounds=2")
+    assert stopped["schedule"]["flight"] and any("delta" in f for f in stopped["schedule"]["flight"])
+    split, split_lines = _run(tiny_cfg, tmp_path / "split", *ASYNC, resume=True)
+    assert all(torch.equal(whole["params"][k], split["params"][k]) for k in whole["params"])
+    drop = ("train_time", "eval_time")
+    assert [{k: v for k, v in x.items() if k not in drop} for x in whole_lines] == \
+           [{k: v for k, v in x.items() if k not in drop} for x in split_lines]
+
+
+def test_clients_that_always_drop_out_stop_the_run_with_one_line(tiny_cfg, tmp_path):
+    from fedlase.errors import UserError
+    cfg = tiny_cfg(*FOUR, "schedule=fedbuff", "population.online=0.001", "population.offline=0.001",
+                   out=str(tmp_path / "r"))
+    with pytest.raises(UserError, match="keep going offline") as e:
+        run_experiment(cfg, progress=False, clock=clock_for)
+    assert "\n" not in str(e.value)
