@@ -31,6 +31,7 @@ from .evaluate import EvalData, EvalSettings, evaluate_levels
 from .levels import Level
 from .machine import apply_threads
 from .masks import Submodel
+from .privacy import stages_for
 from .registry import DATASETS, METHODS, TRACKERS
 from .resources import check_loaded
 from .robust import ServerStep
@@ -160,11 +161,13 @@ def build_parts(cfg: Config) -> Parts:
     level_clients = {lvl: [c for c in range(cfg.num_clients) if cfg.assignment != "fixed" or owner[c] == lvl.index]
                      for lvl in system.levels}
     coverage = cfg.coverage or method.coverage
+    owners = channel_owners(model) if coverage == "kept" else None
+    plan = Sampling.from_config(cfg)
+    stages = stages_for(cfg, method, plan, method.aggregation, coverage, owners, device)   # dp (fedlase/privacy.py)
     server = ServerStep.of(cfg.robust, cfg.robust_args, cfg.attack, cfg.attack_args, system, cfg.seed,
-                           method.aggregation, coverage, channel_owners(model) if coverage == "kept" else None)
+                           method.aggregation, coverage, owners, stages)
     return Parts(device, d, x_train, y_train, x_test, y_test, client_train, client_test, model, method, trainer,
-                 system.levels, level_clients, Sampling.from_config(cfg), eval_data, EvalSettings.from_config(cfg),
-                 server)
+                 system.levels, level_clients, plan, eval_data, EvalSettings.from_config(cfg), server)
 
 
 class Clock(Protocol):
@@ -259,6 +262,7 @@ class Experiment:
             log.warning("round %d: %d updates, fewer than min_replies=%d; global model unchanged",
                         rnd, len(updates), self.cfg.min_replies)
             stats["skipped"] = True
+        stats.update(self.server.info(rnd))   # a stage's figures, e.g. dp's epsilon after this round
         return stats
 
     # ---- evaluation ------------------------------------------------------------------------------------------
@@ -276,7 +280,7 @@ class Experiment:
         s = self.state
         return {"round": s.round, "params": s.params, "buffers": s.buffers, "train_time": s.train_time,
                 "method": self.method.state_dict(), "trackers": [t.state_dict() for t in self.trackers],
-                "runner": self.runner.state_dict(), "config": self.cfg.to_dict()}
+                "runner": self.runner.state_dict(), "server": self.server.state_dict(), "config": self.cfg.to_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         self.state = RunState(state["round"], {k: v.to(self.device) for k, v in state["params"].items()},
@@ -285,6 +289,7 @@ class Experiment:
         for t, s in zip(self.trackers, state["trackers"]):
             t.load_state_dict(s)
         self.runner.load_state_dict(state.get("runner", {}))
+        self.server.load_state_dict(state.get("server", {}))
 
 
 # ---- the run loop ----------------------------------------------------------------------------------------------
@@ -343,9 +348,13 @@ def run_experiment(cfg: Config, resume: bool = False, progress: bool = True, run
     if progress:
         from tqdm import tqdm
         bar = tqdm(total=cfg.rounds, initial=exp.round, desc=f"{cfg.method}", unit="round", dynamic_ncols=True)
+    stopped = None   # why the run ended before `rounds` (a stage's budget: dp.max_epsilon)
     with open(metrics_path, "a") as mf:
         while exp.round < cfg.rounds:
             rnd = exp.round + 1
+            if (stopped := exp.server.halt(rnd)) is not None:
+                log.warning("%s", stopped)
+                break
             t0 = time.perf_counter()
             stats = exp.run_round(rnd)
             exp.state.train_time += time.perf_counter() - t0
@@ -370,10 +379,18 @@ def run_experiment(cfg: Config, resume: bool = False, progress: bool = True, run
                 bar.set_postfix(post)
     if bar is not None:
         bar.close()
-    if last is None or last["round"] != cfg.rounds:   # e.g. resumed a finished run with more eval needed
-        last = {"round": cfg.rounds, "train_time": exp.state.train_time, **exp.evaluate(cfg.rounds)}
-    summary = {"config": cfg.to_dict(), "rounds": cfg.rounds, "train_time": exp.state.train_time,
+    end = exp.round if stopped else cfg.rounds
+    if last is None or last["round"] != end:   # e.g. resumed a finished run with more eval needed, or stopped
+        last = {"round": end, "train_time": exp.state.train_time, **exp.server.info(end), **exp.evaluate(end)}
+        if stopped:   # the stopped run's last line: its final model, evaluated
+            with open(metrics_path, "a") as mf:
+                mf.write(json.dumps(last) + "\n")
+    if stopped and cfg.checkpoint_every:
+        save_checkpoint()
+    summary = {"config": cfg.to_dict(), "rounds": end, "train_time": exp.state.train_time,
                "final": last, "num_clients": cfg.num_clients}
+    if stopped:
+        summary["stopped"] = stopped
     atomic_write(summary_path, lambda p: p.write_text(json.dumps(summary, indent=1, default=str)))
     return summary
 
