@@ -100,9 +100,9 @@ class Accountant:
         if rounds == 0:
             return 0.0
         while len(self.total) <= rounds:
-            orders, r = self.per_round(self.sizes(len(self.total)))
+            self.orders, r = self.per_round(self.sizes(len(self.total)))
             self.total.append(r if self.total[-1] is None else self.total[-1] + r)
-        return float(compute_epsilon(orders, self.total[rounds], self.delta)[0])
+        return float(compute_epsilon(self.orders, self.total[rounds], self.delta)[0])
 
 
 def calibrate(population: int, sizes: list[int], target: float, delta: float, count_noise: float | None) -> float:
