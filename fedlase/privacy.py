@@ -77,6 +77,9 @@ def fresh_accountant():
     return rdp.RdpAccountant(neighboring_relation=dpa.NeighboringRelation.REPLACE_ONE)
 
 
+_ROUND_RDP: dict[tuple, tuple] = {}   # (N, m, z, sigma_b) -> (orders, one round's RDP): same in every run
+
+
 class Accountant:
     """Epsilon at `delta` after a run's first t rounds, round t sampling `sizes(t)` of `population` clients.
     Each distinct sample size's RDP is computed once by dp_accounting (about 0.4 s: the without-replacement bound
@@ -86,14 +89,14 @@ class Accountant:
                  delta: float):
         self.population, self.sizes, self.z, self.count_noise, self.delta = population, sizes, z, count_noise, delta
         self.total = [None]   # cumulative RDP after round t, t = 0.. (index 0: nothing spent)
-        self.rdp: dict[int, tuple] = {}   # sample size -> (orders, one round's RDP)
 
     def per_round(self, sampled: int):
-        if sampled not in self.rdp:
+        key = (self.population, sampled, self.z, self.count_noise)
+        if key not in _ROUND_RDP:
             acc = fresh_accountant()
             acc.compose(round_event(self.population, sampled, self.z, self.count_noise))
-            self.rdp[sampled] = acc.orders, acc.rdp
-        return self.rdp[sampled]
+            _ROUND_RDP[key] = acc.orders, acc.rdp
+        return _ROUND_RDP[key]
 
     def epsilon(self, rounds: int) -> float:
         from dp_accounting.rdp.rdp_privacy_accountant import compute_epsilon

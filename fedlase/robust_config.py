@@ -63,6 +63,10 @@ def check_dp(cfg) -> dict:
     if not cfg.dp:
         return {}
     out = check_options("dp", DP, cfg.dp, "dp")
+    try:
+        import dp_accounting  # noqa: F401  (the accountant: an extra)
+    except ImportError:
+        raise ConfigError("dp", "needs Google's dp-accounting: pip install 'fedlase[privacy]'") from None
     if out["clip"] is None:
         raise ConfigError("dp.clip", "must be set: the L2 bound of each client's update (any dp key turns DP on)")
     if (out["noise_multiplier"] is None) == (out["target_epsilon"] is None):

@@ -293,6 +293,27 @@ def test_missing_reply_dead_node_and_min_replies(tmp_path, task_identity):
     assert stats.get("skipped") and same_params(params, Experiment(cfg).params)
 
 
+def test_dp_nodes_clip_the_server_adds_the_noise_and_an_unclipped_node_is_caught(tmp_path, task_identity,
+                                                                               monkeypatch):
+    """With dp, each node clips to the bound its TRAIN message carries and the server adds the noise: the round
+    equals the embedded one bit for bit, epsilon in its line. A node that skips clipping is rejected and
+    recorded; the model is the embedded round's without it (the denominator is public, so unchanged)."""
+    cfg = small_cfg(tmp_path, "system={1,1/4}_{1,2}", "dp.clip=0.01", "dp.noise_multiplier=1")
+    params, stats = _round(cfg)
+    assert stats["epsilon"] > 0 and not stats["rejected"] and stats["clients"] == 3
+    assert same_params(params, _embedded(cfg))
+    train = client_app.train_content
+
+    def skips_clipping(cfg, content, pid, rnd, times=None):
+        if pid == 1:
+            del content.config_records["task"]["dp-clip"]
+        return train(cfg, content, pid, rnd, times)
+    monkeypatch.setattr(client_app, "train_content", skips_clipping)
+    params, stats = _round(cfg)
+    assert "unclipped update" in stats["rejected"]["1"] and stats["clients"] == 2
+    assert same_params(params, _embedded(cfg, without={1}))
+
+
 def test_partitions_are_pinned_to_node_keys(tmp_path, task_identity):
     """With pins, a node whose key is pinned to no partition is refused unasked; a node whose key is pinned to
     partition 2 but claims 1 is refused after its answer; neither gets a model, both refusals are in the round's
