@@ -37,13 +37,17 @@ def l2(delta: dict) -> float:
     return math.sqrt(ss) if math.isfinite(ss) else math.nan
 
 
+ROUNDING = 1e-6   # a delta clipped in float32 has norm bound x (1 +- ~1e-7): clipping it again changes nothing
+
+
 def clip(delta: dict, bound: float) -> tuple[dict, float]:
     """(the delta scaled to L2 norm at most `bound`, its norm before); a non-finite delta becomes zeros (it
-    then adds nothing, which is within the bound)."""
+    then adds nothing, which is within the bound). A delta within float rounding of the bound (one a Flower node
+    clipped already) is left as it is, so the server's second clip gives the embedded engine's very values."""
     norm = l2(delta)
     if not math.isfinite(norm):
         return {n: torch.zeros_like(d) for n, d in delta.items()}, norm
-    if norm <= bound:
+    if norm <= bound * (1 + ROUNDING):
         return delta, norm
     return {n: d * (bound / norm) for n, d in delta.items()}, norm
 
@@ -119,7 +123,7 @@ def calibrate(population: int, sizes: list[int], target: float, delta: float, co
                                     for m, k in groups.items()])
     # under adaptive clipping z must stay below 2 sigma_b (sum_multiplier)
     bracket = dpa.ExplicitBracketInterval(1e-3, 2 * count_noise * (1 - 1e-9)) if count_noise else None
-    return float(dpa.calibrate_dp_mechanism(fresh_accountant, event, target, delta, bracket, tol=1e-4))
+    return float(dpa.calibrate_dp_mechanism(fresh_accountant, event, target, delta, bracket, tol=1e-3))
 
 
 # ---- the stage --------------------------------------------------------------------------------------------------
@@ -138,6 +142,8 @@ class Privacy(Stage):
         count_noise = args["count_noise"] if args["adaptive"] else None
         z = args["noise_multiplier"]
         if z is None:
+            log.info("dp: finding the noise multiplier for epsilon %g (dp_accounting's calibration: seconds to a "
+                     "minute)", args["target_epsilon"])
             z = calibrate(system.num_clients, [self.sampled(t) for t in range(1, rounds + 1)],
                           args["target_epsilon"], args["delta"], count_noise)
             log.info("dp: noise_multiplier %.4g gives epsilon %g at delta %g after %d rounds", z,
@@ -173,7 +179,7 @@ class Privacy(Stage):
         bound, clipped, out, under = self.bound, 0, [], 0
         for u in updates:
             delta, norm = clip(u.delta, bound)
-            clipped += not norm <= bound
+            clipped += not norm <= bound * (1 + ROUNDING)
             under += norm <= bound
             out.append(dataclasses.replace(u, delta=delta))
         # what the rule will divide by (its realised credit), to be replaced by the public denominator

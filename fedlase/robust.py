@@ -10,8 +10,8 @@ options, registered in fedlase/registry.py and named by the config):
    with its reason, when a value of its delta or its loss is not finite, or when its norm per coordinate held
    exceeds `robust_args.screen` times the round's median of that figure (docs/methods.md, "Robust
    aggregation", says why this rule and this bound).
-3. the stages (none built in; `Stage`): room for a step between the screen and the rule, such as differential
-   privacy (clip each accepted update, then noise on the new model).
+3. the stages (`Stage`): a step between the screen and the rule: differential privacy (fedlase/privacy.py,
+   under the `dp` key: clip each accepted update, then the public denominator and the noise on the new model).
 4. the rule (`robust`) turns the accepted updates into the new global model, per coordinate, under the run's
    `coverage` and aggregation mode (fedlase/aggregate.py). The built-in rules and attacks are in
    fedlase/rules.py; a plug-in module registers its own the same way (docs/library.md, "Adding a rule").
@@ -250,6 +250,8 @@ class ServerStep:
         """(the new global params, what the rule did for the metrics line) from the accepted updates."""
         for stage in self.stages:
             updates = stage.updates(updates, subs, params, rnd)
+        if self.stages:   # a stage may have changed the updates (dp clips them): the rule reads their norms
+            rms = norms(updates, subs, params)[1]
         new, info = self.rule.aggregate(params, updates, subs, rms, self.mode, self.coverage, self.owners)
         for stage in self.stages:
             new = stage.model(params, new, rnd)

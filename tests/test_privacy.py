@@ -70,10 +70,12 @@ def test_the_noise_per_coordinate_is_z_c_over_the_public_denominator(tiny_cfg):
     assert torch.all(steps[values == 0] == 0)   # a coordinate no level holds gets nothing, noise included
 
 
-def test_without_noise_the_step_is_the_clipped_sum_over_the_public_denominator(tiny_cfg):
+@pytest.mark.parametrize("rule,bound", [(["robust=screen"], 0.05), (["robust=clip", "robust_args.bound=0.02"], 0.02)])
+def test_without_noise_the_step_is_the_clipped_sum_over_the_public_denominator(tiny_cfg, rule, bound):
     """z = 0: the new model is the old one plus the sum of the clipped updates over D_j, whatever the realised
-    count (one round of real training, computed again here)."""
-    exp = Experiment(tiny_cfg("method=fiarse", "coverage=mask", "dp.clip=0.05", "dp.noise_multiplier=0"))
+    count (one round of real training, computed again here). robust=clip composes: a smaller bound of its own
+    clips the clipped updates again."""
+    exp = Experiment(tiny_cfg("method=fiarse", "coverage=mask", "dp.clip=0.05", "dp.noise_multiplier=0", *rule))
     old = {n: p.clone() for n, p in exp.params.items()}
     picked = exp.sample(1)
     subs = exp.submodels([lv for _, lv in picked], 1)
@@ -83,7 +85,7 @@ def test_without_noise_the_step_is_the_clipped_sum_over_the_public_denominator(t
         norm = math.sqrt(sum(float(d.double().square().sum()) for d in delta.values()))
         assert norm > 0.05   # every update is clipped at this bound
         for n, d in delta.items():
-            total[n] += (d * (0.05 / norm)).double()
+            total[n] += (d * (bound / norm)).double()
     stats = exp.run_round(1)
     assert stats["dp"]["clipped"] == len(picked) and stats["epsilon"] == math.inf
     want = expected_denominators(exp, subs, 1)
