@@ -473,7 +473,10 @@ def sim_run(tmp_path_factory):
     root = tmp_path_factory.mktemp("sim")
     (root / "plug").mkdir()
     (root / "plug" / "killed_client.py").write_text(KILLED_CLIENT)
-    args, out, listening = [*SMALL, "system={1,1/4}_{2,2}"], root / "sim", set()
+    # with dp (fedlase/privacy.py): the nodes clip, the server adds the seeded noise, so the run still equals
+    # the embedded one bit for bit (the denominator is public: a killed client does not change it)
+    args = [*SMALL, "system={1,1/4}_{2,2}", "dp.clip=0.05", "dp.noise_multiplier=0.5"]
+    out, listening = root / "sim", set()
     tag = uuid.uuid4().hex
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv(TAG, tag)
@@ -503,6 +506,7 @@ def test_simulation_engine_matches_embedded(sim_run, tmp_path):
     assert same_params(_params(out), _embedded(cfg, rounds=(1, 2), without={(1, c) for c in lines[0]["failed"]}))
     assert lines[-1]["bytes_total"]["sent"] == lines[0]["bytes"]["sent"] + lines[1]["bytes"]["sent"] > 0
     assert json.loads((out / "summary.json").read_text())["final"]["round"] == 2
+    assert 0 < lines[0]["epsilon"] < lines[1]["epsilon"] and not lines[1]["rejected"]   # dp's epsilon, every line
 
 
 @SIM
