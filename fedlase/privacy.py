@@ -130,7 +130,7 @@ def calibrate(population: int, sizes: list[int], target: float, delta: float, co
 class Privacy(Stage):
     """The server step's DP stage (module docstring). `submodel(params, level, rnd)`: a level's submodel of the
     round (for the levels nobody sampled: the denominator counts every level)."""
-    couples_clients = False   # the screen keeps only its per-update checks (fedlase/robust.py, ServerStep.screen)
+    screen_by_others = False   # the screen keeps only its per-update checks (fedlase/robust.py, ServerStep.screen)
 
     def __init__(self, args: dict, seed: int, plan, rounds: int, mode: str, coverage: str, owners,
                  submodel: Callable):

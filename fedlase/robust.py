@@ -188,8 +188,9 @@ class Stage:
     accepted update, `model` adds the noise to the new model). Both default to passing things through; a stage
     seeds its own draws from (run seed, round) under a stream tag of its own. `info` adds to the round's metrics
     line, `halt` may end the run before a round (a privacy budget), and a stage's state is checkpointed.
-    `couples_clients` False: the screen must not reject one update for what the others are (its median bound)."""
-    couples_clients: ClassVar[bool] = True
+    `screen_by_others` False: the screen must not reject one update for what the others are (its median bound),
+    only for what it is itself (non-finite)."""
+    screen_by_others: ClassVar[bool] = True
 
     def updates(self, updates: list, subs: dict, params: dict, rnd: int) -> list:
         return updates
@@ -242,7 +243,7 @@ class ServerStep:
         """(accepted updates, {client: why} of the rejected, the accepted ones' norms per coordinate held)."""
         if not self.rule.weighted and any(u.weight != 1.0 for u in updates):
             raise ValueError(f"robust={self.rule.name} does not take weighted updates (its `weighted`)")
-        if "screen" in self.rule.args and not all(s.couples_clients for s in self.stages):
+        if "screen" in self.rule.args and not all(s.screen_by_others for s in self.stages):
             return screen(updates, subs, params, math.inf)   # the per-update checks only (docs/methods.md)
         return self.rule.screen(updates, subs, params)
 
