@@ -367,6 +367,8 @@ def run_experiment(cfg: Config, resume: bool = False, progress: bool = True, run
                 mf.write(json.dumps(line) + "\n")
                 mf.flush()
                 last = line
+                if "epsilon" in line:   # dp: the privacy spent, in the log too (Flower's ServerApp's)
+                    log.info("round %d: epsilon %.4g at delta %g", rnd, line["epsilon"], line["dp"]["delta"])
             for t in exp.trackers:
                 t.on_metrics(rnd, line)
             if cfg.checkpoint_every and (rnd % cfg.checkpoint_every == 0 or rnd == cfg.rounds):

@@ -219,7 +219,6 @@ class Privacy(Stage):
 
     def info(self, rnd: int) -> dict:
         eps = self.accountant.epsilon(rnd)
-        log.info("round %d: epsilon %.4g at delta %g", rnd, eps, self.args["delta"])   # also Flower's ServerApp log
         line = {"delta": self.args["delta"], "noise_multiplier": self.z, "clip": self.round.get("clip", self.bound)}
         if "clipped" in self.round:
             line["clipped"] = self.round["clipped"]
