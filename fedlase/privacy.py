@@ -182,18 +182,18 @@ class Privacy(Stage):
             clipped += not norm <= bound * (1 + ROUNDING)
             under += norm <= bound
             out.append(dataclasses.replace(u, delta=delta))
-        # what the rule will divide by (its realised credit), to be replaced by the public denominator
-        agg = Aggregator(params, self.mode, self.coverage, self.owners)
-        counts = {n: torch.zeros_like(p) for n, p in params.items()}
-        for u in out:
-            for n, block, _, c in agg.terms(u.delta, u.sub or subs[u.level]):
-                if block is None:
-                    counts[n] += c
-                else:
-                    counts[n][block] += c
+        # what the rule will divide by (its realised credit, or |A|), to be replaced by the public denominator
+        counts = {n: torch.full_like(p, max(len(out), 1)) for n, p in params.items()}
+        if self.mode == "coverage":
+            agg = Aggregator(params, self.mode, self.coverage, self.owners)
+            counts = {n: torch.zeros_like(p) for n, p in params.items()}
+            for u in out:
+                for n, block, _, c in agg.terms(u.delta, u.sub or subs[u.level]):
+                    if block is None:
+                        counts[n] += c
+                    else:
+                        counts[n][block] += c
         denom = self.denominators(params, subs, rnd)
-        if self.mode == "mean":
-            counts = {n: torch.full_like(c, max(len(out), 1)) for n, c in counts.items()}
         scale = {n: torch.where(denom[n] > 0, counts[n].clamp(min=1).double() / denom[n].clamp(min=1e-12), 0.0)
                  for n in params}
         self.round = {"clip": bound, "clipped": clipped, "scale": scale, "denom": denom}
