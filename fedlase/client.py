@@ -109,10 +109,15 @@ class ClientTrainer:
         `scatter`) and mean training loss for this round."""
         batches, augment = self.job(client, rnd)
         devices = [self.x.device] if self.x.device.type == "cuda" else []
+        personal = getattr(sub.local, "personal", False)   # pFedLMT: the client trains its own part, kept by it
+        if personal:
+            params = sub.local.params_for(client, params, sub)
         with torch.random.fork_rng(devices=devices):   # dropout draws from the client's own stream
             seed_global_stream(dropout_seed(self.settings.seed, rnd, client), self.x.device)
-            return local_train(self.model, params, buffers, self.trained(sub), self.x, self.y, batches, self.work,
-                               augment, self.classes[client] if self.classes is not None else None, scatter)
+            delta, loss = local_train(self.model, params, buffers, self.trained(sub), self.x, self.y, batches,
+                                      self.work, augment, self.classes[client] if self.classes is not None else None,
+                                      scatter)
+        return (sub.local.finish(client, params, sub, delta) if personal else delta), loss
 
     def trained(self, sub: Submodel) -> Submodel:
         """The submodel as this client trains it: a width slice as masks over the full model under

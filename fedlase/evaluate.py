@@ -145,9 +145,17 @@ def evaluate_levels(model: nn.Module, method, params: dict, buffers: dict, level
         sub = method.eval_submodel(params, lvl, rnd).to(data.x_test.device)
         with torch.no_grad():   # a width slice is evaluated as the smaller model (unless sliced=false)
             weights, bufs = sub.model(params, buffers, sliced=settings.sliced)
-        bufs = recompute_bn_stats(model, weights, bufs, bn_x, bs)
-        glob = accuracy(predict(model, weights, bufs, x_glob, bs), y_glob)
-        local = [accuracy(predict(model, weights, bufs, data.x_test[data.client_test[c]], bs, classes.get(c)),
+        own = getattr(method, "personal_weights", None)   # a personalized method (pFedLMT): each client's own model
+        if own is None:
+            bufs = recompute_bn_stats(model, weights, bufs, bn_x, bs)
+            glob = accuracy(predict(model, weights, bufs, x_glob, bs), y_glob)
+            models = {c: (weights, bufs) for c in clients}
+        else:   # its global accuracy: the mean over the level's clients of their own models' on the global set
+            models = {c: (w, recompute_bn_stats(model, w, bufs, bn_x, bs))
+                      for c in clients for w in [own(c, lvl, weights, sub)]}
+            glob = float(np.mean([accuracy(predict(model, *models[c], x_glob, bs), y_glob) for c in clients])) \
+                if clients else float("nan")
+        local = [accuracy(predict(model, *models[c], data.x_test[data.client_test[c]], bs, classes.get(c)),
                           data.y_test[data.client_test[c]]) for c in clients]
         all_local += local
         fair = fairness(local)

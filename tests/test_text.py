@@ -293,6 +293,7 @@ def test_fedrolex_rolls_whole_heads():
 def test_derived_groups_differ_from_the_hand_written_ones_only_where_docs_say():
     """docs/methods-structured.md, "Groups derived by tracing": the trace finds the heads and feed-forward groups
     of the hand-written channel_groups(), and cuts the residual stream and the pooler's outputs besides."""
+    from fedlase.methods.slicing import width_slices
     from fedlase.models.trace import _slices_match, trace_groups
     model = tiny_model()
     x = torch.randint(1, 1000, (2, 6))
@@ -312,7 +313,7 @@ def test_derived_groups_differ_from_the_hand_written_ones_only_where_docs_say():
     extra = {derived[k] for k in derived if k not in hand}
     assert extra == {derived["backbone.embeddings.word_embeddings.weight", 1],
                      derived["backbone.pooler.dense.weight", 0]}
-    assert _slices_match(model, derived_groups, x, "heterofl") is False   # trains masked, as the hand-written
+    assert _slices_match(model, derived_groups, x, "heterofl", width_slices) is False
 
 
 def hidden_states(model, weights, x):

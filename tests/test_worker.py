@@ -529,7 +529,9 @@ def test_a_slow_client_loses_its_connection_and_delays_nobody(hardened, task_ide
     finally:
         slow.close()
     assert header["ok"] and "delta" in reply
-    assert cut and DEADLINE - 0.5 < cut[0] < DEADLINE + 3, cut   # the whole header would take minutes
+    # the whole header would take minutes; the margin is for a busy machine, where the worker's threads wait
+    # for a core while the honest request trains (11 s seen under a load of 8 on 2 cores)
+    assert cut and DEADLINE - 0.5 < cut[0] < DEADLINE + 15, cut
     assert answered < cut[0], (answered, cut)
     assert proc.poll() is None
 

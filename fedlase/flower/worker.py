@@ -61,8 +61,8 @@ def _start_safely() -> int | None:
         here = os.getcwd()
     except OSError:   # a working folder that is gone shadows nothing
         here = ""
-    if not sys.flags.safe_path and sys.path and sys.path[0] in ("", here):
-        del sys.path[0]
+    # wherever it stands: `-m` puts it first, and an empty PYTHONPATH entry ("/a:") adds it again further on
+    sys.path[:] = [p for p in sys.path if p not in ("", ".", here)]
     if any(arg.split("=")[0] == "--watch-pid" for arg in sys.argv[1:]):
         return None
     parent = os.getppid()

@@ -18,6 +18,7 @@ from .fedavg import FedAvg, FedAvgSmall
 from .fjord import FjORD
 from .depthfl import DepthFL
 from .feddse import FedDSE
+from .fedlmt import FedLMT, PFedLMT
 from .fedlase_width import FedLASEWidth
 # isort: on
 
@@ -37,5 +38,6 @@ def describe_methods() -> str:
     return "\n".join(lines)
 
 
-__all__ = ["METHODS", "DepthFL", "FIARSE", "FedAvg", "FedAvgSmall", "FedDSE", "FedLASE", "FedLASEWidth", "FedRolex",
-           "FjORD", "HeteroFL", "Method", "Option", "ThresholdMethod", "build_method", "describe_methods"]
+__all__ = ["METHODS", "DepthFL", "FIARSE", "FedAvg", "FedAvgSmall", "FedDSE", "FedLASE", "FedLASEWidth", "FedLMT",
+           "FedRolex", "FjORD", "HeteroFL", "Method", "Option", "PFedLMT", "ThresholdMethod", "build_method",
+           "describe_methods"]

@@ -97,6 +97,12 @@ class Method:
         builders with the run's method_args; must be deterministic (it runs after the run's seed is set)."""
         return model
 
+    @classmethod
+    def prepare_model_for(cls, model: nn.Module, options: dict, system: System) -> nn.Module:
+        """`prepare_model` with the run's levels, for a method whose model depends on them (FedLMT's rank is its
+        weakest level's). What the model builders call."""
+        return cls.prepare_model(model, options)
+
     @property
     def aggregation(self) -> str:
         """'coverage' (per-coordinate mean over the clients that trained it) or 'mean' (divide by |A|)."""

@@ -18,7 +18,7 @@ def build_model(name: str, in_channels: int, num_classes: int, width: float = 1.
 def _builder(name: str):
     def build(cfg, data):   # the run's method may add parts of its own (DepthFL's exits; Method.prepare_model)
         model = build_model(name, data.in_channels, data.num_classes, cfg.width, cfg.bn, data.image_size)
-        return METHODS.get(cfg.method).prepare_model(model, cfg.method_args)
+        return METHODS.get(cfg.method).prepare_model_for(model, cfg.method_args, cfg.levels)
     return build
 
 
