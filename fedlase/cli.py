@@ -24,8 +24,12 @@ def _cmd_run(args) -> int:
     from .runner import run_config
     cfg = load_config(args.config, args.overrides)
     summary = run_config(cfg, resume=args.resume, progress=not args.quiet)
-    print(f"\n{cfg.method} on {cfg.dataset}, system {cfg.system}, {cfg.rounds} rounds "
+    print(f"\n{cfg.method} on {cfg.dataset}, system {cfg.system}, {summary['rounds']} rounds "
           f"({summary['train_time']:.0f} s of training); outputs in {cfg.out}")
+    if "stopped" in summary:
+        print(f"stopped: {summary['stopped']}")
+    if "epsilon" in summary["final"]:
+        print(f"epsilon {summary['final']['epsilon']:.4g} at delta {summary['final']['dp']['delta']:g}")
     print(format_table(summary["final"]))
     return 0
 

@@ -146,6 +146,9 @@ class Config:
                      "server receives them", choices=ATTACKS.names)
     attack_args: dict = _f({}, "options of the attack, e.g. attack_args.factor=1e3 attack_args.fraction=0.1 "
                            "(or attack_args.level=1/4, attack_args.clients=[3])")
+    dp: dict = _f({}, "client-level differential privacy (DP-FedAvg with a per-coordinate calibration; "
+                  "docs/methods.md): dp.clip and dp.noise_multiplier (or dp.target_epsilon), dp.delta, "
+                  "dp.max_epsilon, dp.adaptive; unset: off")
     eval_order: str = _f("test", "global accuracy on: test (the test set in stored order, batches of "
                          "eval_batch_size) or clients (the clients' local test parts in client order, batches of "
                          "20: the official FIARSE evaluation)", choices=("test", "clients"), tags=("eval",))
@@ -364,9 +367,12 @@ def validate(cfg: Config) -> Config:
         raise ConfigError("classes_per_client", f"must be between 1 and the {data.num_classes} classes of "
                           f"{cfg.dataset}, got {cfg.classes_per_client}")
     check_analysis(cfg.analysis)
-    from .robust_config import check_attack, check_robust
+    from .robust_config import check_attack, check_dp, check_robust
     check_robust(cfg.robust, cfg.robust_args)
     check_attack(cfg.attack, cfg.attack_args, cfg.levels)
+    if not isinstance(cfg.dp, dict):
+        raise ConfigError("dp", f"expected a mapping such as {{clip: 1, noise_multiplier: 1}}, got {cfg.dp!r}")
+    cfg = dataclasses.replace(cfg, dp=check_dp(cfg))
     check_device_model(cfg.device_model, len(cfg.levels.levels))
     from .sim_config import check_population, check_schedule
     check_population(cfg.population)   # kept as given, like schedule_args: defaults are filled where they are used

@@ -33,6 +33,7 @@ from .evaluate import EvalData, EvalSettings, evaluate_levels
 from .levels import Level
 from .machine import apply_threads
 from .masks import Submodel
+from .privacy import stages_for
 from .registry import DATASETS, METHODS, TRACKERS
 from .resources import check_loaded
 from .robust import ServerStep
@@ -162,11 +163,13 @@ def build_parts(cfg: Config) -> Parts:
     level_clients = {lvl: [c for c in range(cfg.num_clients) if cfg.assignment != "fixed" or owner[c] == lvl.index]
                      for lvl in system.levels}
     coverage = cfg.coverage or method.coverage
+    owners = channel_owners(model) if coverage == "kept" else None
+    plan = Sampling.from_config(cfg)
+    stages = stages_for(cfg, method, plan, method.aggregation, coverage, owners, device)   # dp (fedlase/privacy.py)
     server = ServerStep.of(cfg.robust, cfg.robust_args, cfg.attack, cfg.attack_args, system, cfg.seed,
-                           method.aggregation, coverage, channel_owners(model) if coverage == "kept" else None)
+                           method.aggregation, coverage, owners, stages)
     return Parts(device, d, x_train, y_train, x_test, y_test, client_train, client_test, model, method, trainer,
-                 system.levels, level_clients, Sampling.from_config(cfg), eval_data, EvalSettings.from_config(cfg),
-                 server)
+                 system.levels, level_clients, plan, eval_data, EvalSettings.from_config(cfg), server)
 
 
 class Clock(Protocol):
@@ -288,6 +291,7 @@ class Experiment:
             log.warning("round %d: %d updates, fewer than min_replies=%d; global model unchanged",
                         rnd, len(updates), self.cfg.min_replies)
             stats["skipped"] = True
+        stats.update(self.server.info(rnd))   # a stage's figures, e.g. dp's epsilon after this round
         return stats
 
     # ---- evaluation ------------------------------------------------------------------------------------------
@@ -305,7 +309,7 @@ class Experiment:
         s = self.state
         return {"round": s.round, "params": s.params, "buffers": s.buffers, "train_time": s.train_time,
                 "method": self.method.state_dict(), "trackers": [t.state_dict() for t in self.trackers],
-                "runner": self.runner.state_dict(), "config": self.cfg.to_dict(),
+                "runner": self.runner.state_dict(), "server": self.server.state_dict(), "config": self.cfg.to_dict(),
                 **({"schedule": self.schedule.state_dict()} if self.schedule is not None else {})}
 
     def load_state_dict(self, state: dict) -> None:
@@ -315,6 +319,7 @@ class Experiment:
         for t, s in zip(self.trackers, state["trackers"]):
             t.load_state_dict(s)
         self.runner.load_state_dict(state.get("runner", {}))
+        self.server.load_state_dict(state.get("server", {}))
         if self.schedule is not None:   # what is in flight (fedlase/asynchronous.py)
             self.schedule.load_state_dict(state["schedule"], self, Update)
 
@@ -375,9 +380,13 @@ def run_experiment(cfg: Config, resume: bool = False, progress: bool = True, run
     if progress:
         from tqdm import tqdm
         bar = tqdm(total=cfg.rounds, initial=exp.round, desc=f"{cfg.method}", unit="round", dynamic_ncols=True)
+    stopped = None   # why the run ended before `rounds` (a stage's budget: dp.max_epsilon)
     with open(metrics_path, "a") as mf:
         while exp.round < cfg.rounds:
             rnd = exp.round + 1
+            if (stopped := exp.server.halt(rnd)) is not None:
+                log.warning("%s", stopped)
+                break
             t0 = time.perf_counter()
             before = exp.sim_time
             stats = exp.step(rnd)
@@ -393,6 +402,8 @@ def run_experiment(cfg: Config, resume: bool = False, progress: bool = True, run
                 mf.write(json.dumps(line) + "\n")
                 mf.flush()
                 last = line
+                if "epsilon" in line:   # dp: the privacy spent, in the log too (Flower's ServerApp's)
+                    log.info("round %d: epsilon %.4g at delta %g", rnd, line["epsilon"], line["dp"]["delta"])
             for t in exp.trackers:
                 t.on_metrics(rnd, line)
             if cfg.checkpoint_every and (rnd % cfg.checkpoint_every == 0 or rnd == cfg.rounds):
@@ -407,10 +418,18 @@ def run_experiment(cfg: Config, resume: bool = False, progress: bool = True, run
                 bar.set_postfix(post)
     if bar is not None:
         bar.close()
-    if last is None or last["round"] != cfg.rounds:   # e.g. resumed a finished run with more eval needed
-        last = {"round": cfg.rounds, "train_time": exp.state.train_time, **exp.evaluate(cfg.rounds)}
-    summary = {"config": cfg.to_dict(), "rounds": cfg.rounds, "train_time": exp.state.train_time,
+    end = exp.round if stopped else cfg.rounds
+    if last is None or last["round"] != end:   # e.g. resumed a finished run with more eval needed, or stopped
+        last = {"round": end, "train_time": exp.state.train_time, **exp.server.info(end), **exp.evaluate(end)}
+        if stopped:   # the stopped run's last line: its final model, evaluated
+            with open(metrics_path, "a") as mf:
+                mf.write(json.dumps(last) + "\n")
+    if stopped and cfg.checkpoint_every:
+        save_checkpoint()
+    summary = {"config": cfg.to_dict(), "rounds": end, "train_time": exp.state.train_time,
                "final": last, "num_clients": cfg.num_clients}
+    if stopped:
+        summary["stopped"] = stopped
     atomic_write(summary_path, lambda p: p.write_text(json.dumps(summary, indent=1, default=str)))
     return summary
 

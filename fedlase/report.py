@@ -172,6 +172,23 @@ def main_table(groups: list[Group], levels: list[str]) -> tuple[list, list]:
     return header, rows
 
 
+def privacy_table(groups: list[Group]) -> tuple[list, list]:
+    """Per group: rounds run, delta, noise multiplier, epsilon (mean over its runs; the runs of a group share
+    the dp settings, so they differ only where `max_epsilon` stopped them at other rounds) and how many stopped."""
+    rows = []
+    for g in groups:
+        dp = [r for r in g.runs if "epsilon" in r.final]
+        if not dp:
+            rows.append([g.label, str(len(g.runs)), "", "", "", "off", ""])
+            continue
+        eps = [r.final["epsilon"] for r in dp]
+        last = dp[0].final.get("dp", {})
+        rows.append([g.label, str(len(g.runs)), ", ".join(sorted({str(r.final["round"]) for r in dp})),
+                     f"{last.get('delta', math.nan):.3g}", f"{last.get('noise_multiplier', math.nan):.4g}",
+                     f"{sum(eps) / len(eps):.4g}", str(sum("stopped" in r.summary for r in dp))])
+    return ["group", "runs", "rounds run", "delta", "z", "epsilon", "stopped"], rows
+
+
 def curve_table(groups: list[Group], metric: str = "global_acc", columns: int = 8) -> tuple[list, list] | None:
     """Mean over a group's runs of `metric` (all levels) at up to `columns` evaluated rounds, evenly spread and
     ending at the last; a run's value at a round it did not evaluate is left out of that cell."""
@@ -600,6 +617,9 @@ def make_report(dirs: list[str], out: str | Path, group_by: list[str] | None = N
     for name, overall in (("local_acc", "all clients"), ("global_acc", "mean"), ("local_std", "all clients"),
                           ("local_worst10", "all clients")):
         sections.append((f"{METRICS[name].capitalize()} per level (%)", metric_table(groups, levels, name, overall)))
+    if any("epsilon" in r.final for r in runs):   # dp (fedlase/privacy.py): the privacy each group spent
+        sections.append(("Differential privacy: epsilon at delta after the rounds run (dp; a run that "
+                         "dp.max_epsilon stopped counts as stopped)", privacy_table(groups)))
     over_rounds = curve_table(groups)
     if over_rounds is not None:
         sections.append(("Global accuracy over rounds (%, mean over the group's runs)", over_rounds))

@@ -10,8 +10,8 @@ options, registered in fedlase/registry.py and named by the config):
    with its reason, when a value of its delta or its loss is not finite, or when its norm per coordinate held
    exceeds `robust_args.screen` times the round's median of that figure (docs/methods.md, "Robust
    aggregation", says why this rule and this bound).
-3. the stages (none built in; `Stage`): room for a step between the screen and the rule, such as differential
-   privacy (clip each accepted update, then noise on the new model).
+3. the stages (`Stage`): a step between the screen and the rule: differential privacy (fedlase/privacy.py,
+   under the `dp` key: clip each accepted update, then the public denominator and the noise on the new model).
 4. the rule (`robust`) turns the accepted updates into the new global model, per coordinate, under the run's
    `coverage` and aggregation mode (fedlase/aggregate.py). The built-in rules and attacks are in
    fedlase/rules.py; a plug-in module registers its own the same way (docs/library.md, "Adding a rule").
@@ -184,15 +184,31 @@ def Robust(rule: str = "screen", args: dict | None = None) -> Rule:
 
 # ---- the pipeline ------------------------------------------------------------------------------------------------
 class Stage:
-    """A step between the screen and the rule, none built in: room for differential privacy (`updates` clips
-    each accepted update, `model` adds the noise to the new model). Both default to passing things through;
-    a stage seeds its own draws from (run seed, round) under a stream tag of its own."""
+    """A step between the screen and the rule: differential privacy (fedlase/privacy.py: `updates` clips each
+    accepted update, `model` adds the noise to the new model). Both default to passing things through; a stage
+    seeds its own draws from (run seed, round) under a stream tag of its own. `info` adds to the round's metrics
+    line, `halt` may end the run before a round (a privacy budget), and a stage's state is checkpointed.
+    `screen_by_others` False: the screen must not reject one update for what the others are (its median bound),
+    only for what it is itself (non-finite)."""
+    screen_by_others: ClassVar[bool] = True
 
     def updates(self, updates: list, subs: dict, params: dict, rnd: int) -> list:
         return updates
 
     def model(self, old: dict, new: dict, rnd: int) -> dict:
         return new
+
+    def info(self, rnd: int) -> dict:
+        return {}
+
+    def halt(self, rnd: int) -> str | None:
+        return None
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
 
 
 @dataclass
@@ -209,11 +225,11 @@ class ServerStep:
 
     @classmethod
     def of(cls, robust: str, robust_args: dict, attack: str, attack_args: dict, system, seed: int, mode: str,
-           coverage: str, owners) -> ServerStep:
+           coverage: str, owners, stages: tuple[Stage, ...] = ()) -> ServerStep:
         """The registered rule and attack by name, their options checked (the attackers drawn from `seed`)."""
         kind = ATTACKS.get(attack)
         return cls(RULES.get(robust)(**robust_args), kind(kind.check_args(attack_args, system), system, seed),
-                   mode, coverage, owners)
+                   mode, coverage, owners, stages)
 
     def receive(self, u, subs: dict, params: dict, rnd: int):
         """An update as the server receives it: an attacking client's corrupted (simulation only)."""
@@ -227,13 +243,32 @@ class ServerStep:
         """(accepted updates, {client: why} of the rejected, the accepted ones' norms per coordinate held)."""
         if not self.rule.weighted and any(u.weight != 1.0 for u in updates):
             raise ValueError(f"robust={self.rule.name} does not take weighted updates (its `weighted`)")
+        if "screen" in self.rule.args and not all(s.screen_by_others for s in self.stages):
+            return screen(updates, subs, params, math.inf)   # the per-update checks only (docs/methods.md)
         return self.rule.screen(updates, subs, params)
 
     def new_model(self, params: dict, updates: list, subs: dict, rms: list[float], rnd: int) -> tuple[dict, dict]:
         """(the new global params, what the rule did for the metrics line) from the accepted updates."""
         for stage in self.stages:
             updates = stage.updates(updates, subs, params, rnd)
+        if self.stages:   # a stage may have changed the updates (dp clips them): the rule reads their norms
+            rms = norms(updates, subs, params)[1]
         new, info = self.rule.aggregate(params, updates, subs, rms, self.mode, self.coverage, self.owners)
         for stage in self.stages:
             new = stage.model(params, new, rnd)
         return new, info
+
+    def info(self, rnd: int) -> dict:
+        """What the stages add to round `rnd`'s metrics line (whether or not the round updated the model)."""
+        return {k: v for stage in self.stages for k, v in stage.info(rnd).items()}
+
+    def halt(self, rnd: int) -> str | None:
+        """Why the run must stop before round `rnd` (a stage's budget), or None."""
+        return next((why for stage in self.stages if (why := stage.halt(rnd))), None)
+
+    def state_dict(self) -> dict:
+        return {"stages": [stage.state_dict() for stage in self.stages]}
+
+    def load_state_dict(self, state: dict) -> None:
+        for stage, s in zip(self.stages, state.get("stages", [])):
+            stage.load_state_dict(s)

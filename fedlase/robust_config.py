@@ -5,7 +5,8 @@ This half imports no torch and no rule module (the registry holds the classes), 
 cheap (fedlase/config.py); here are the options several built-ins share."""
 from __future__ import annotations
 
-from .options import Option
+from .errors import ConfigError
+from .options import Option, check_options
 from .registry import ATTACKS, RULES
 
 SCREEN = Option(100.0, "reject an update whose norm per coordinate held exceeds this multiple of the round's "
@@ -29,3 +30,67 @@ def check_robust(rule: str, args) -> dict:
 def check_attack(kind: str, args, system) -> dict:
     """attack_args checked for the registered attack `kind` against the run's `system`, defaults filled."""
     return ATTACKS.get(kind).check_args(args or {}, system)
+
+
+# ---- differential privacy (fedlase/privacy.py; docs/methods.md, "Differential privacy") ------------------------
+DP = {
+    "clip": Option(None, "the L2 bound C each client's update is clipped to, at the global shapes (setting any dp "
+                   "key turns client-level DP on, and then clip is needed)", kind=float, low=0, low_open=True),
+    "noise_multiplier": Option(None, "z: the Gaussian noise on a round's sum of clipped updates has standard "
+                               "deviation z*C per coordinate; 0 clips without noise (epsilon is infinite)",
+                               kind=float, low=0),
+    "target_epsilon": Option(None, "instead of noise_multiplier: the z whose epsilon after `rounds` rounds is this "
+                             "(dp_accounting's calibration)", kind=float, low=0, low_open=True),
+    "delta": Option(None, "the delta epsilon is reported at; unset: 1/num_clients", kind=float, low=0,
+                    low_open=True, high=1, high_open=True),
+    "max_epsilon": Option(None, "stop the run before the first round whose epsilon would exceed this", kind=float,
+                          low=0, low_open=True),
+    "adaptive": Option(False, "adaptive clipping (Andrew et al. 2021): C follows target_quantile of the update "
+                       "norms, steered by a noisy count of the unclipped updates, which is accounted for"),
+    "target_quantile": Option(0.5, "dp.adaptive: the fraction of updates meant to fall under C", low=0, high=1),
+    "clip_lr": Option(0.2, "dp.adaptive: the geometric step of C per round", low=0, low_open=True),
+    "count_noise": Option(None, "dp.adaptive: standard deviation of the noise on the unclipped count; unset: the "
+                          "expected clients per round / 20", kind=float, low=0, low_open=True),
+}
+# the rules whose result moves by at most one clipped update when one client changes (docs/methods.md)
+DP_RULES = ("none", "screen", "clip")
+
+
+def check_dp(cfg) -> dict:
+    """The `dp` mapping checked against the run (one-line ConfigError naming the key), defaults filled; {}: off.
+    `cfg.participation` is the parsed list."""
+    from .registry import METHODS
+    if not cfg.dp:
+        return {}
+    out = check_options("dp", DP, cfg.dp, "dp")
+    try:
+        import dp_accounting  # noqa: F401  (the accountant: an extra)
+    except ImportError:
+        raise ConfigError("dp", "needs Google's dp-accounting: pip install 'fedlase[privacy]'") from None
+    if out["clip"] is None:
+        raise ConfigError("dp.clip", "must be set: the L2 bound of each client's update (any dp key turns DP on)")
+    if (out["noise_multiplier"] is None) == (out["target_epsilon"] is None):
+        raise ConfigError("dp.noise_multiplier", "set exactly one of dp.noise_multiplier and dp.target_epsilon")
+    if cfg.robust not in DP_RULES:
+        raise ConfigError("robust", f"robust={cfg.robust} does not keep the clipped sum's sensitivity under dp "
+                          f"(one client may move it by more than C); use {', '.join(DP_RULES)}")
+    if METHODS.get(cfg.method).masks_from_data:
+        raise ConfigError("method", f"{cfg.method} chooses a client's mask from its data, so which coordinates it "
+                          "sent is private too; dp does not cover it")
+    if cfg.label_split:
+        raise ConfigError("label_split", "credits a client with its own classes' rows, which its data chooses; "
+                          "dp does not cover it")
+    if out["adaptive"] and cfg.engine != "embedded":
+        raise ConfigError("dp.adaptive", f"runs on engine=embedded only (a node would have to report whether it "
+                          f"clipped); got engine={cfg.engine}")
+    n = cfg.levels.num_clients
+    if out["delta"] is None:
+        out["delta"] = 1.0 / n
+    if out["adaptive"] and out["count_noise"] is None:
+        expected = sum(max(1, round(p * n)) for p in cfg.participation) / len(cfg.participation)
+        out["count_noise"] = expected / 20
+    z = out["noise_multiplier"]
+    if out["adaptive"] and z is not None and z > 0 and z >= 2 * out["count_noise"]:
+        raise ConfigError("dp.noise_multiplier", f"with dp.adaptive it must be below 2*dp.count_noise "
+                          f"({2 * out['count_noise']:g}): the count's noise takes that share of the budget")
+    return out

@@ -12,6 +12,7 @@ The cases go through the real command line, `fedlase.cli.main`, in this process 
 seconds); a few of them also in real subprocesses, which is what a user runs."""
 from __future__ import annotations
 
+import copy
 import math
 import os
 import subprocess
@@ -26,6 +27,7 @@ from fedlase.machine import sim_actors_rule, threads_rule, usable_cpus, writable
 from fedlase.methods.base import RUNNERS
 from fedlase.options import Option
 from fedlase.registry import METHODS, TRACKERS
+from fedlase.robust_config import DP
 
 # A base run that is valid and tiny: if a bad value were accepted, the run would start (and the test fail).
 BASE = {"dataset": "digits", "model": "cnn", "width": 0.25, "system": "{1,1/4}_{2,2}", "participation": 0.5,
@@ -82,6 +84,10 @@ def cases() -> list[tuple[str, object, dict]]:
     for name, cls in METHODS.items():   # a runner the method does not declare: refused at validation
         out += [(*RUNNER_SETTINGS[r], {"method": name}) for r in RUNNERS if r not in cls.runs_on]
     out += [("batch_size", 10**6, {}), ("system", "{1}_{100000}", {})]   # beyond the data (known once loaded)
+    for key, opt in DP.items():   # dp.* (fedlase/robust_config.py), beside a valid clip and noise
+        out += [(f"dp.{key}", v, {"dp": {"clip": 1.0, "noise_multiplier": 1.0}}) for v in bad_values(opt)]
+    dp_on = {"dp": {"clip": 1.0, "noise_multiplier": 1.0}}
+    out += [("robust", rule, dp_on) for rule in ("median", "trimmed_mean", "multikrum", "adaptive_clip")]
     out.append(("sim_actors", 1, {"engine": "flower-sim", "ray_address": "127.0.0.1:1"}))   # the cluster decides
     return out
 
@@ -95,7 +101,7 @@ def _id(case) -> str:
 def _argv(tmp_path, key: str, value, extra: dict) -> list[str]:
     """`run FILE [key=]`: the base and the bad value in a YAML file (so every type can be written), or the
     empty value as an override."""
-    raw = {**BASE, **extra, "out": str(tmp_path / "run")}
+    raw = {**BASE, **copy.deepcopy(extra), "out": str(tmp_path / "run")}
     path = tmp_path / "bad.yaml"
     if value is UNDER_A_FILE:
         value = str(path / "x")

@@ -293,6 +293,27 @@ def test_missing_reply_dead_node_and_min_replies(tmp_path, task_identity):
     assert stats.get("skipped") and same_params(params, Experiment(cfg).params)
 
 
+def test_dp_nodes_clip_the_server_adds_the_noise_and_an_unclipped_node_is_caught(tmp_path, task_identity,
+                                                                               monkeypatch):
+    """With dp, each node clips to the bound its TRAIN message carries and the server adds the noise: the round
+    equals the embedded one bit for bit, epsilon in its line. A node that skips clipping is rejected and
+    recorded; the model is the embedded round's without it (the denominator is public, so unchanged)."""
+    cfg = small_cfg(tmp_path, "system={1,1/4}_{1,2}", "dp.clip=0.01", "dp.noise_multiplier=1")
+    params, stats = _round(cfg)
+    assert stats["epsilon"] > 0 and not stats["rejected"] and stats["clients"] == 3
+    assert same_params(params, _embedded(cfg))
+    train = client_app.train_content
+
+    def skips_clipping(cfg, content, pid, rnd, times=None):
+        if pid == 1:
+            del content.config_records["task"]["dp-clip"]
+        return train(cfg, content, pid, rnd, times)
+    monkeypatch.setattr(client_app, "train_content", skips_clipping)
+    params, stats = _round(cfg)
+    assert "unclipped update" in stats["rejected"]["1"] and stats["clients"] == 2
+    assert same_params(params, _embedded(cfg, without={1}))
+
+
 def test_partitions_are_pinned_to_node_keys(tmp_path, task_identity):
     """With pins, a node whose key is pinned to no partition is refused unasked; a node whose key is pinned to
     partition 2 but claims 1 is refused after its answer; neither gets a model, both refusals are in the round's
@@ -452,7 +473,10 @@ def sim_run(tmp_path_factory):
     root = tmp_path_factory.mktemp("sim")
     (root / "plug").mkdir()
     (root / "plug" / "killed_client.py").write_text(KILLED_CLIENT)
-    args, out, listening = [*SMALL, "system={1,1/4}_{2,2}"], root / "sim", set()
+    # with dp (fedlase/privacy.py): the nodes clip, the server adds the seeded noise, so the run still equals
+    # the embedded one bit for bit (the denominator is public: a killed client does not change it)
+    args = [*SMALL, "system={1,1/4}_{2,2}", "dp.clip=0.05", "dp.noise_multiplier=0.5"]
+    out, listening = root / "sim", set()
     tag = uuid.uuid4().hex
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv(TAG, tag)
@@ -482,6 +506,7 @@ def test_simulation_engine_matches_embedded(sim_run, tmp_path):
     assert same_params(_params(out), _embedded(cfg, rounds=(1, 2), without={(1, c) for c in lines[0]["failed"]}))
     assert lines[-1]["bytes_total"]["sent"] == lines[0]["bytes"]["sent"] + lines[1]["bytes"]["sent"] > 0
     assert json.loads((out / "summary.json").read_text())["final"]["round"] == 2
+    assert 0 < lines[0]["epsilon"] < lines[1]["epsilon"] and not lines[1]["rejected"]   # dp's epsilon, every line
 
 
 @SIM

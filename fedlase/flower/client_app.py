@@ -108,6 +108,10 @@ def train_content(cfg, content: RecordDict, pid: int, rnd: int, times: dict | No
     params, buffers, sub = decode(content, trainer)
     lap("decode")
     delta, loss = train_step(trainer, pid, rnd, params, buffers, sub)
+    task = content.config_records["task"]
+    if "dp-clip" in task:   # differential privacy: the node clips its update before it replies
+        from ..privacy import clip
+        delta, _ = clip(delta, float(task["dp-clip"]))
     lap("train")
     out = reply_content(delta, sub, loss, pid, rnd)
     lap("encode")

@@ -23,6 +23,7 @@ from flwr.serverapp import Grid
 
 from ..engine import RoundResult, Update
 from ..levels import Level
+from ..privacy import client_bound, l2
 from .codec import ReplyError, encode_submodel, record_bytes, validate_reply
 
 log = logging.getLogger("fedlase")
@@ -43,6 +44,7 @@ class NodeRounds:
         self.pending: dict[int, tuple] = {}    # partition id -> (message, level, submodel, bytes sent)
         self.bytes_total = {"sent": 0, "received": 0}
         self._dense: tuple[int, int] | None = None
+        self.bound: float | None = None        # dp: the round's clip bound, which every reply must meet
 
     # ---- the runner interface ----------------------------------------------------------------------------------
     def train(self, exp, rnd, picked, subs) -> RoundResult:
@@ -164,6 +166,8 @@ class NodeRounds:
         self.cfg = exp.cfg
         self.discover(exp.cfg, wait=not self.nodes)
         payload = {lvl: encode_submodel(exp.params, exp.buffers, s) for lvl, s in subs.items()}
+        self.bound = client_bound(exp.server)   # dp: each node clips to it before it replies; checked in collect
+        task = {} if self.bound is None else {"dp-clip": float(self.bound)}
         # this round's sampled clients and rejected replies, for collect(); the metrics line reports them
         self.pending, self.last = {}, {"sampled": [c for c, _ in picked], "rejected": {}}
         msgs = []
@@ -173,7 +177,7 @@ class NodeRounds:
             sub = exp.trainer.submodel(pid, subs[lvl], exp.params)   # its own under label_split
             data = payload[lvl] if sub is subs[lvl] else encode_submodel(exp.params, exp.buffers, sub)
             content = RecordDict({**data, "task": ConfigRecord(
-                {"round": rnd, "partition-id": pid, "level": lvl.name})})
+                {"round": rnd, "partition-id": pid, "level": lvl.name, **task})})
             msg = Message(content, dst_node_id=self.nodes[pid], message_type=MessageType.TRAIN, group_id=str(rnd))
             self.pending[pid] = (msg, lvl, sub, record_bytes(*data.array_records.values()))
             msgs.append(msg)
@@ -207,6 +211,11 @@ class NodeRounds:
                     raise ReplyError(f"reply for partition {m['partition-id']} round {m['round']}")
                 delta = validate_reply(reply.content.array_records["delta"], exp.params, sub)
                 loss = float(m["train-loss"])
+                # dp: a node that did not clip is caught here (the server clips again, so it would add nothing
+                # beyond the bound; refusing it records the fault)
+                if self.bound is not None and (norm := l2(delta)) > self.bound * (1 + 1e-5):
+                    raise ReplyError(f"unclipped update: L2 norm {norm:.4g} exceeds the round's dp clip bound "
+                                     f"{self.bound:.4g}")
                 if not math.isfinite(loss):   # the engine's screen would too; refused here with the wire's checks
                     raise ReplyError(f"non-finite train-loss ({loss})")
             except (KeyError, TypeError, ValueError) as e:   # ReplyError is a ValueError

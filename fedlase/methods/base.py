@@ -58,6 +58,9 @@ class Method:
     # rounds and "batched" the embedded engine's batched_clients=true. A method whose submodels carry their
     # own LocalObjective declares ("embedded",): neither Flower nor the vmapped step runs that objective.
     runs_on: ClassVar[tuple[str, ...]] = RUNNERS
+    # whether a client's mask depends on its own data (FedDSE): then which coordinates it sent is private too,
+    # and differential privacy refuses the method (fedlase/robust_config.py, check_dp)
+    masks_from_data: ClassVar[bool] = False
 
     def __init__(self, model: nn.Module, system: System | list = (1.0,), *, run_seed: int | None = None,
                  **options):

@@ -56,6 +56,7 @@ class FedDSE(Method):
     name = "feddse"
     runs_on = ("embedded",)   # its own LocalObjective: the sequential embedded rounds only
     coverage = "nonzero"   # the client's mask is known from its update's support
+    masks_from_data = True   # a client picks its channels on its own data
     options = {
         "score": Option("mean", "a channel's score on the client's data (a guess): mean (its mean activation "
                         "after BN and ReLU) or rate (how often that activation is positive)", choices=("mean", "rate")),
