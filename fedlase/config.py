@@ -132,11 +132,14 @@ class Config:
                               "kept (mask, but a BN or bias channel only where the client kept a weight of that "
                               "channel); unset: the method's own (nonzero for FIARSE, mask for the others); see "
                               "docs/methods.md", kind=str, choices=("mask", "nonzero", "kept"))
-    robust: str = _f("screen", "the server's rule (docs/methods.md, Robust aggregation): screen (the mean, after "
-                     "rejecting non-finite updates or losses and absurd norms), clip, adaptive_clip, trimmed_mean, "
-                     "median, multikrum (each after the screen), or none (the plain mean of everything)",
-                     choices=("none", "screen", "clip", "adaptive_clip", "trimmed_mean", "median", "multikrum"))
-    robust_args: dict = _f({}, "options of the rule, e.g. robust_args.screen=100, robust_args.trim=0.2")
+    robust: str = _f("bounded", "the server's rule (docs/methods.md, Robust aggregation): bounded (each update "
+                     "clipped to the round's median norm per coordinate held, after rejecting non-finite updates or "
+                     "losses and norms over 3x that median), screen (the plain mean after the same screen at 100x), "
+                     "clip, adaptive_clip, trimmed_mean, median, multikrum (each after the 100x screen), or none "
+                     "(the plain mean of everything)",
+                     choices=("none", "screen", "bounded", "clip", "adaptive_clip", "trimmed_mean", "median",
+                              "multikrum"))
+    robust_args: dict = _f({}, "options of the rule, e.g. robust_args.screen=10, robust_args.trim=0.2")
     attack: str = _f("none", "simulated faulty or malicious clients: none, scale, sign_flip, gaussian or nan, "
                      "applied to the chosen clients' deltas as the server receives them",
                      choices=("none", "scale", "sign_flip", "gaussian", "nan"))

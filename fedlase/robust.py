@@ -8,7 +8,8 @@ The server step of every engine (fedlase/engine.py: `Experiment.run_round`, afte
    round's median of that figure (docs/methods.md, "Robust aggregation", says why this rule and this bound).
 3. The rule (`robust`) turns the accepted updates into the new global model, per coordinate, under the run's
    `coverage` and aggregation mode (fedlase/aggregate.py):
-   screen: the streaming mean (the default; what fedlase always computed, once the screen passed);
+   bounded (the default): adaptive_clip behind a screen at 3x the median instead of 100x;
+   screen: the streaming mean (the default before issue 39; what fedlase always computed, once the screen passed);
    clip / adaptive_clip: each update clipped to a norm bound first, then the streaming mean;
    trimmed_mean / median: coordinate-wise, over the clients credited with each coordinate;
    multikrum: the streaming mean of the updates closest to their neighbours on shared coordinates.
@@ -127,7 +128,7 @@ def screen(updates: list, subs: dict, full: dict, factor: float | None) -> tuple
 @dataclass
 class Robust:
     """The run's server rule: `robust` and its checked `robust_args`; `aggregate` is the engine's server step."""
-    rule: str = "screen"
+    rule: str = "bounded"
     args: dict | None = None
 
     def __post_init__(self):
@@ -142,7 +143,7 @@ class Robust:
         the coordinate-wise ones ends in the streaming mean (fedlase.aggregate.aggregate) of the pairs it keeps."""
         pairs = [(u.delta, u.sub or subs[u.level]) for u in updates]
         info: dict = {}
-        if self.rule in ("clip", "adaptive_clip"):
+        if self.rule in ("clip", "adaptive_clip", "bounded"):
             ref = low_median(rms)
             clipped, kept = 0, []
             for (delta, sub), r in zip(pairs, rms):

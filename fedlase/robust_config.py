@@ -6,16 +6,20 @@ from __future__ import annotations
 from .errors import ConfigError
 from .options import Option, check_options
 
-RULES = ("none", "screen", "clip", "adaptive_clip", "trimmed_mean", "median", "multikrum")
+RULES = ("none", "screen", "bounded", "clip", "adaptive_clip", "trimmed_mean", "median", "multikrum")
 ATTACKS = ("none", "scale", "sign_flip", "gaussian", "nan")
 
 _SCREEN = Option(100.0, "reject an update whose norm per coordinate held exceeds this multiple of the round's "
-                 "median (every rule but none); non-finite updates and losses are always rejected", low=1)
+                 "median (every rule but none; default 3 under bounded, 100 under the others); non-finite updates "
+                 "and losses are always rejected", low=1)
+# bounded (the default rule) is adaptive_clip behind a tight screen: what it changes from adaptive_clip is this
+# default (docs/methods.md, "The default rule: bounded", says why 3)
+BOUNDED_SCREEN = 3.0
 ROBUST_OPTIONS = {
     "screen": _SCREEN,
     "bound": Option(1.0, "clip: the L2 norm each update is clipped to (the scale of the model's updates: see a "
                     "run's norms in its rejections' reasons or use adaptive_clip)", low=0, low_open=True),
-    "factor": Option(1.0, "adaptive_clip: clip each update's norm per coordinate held to this multiple of the "
+    "factor": Option(1.0, "adaptive_clip, bounded: clip each update's norm per coordinate held to this multiple of the "
                      "round's median", low=0, low_open=True),
     "trim": Option(0.1, "trimmed_mean: fraction of a coordinate's credited values cut from each end, in [0, 0.5)",
                    low=0, high=0.5, high_open=True),
@@ -23,8 +27,9 @@ ROBUST_OPTIONS = {
                      high=0.5, high_open=True),
 }
 # which robust_args each rule reads (the screen: every rule but none)
-RULE_ARGS = {"none": (), "screen": ("screen",), "clip": ("screen", "bound"), "adaptive_clip": ("screen", "factor"),
-             "trimmed_mean": ("screen", "trim"), "median": ("screen",), "multikrum": ("screen", "faulty")}
+RULE_ARGS = {"none": (), "screen": ("screen",), "bounded": ("screen", "factor"), "clip": ("screen", "bound"),
+             "adaptive_clip": ("screen", "factor"), "trimmed_mean": ("screen", "trim"), "median": ("screen",),
+             "multikrum": ("screen", "faulty")}
 
 ATTACK_OPTIONS = {
     "factor": Option(None, "scale: the delta times factor (default 10); sign_flip: times -factor (default 1)",
@@ -52,6 +57,8 @@ def check_robust(rule: str, args) -> dict:
     """robust_args checked for `rule` (one-line ConfigError naming the key), defaults filled."""
     out = check_options("robust_args", ROBUST_OPTIONS, args, "robust")
     _only("robust_args", args or {}, RULE_ARGS[rule], f"robust={rule}")
+    if rule == "bounded" and "screen" not in (args or {}):
+        out["screen"] = BOUNDED_SCREEN
     return out
 
 
