@@ -126,6 +126,11 @@ def test_clipping_fixed_and_adaptive():
     assert torch.allclose(_agg("clip", ups, bound=1.0), torch.tensor([0.2, 0.8 / 3, 0.5 / 3, 0.5 / 3]))
     # adaptive, factor 2: bound 2 x the median norm (0.5) = 1, the same here
     assert torch.allclose(_agg("adaptive_clip", ups, factor=2.0), _agg("clip", ups, bound=1.0))
+    # bounded (the default) is adaptive_clip at factor 1 behind a 3x screen; the others keep the 100x screen
+    assert Robust().rule == "bounded" and Robust().args["screen"] == 3 and Robust("screen").args["screen"] == 100
+    assert torch.equal(_agg("bounded", ups), _agg("adaptive_clip", ups, screen=3.0))
+    ups.append(_up(3, [0, 0, 2, 0]))   # 4x the (lower) median norm per coordinate, 0.25; the first is 10x
+    assert Robust("screen").screen(ups, {}, W)[1] == {} and sorted(Robust().screen(ups, {}, W)[1]) == ["0", "3"]
 
 
 def test_multikrum_drops_the_update_far_from_the_others_on_shared_coordinates():
@@ -164,6 +169,7 @@ def test_attackers_are_drawn_from_the_seed_per_level_and_the_noise_is_seeded(tmp
 @pytest.mark.parametrize("args, key", [(["robust=median", "robust_args.trim=0.2"], "robust_args.trim"),
                                        (["robust=clip", "robust_args.bound=0"], "robust_args.bound"),
                                        (["robust_args.screen=0.5"], "robust_args.screen"),
+                                       (["robust_args.trim=0.2"], "robust_args.trim"),   # not the default's
                                        (["attack=scale", "attack_args.clients=[10]"], "attack_args.clients"),
                                        (["attack=scale", "attack_args.level=1/2"], "attack_args.level"),
                                        (["attack=nan", "attack_args.std=1"], "attack_args.std"),
