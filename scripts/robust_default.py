@@ -16,7 +16,8 @@ do not depend on the default of the day. What docs/results.md reports was run as
     run digits --rules screen clip3
     run demo --jobs 2 --rules screen aclip      (stopped after the honest pairs and 5pct-x30-s0)
     run demo --jobs 2 --rules screen clip3      (stopped before the 5pct-x30-s2 pair)
-    run text --rules screen clip3
+    run text --rules screen clip3               (the seed-2 pair ran beside it, from a copy of the sweep file
+                                                 holding only those two runs, into the same folder)
 """
 from __future__ import annotations
 
