@@ -137,11 +137,13 @@ class Config:
                               "kept (mask, but a BN or bias channel only where the client kept a weight of that "
                               "channel); unset: the method's own (`fedlase methods` lists each one's); see "
                               "docs/methods.md", kind=str, choices=("mask", "nonzero", "kept"))
-    robust: str = _f("screen", "the server's rule (docs/methods.md, Robust aggregation; a plug-in may register "
-                     "more): screen is the mean after rejecting non-finite updates or losses and absurd norms, none "
-                     "the plain mean of everything; every other built-in runs after that screen",
+    robust: str = _f("bounded", "the server's rule (docs/methods.md, Robust aggregation; a plug-in may register "
+                     "more): bounded clips every update to the round's median norm per coordinate held after "
+                     "rejecting non-finite updates or losses and norms over 3x that median; screen is the plain "
+                     "mean after that screen at 100x (the default before issue 39), none the plain mean of "
+                     "everything; every other built-in runs after the 100x screen",
                      choices=RULES.names)
-    robust_args: dict = _f({}, "options of the rule, e.g. robust_args.screen=100, robust_args.trim=0.2")
+    robust_args: dict = _f({}, "options of the rule, e.g. robust_args.screen=10, robust_args.trim=0.2")
     attack: str = _f("none", "simulated faulty or malicious clients, applied to the chosen clients' deltas as the "
                      "server receives them", choices=ATTACKS.names)
     attack_args: dict = _f({}, "options of the attack, e.g. attack_args.factor=1e3 attack_args.fraction=0.1 "

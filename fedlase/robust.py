@@ -253,7 +253,10 @@ class ServerStep:
             updates = stage.updates(updates, subs, params, rnd)
         if self.stages:   # a stage may have changed the updates (dp clips them): the rule reads their norms
             rms = norms(updates, subs, params)[1]
-        new, info = self.rule.aggregate(params, updates, subs, rms, self.mode, self.coverage, self.owners)
+        rule = self.rule
+        if getattr(rule, "privately", None) and not all(s.screen_by_others for s in self.stages):
+            rule = rule.privately(**{k: v for k, v in rule.args.items() if k in rule.privately.options})
+        new, info = rule.aggregate(params, updates, subs, rms, self.mode, self.coverage, self.owners)
         for stage in self.stages:
             new = stage.model(params, new, rnd)
         return new, info

@@ -53,7 +53,8 @@ DP = {
                           "expected clients per round / 20", kind=float, low=0, low_open=True),
 }
 # the rules whose result moves by at most one clipped update when one client changes (docs/methods.md)
-DP_RULES = ("none", "screen", "clip")
+# bounded: the default; under dp its median-relative screen and clip give way to dp's clip (fedlase/rules.py)
+DP_RULES = ("none", "screen", "clip", "bounded")
 
 
 def check_dp(cfg) -> dict:

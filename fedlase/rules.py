@@ -108,7 +108,7 @@ class Screened(Mean):
 class Clip(Screened):
     """Each update clipped to the L2 norm `bound`, then the streaming mean."""
     name = "clip"
-    weighted = False
+    weighted = True   # clipped first, then each update weighted (a staleness weight under schedule=fedbuff)
     options = {"screen": SCREEN, "bound": Option(
         1.0, "clip: the L2 norm each update is clipped to (the scale of the model's updates: see a run's norms in "
         "its rejections' reasons or use adaptive_clip)", low=0, low_open=True)}
@@ -125,7 +125,7 @@ class Clip(Screened):
                 delta = {n: d * (bound / norm) for n, d in delta.items()}
                 clipped += 1
             kept.append((delta, sub))
-        return aggregate(params, kept, mode, coverage, owners), {"clipped": clipped}
+        return aggregate(params, kept, mode, coverage, owners, [u.weight for u in updates]), {"clipped": clipped}
 
 
 @register_rule
@@ -138,6 +138,20 @@ class AdaptiveClip(Clip):
 
     def bound(self, size: int, rms: list[float]) -> float:
         return self.args["factor"] * low_median(rms) * math.sqrt(size)
+
+
+@register_rule
+class Bounded(AdaptiveClip):
+    """The default: adaptive_clip behind a tight screen. An update is rejected when its norm per coordinate held
+    exceeds `screen` = 3 x the round's median (100 x for every other rule), and the rest are clipped to
+    `factor` x that median, then averaged (docs/methods.md, "The default rule: bounded", says why 3).
+
+    Under differential privacy (a stage that may not treat one update by what the others are), its
+    median-relative screen and clip give way to dp's own clip at `dp.clip`: it is then the plain mean of the
+    updates that pass the per-update checks."""
+    name = "bounded"
+    options = {"screen": Option(3.0, SCREEN.help, low=1), "factor": AdaptiveClip.options["factor"]}
+    privately = Mean   # what it is under a stage whose screen_by_others is False (fedlase/robust.py)
 
 
 @register_rule

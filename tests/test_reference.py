@@ -17,6 +17,11 @@ stored values, written on an AVX2 machine):
 - accuracies: every method but FedAvg equal on all four; FedAvg apart by 3 of 360 test images. The same changes
   move some level by 5-99 images (ste=fixed: 0.05; score=max: 0.017).
 - `kept` (coordinates a level holds): equal on all four, compared exactly.
+
+The stored runs were made under the plain mean after the 100x screen, the default rule until issue 39; they run
+under it by name (`robust=screen`), so the stored numbers stay those of the other machine. The default rule
+(`bounded`) clips updates before that mean: under it 10 of these 12 runs leave their tolerances (FedAvg's two
+stay inside its looser ones). Its server step is tested in tests/test_robust.py.
 """
 import json
 import math
@@ -43,7 +48,7 @@ def test_two_rounds_match_reference(key, tmp_path):
     ref = REFERENCE["runs"][key]
     method = key.split("/")[0]
     # the masked path of structured methods: sliced training equals it only up to float rounding (test_sliced.py)
-    cfg = load_config(None, [*REFERENCE["base"], *ref["args"], "sliced=false", "coverage=mask",
+    cfg = load_config(None, [*REFERENCE["base"], *ref["args"], "sliced=false", "coverage=mask", "robust=screen",
                              f"out={tmp_path / 'r'}"])
     final = run_experiment(cfg, progress=False)["final"]
     rtol, atol = LOSS_RTOL.get(method, LOSS_RTOL_DEFAULT), ACC_ATOL.get(method, ACC_ATOL_DEFAULT)
