@@ -176,9 +176,12 @@ def screen(updates: list, subs: dict, full: dict, factor: float | None) -> tuple
     return [updates[i] for i in accepted], rejected, [rms[i] for i in accepted]
 
 
-def Robust(rule: str = "screen", args: dict | None = None) -> Rule:
-    """The registered rule `rule` with its `robust_args` checked (library code and checks that call a rule on
-    updates of their own)."""
+def Robust(rule: str | None = None, args: dict | None = None) -> Rule:
+    """The registered rule `rule` (default: the config's default, `robust`) with its `robust_args` checked
+    (library code and checks that call a rule on updates of their own)."""
+    if rule is None:
+        from .config import Config  # the one place the default is written
+        rule = Config.__dataclass_fields__["robust"].default
     return RULES.get(rule)(**(args or {}))
 
 

@@ -127,7 +127,7 @@ def test_clipping_fixed_and_adaptive():
     # adaptive, factor 2: bound 2 x the median norm (0.5) = 1, the same here
     assert torch.allclose(_agg("adaptive_clip", ups, factor=2.0), _agg("clip", ups, bound=1.0))
     # bounded (the default) is adaptive_clip at factor 1 behind a 3x screen; the others keep the 100x screen
-    assert Robust().rule == "bounded" and Robust().args["screen"] == 3 and Robust("screen").args["screen"] == 100
+    assert Robust().name == "bounded" and Robust().args["screen"] == 3 and Robust("screen").args["screen"] == 100
     assert torch.equal(_agg("bounded", ups), _agg("adaptive_clip", ups, screen=3.0))
     ups.append(_up(3, [0, 0, 2, 0]))   # 4x the (lower) median norm per coordinate, 0.25; the first is 10x
     assert Robust("screen").screen(ups, {}, W)[1] == {} and sorted(Robust().screen(ups, {}, W)[1]) == ["0", "3"]
