@@ -194,12 +194,12 @@ def register_tracker(cls: type, replace: bool = False) -> type:
 
 
 def register_rule(cls: type, replace: bool = False) -> type:
-    """Make `robust=cls.name` valid everywhere (a fedlase.robust_config.Rule subclass); a class decorator."""
+    """Make `robust=cls.name` valid everywhere (a fedlase.robust.Rule subclass); a class decorator."""
     RULES.add(cls.name, cls, replace)
     return cls
 
 
 def register_attack(cls: type, replace: bool = False) -> type:
-    """Make `attack=cls.name` valid everywhere (a fedlase.robust_config.Attack subclass); a class decorator."""
+    """Make `attack=cls.name` valid everywhere (a fedlase.robust.Attack subclass); a class decorator."""
     ATTACKS.add(cls.name, cls, replace)
     return cls

@@ -89,6 +89,13 @@ class LowRank(Method):
                               f"parameters, so the smallest feasible level is 1/{math.floor(1 / floor)}")
         return alpha
 
+    @classmethod
+    def _fit(cls, model, options, levels) -> tuple[dict, dict, list[str], int, dict]:
+        """(checked options, plan, budgeted names, decom_rule, {level name: its rank ratio}) for `levels`."""
+        args = cls.check_args(options)
+        plan, budgeted, rule = cls._plan(model, args)
+        return args, plan, budgeted, rule, {lvl.name: cls._ratio(model, plan, budgeted, lvl, rule) for lvl in levels}
+
     @staticmethod
     def is_factorized(model) -> bool:
         return any(isinstance(m, fz.FactorizedConv2d) for m in model.modules())
@@ -118,10 +125,9 @@ class FedLMT(LowRank):
     def prepare_model_for(cls, model, options, system):
         if cls.is_factorized(model):
             return model
-        args = cls.check_args(options)
-        plan, budgeted, rule = cls._plan(model, args)
         weakest = system.smallest
-        fit = cls._ratio(model, plan, budgeted, weakest, rule)
+        args, plan, budgeted, _, fits = cls._fit(model, options, [weakest])
+        fit = fits[weakest.name]
         alpha = fit if args["rank_ratio"] is None else args["rank_ratio"]
         if alpha < min_ratio(plan):
             raise ConfigError("method_args.rank_ratio", f"{alpha} gives a block rank 0 (round(alpha * planes)); "
@@ -204,9 +210,7 @@ class PFedLMT(LowRank):
     def prepare_model_for(cls, model, options, system):
         if cls.is_factorized(model):
             return model
-        args = cls.check_args(options)
-        plan, budgeted, rule = cls._plan(model, args)
-        alphas = {lvl.name: cls._ratio(model, plan, budgeted, lvl, rule) for lvl in system.levels}
+        _, plan, budgeted, rule, alphas = cls._fit(model, options, system.levels)
         shares = {n: fz.budget_share(model, plan, a, budgeted) for n, a in alphas.items()}
         fz.factorize(model, plan, max(alphas.values()))
         meta = next(model.parameters()).is_meta   # sizes only (fedlase/resources.py): no values to seed
