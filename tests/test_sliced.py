@@ -45,7 +45,9 @@ UPDATE_GAP = 1e-3
 
 
 def _two_rounds(tiny_cfg, *overrides):
-    exp = Experiment(tiny_cfg(*ALL_LEVELS, *overrides))
+    # the plain mean: the default rule (bounded) rescales every update by a factor read from all of them, so the
+    # two paths' rounding reached the accuracies (one test sample of 360 on the portable kernels)
+    exp = Experiment(tiny_cfg(*ALL_LEVELS, "robust=screen", *overrides))
     for r in (1, 2):
         exp.run_round(r)
     return exp
