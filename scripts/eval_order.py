@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from fedlase.engine import evaluate_run
-from fedlase.report import markdown_table
+from fedlase.report_tables import markdown_table
 
 
 def main(folder: str) -> None:

@@ -17,7 +17,8 @@ from fedlase.config import load_config
 from fedlase.data.sources import load_dataset
 from fedlase.engine import run_experiment
 from fedlase.errors import DataError, UserError
-from fedlase.report import find_runs, group_runs, run_clocks
+from fedlase.report_clocks import run_clocks
+from fedlase.report_runs import find_runs, group_runs
 
 RUN = [*TINY, "rounds=1", "analysis.magnitudes=true"]   # an analysis: its history is numpy arrays
 

@@ -497,7 +497,7 @@ def test_simulation_engine_matches_embedded(sim_run, tmp_path):
     and one trains round 2, so the result does not depend on how many clients train at once."""
     out, args, listening = sim_run
     # the run's private Ray (GCS, raylet, workers) answers on loopback only: Ray has no authentication, and by
-    # default it listens on every interface (fedlase/flower/launch.py, SINGLE_MACHINE_RAY)
+    # default it listens on every interface (fedlase/flower/sim_engine.py, SINGLE_MACHINE_RAY)
     assert any(name == "gcs_server" for _, name in listening), listening   # the watcher did see Ray's ports
     assert all(ipaddress.ip_address(ip.removeprefix("::ffff:")).is_loopback for ip, _ in listening), listening
     lines = _metrics(out)
@@ -652,7 +652,7 @@ def _metrics(out: Path) -> list[dict]:
 
 def _node_is_training(node: subprocess.Popen) -> bool:
     """The SuperNode runs a ClientApp process right now."""
-    from fedlase.flower.launch import descendants
+    from fedlase.flower.processes import descendants
     for p in descendants(node.pid):
         try:
             if "flwr-clientapp" in " ".join(p.cmdline()):

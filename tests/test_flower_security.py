@@ -37,7 +37,8 @@ from fedlase.catalog import load_builtins  # noqa: E402
 from fedlase.config import load_config  # noqa: E402
 from fedlase.engine import run_experiment  # noqa: E402
 from fedlase.errors import UserError  # noqa: E402
-from fedlase.flower.launch import descendants, write_app, write_connection  # noqa: E402
+from fedlase.flower.launch import write_app, write_connection  # noqa: E402
+from fedlase.flower.processes import descendants  # noqa: E402
 from fedlase.flower.proxy import body_limit, largest_request, nginx_binary  # noqa: E402
 from fedlase.flower.security import fingerprint, make_credentials, make_node_key, node_cert  # noqa: E402
 

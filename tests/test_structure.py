@@ -112,7 +112,7 @@ PUBLIC = {"flwr.app", "flwr.clientapp", "flwr.serverapp", "flwr.simulation",
 # Used although not documented API, because Flower or Ray offers none; the line must carry its reason (a comment
 # there, the full one beside it) and pyproject.toml pins the tested range (docs/flower.md, "Flower versions").
 OUTSIDE = {"flwr.proto": "fedlase/flower/proxy.py",                  # the Fleet API's routes
-           "ray._private.ray_constants": "fedlase/flower/launch.py",  # the loopback switch, after `import ray`
+           "ray._private.ray_constants": "fedlase/flower/sim_engine.py",  # the loopback switch, after `import ray`
            "/ray.rpc.": "fedlase/cluster.py"}                        # is this port a Ray head, in seconds
 
 

@@ -11,7 +11,8 @@ from fedlase.cli import main
 from fedlase.config import config_from_dict
 from fedlase.engine import run_experiment
 from fedlase.errors import UserError
-from fedlase.report import find_runs, group_runs, make_report
+from fedlase.report import make_report
+from fedlase.report_runs import find_runs, group_runs
 from fedlase.sweep import run_sweep
 from fedlase.sweep_plan import plan_sweep, run_name
 
@@ -274,7 +275,7 @@ def test_bad_jobs_is_a_one_line_error(tmp_path, capsys, jobs):
 def test_paired_t_matches_the_closed_form_and_a_hand_case():
     import math
 
-    from fedlase.report import paired_t
+    from fedlase.report_tables import paired_t
     mean, t, p = paired_t([1.0, 2.0, 3.0])             # n = 3: df = 2, p = 1 - |t| / sqrt(2 + t^2)
     assert mean == 2.0 and math.isclose(t, 2 * math.sqrt(3)) and math.isclose(p, 1 - t / math.sqrt(2 + t * t))
     mean, t, p = paired_t([-1.0, -3.0])                # n = 2: df = 1 (Cauchy), p = 1 - 2 atan(|t|) / pi
@@ -285,7 +286,8 @@ def test_paired_t_matches_the_closed_form_and_a_hand_case():
 def test_magnitude_table_is_the_rebuttal_layout(tmp_path):
     import numpy as np
 
-    from fedlase.report import Group, Run, magnitude_table
+    from fedlase.report_runs import Group, Run
+    from fedlase.report_tables import magnitude_table
     (tmp_path / "analysis").mkdir()
     layers = np.array(["a.weight", "a.bias", "b.weight", "c.weight", "d.weight"])
     mx, mean = np.arange(10.0).reshape(2, 5), np.arange(10.0).reshape(2, 5) / 10
@@ -296,7 +298,8 @@ def test_magnitude_table_is_the_rebuttal_layout(tmp_path):
 
 
 def test_curve_table_means_each_round_over_the_runs_that_evaluated_it(tmp_path):
-    from fedlase.report import Group, Run, curve_table
+    from fedlase.report_runs import Group, Run
+    from fedlase.report_tables import curve_table
     runs = []
     for i, accs in enumerate(([0.5, 0.6, 0.7], [0.7, 0.8])):   # the second run stopped after round 20
         d = tmp_path / str(i)
@@ -310,7 +313,7 @@ def test_curve_table_means_each_round_over_the_runs_that_evaluated_it(tmp_path):
 
 
 def test_a_key_added_after_a_run_reads_as_its_default(tmp_path):
-    from fedlase.report import find_runs, group_runs
+    from fedlase.report_runs import find_runs, group_runs
     final = {"round": 1, "global_acc": 0.5, "local_acc": 0.5, "levels": {}}
     for seed, extra in ((0, {}), (1, {"word_embeddings": "budget"}), (2, {"word_embeddings": "whole"})):
         d = tmp_path / str(seed)

@@ -52,7 +52,7 @@ import torch.nn.functional as F
 from torch.func import functional_call
 
 from fedlase.levels import System
-from fedlase.report import markdown_table
+from fedlase.report_tables import markdown_table
 
 CHECKOUT = Path(__file__).resolve().parents[1]   # the folder holding fedlase/ and tools/
 SECTIONS = ("overhead", "sliced", "masks", "memory", "comm", "batched", "text", "contention")

@@ -31,7 +31,8 @@ from pathlib import Path
 import psutil
 
 from fedlase.errors import UserError
-from fedlase.flower.launch import NODE_ENV, QUIET_ENV, descendants, flwr_command, reap, write_connection
+from fedlase.flower.launch import NODE_ENV, QUIET_ENV, flwr_command, write_connection
+from fedlase.flower.processes import descendants, reap
 from fedlase.flower.proxy import body_limit, front_config, nginx_binary, nginx_command, sidecar_config, sidecar_files
 from fedlase.flower.security import INSECURE_WARNING, Credentials, fingerprint, make_credentials, node_cert
 from fedlase.flower.worker import SOCKET, listening
