@@ -71,11 +71,13 @@ def test_the_noise_per_coordinate_is_z_c_over_the_public_denominator(tiny_cfg):
 
 
 @pytest.mark.parametrize("rule,bound", [(["robust=screen"], 0.05), (["robust=clip", "robust_args.bound=0.02"], 0.02),
-                                        (["method_args.overlap=false"], 0.05)])
+                                        (["method_args.overlap=false"], 0.05),
+                                        ([], 0.05)])   # the default, bounded: its median clip gives way to dp's
 def test_without_noise_the_step_is_the_clipped_sum_over_the_public_denominator(tiny_cfg, rule, bound):
     """z = 0: the new model is the old one plus the sum of the clipped updates over D_j, whatever the realised
     count (one round of real training, computed again here). robust=clip composes: a smaller bound of its own
-    clips the clipped updates again. Under the `mean` mode (overlap=false) D_j is m wherever a level holds j."""
+    clips the clipped updates again; the default rule (bounded) is then the plain mean. Under the `mean` mode
+    (overlap=false) D_j is m wherever a level holds j."""
     exp = Experiment(tiny_cfg("method=fiarse", "coverage=mask", "dp.clip=0.05", "dp.noise_multiplier=0", *rule))
     old = {n: p.clone() for n, p in exp.params.items()}
     picked = exp.sample(1)
