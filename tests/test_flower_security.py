@@ -43,7 +43,9 @@ from fedlase.flower.proxy import body_limit, largest_request, nginx_binary  # no
 from fedlase.flower.security import fingerprint, make_credentials, make_node_key, node_cert  # noqa: E402
 
 pytestmark = [pytest.mark.flower, pytest.mark.xdist_group("deployment")]   # one module-scoped federation
-ARGS = [*SMALL, "system={1,1/4}_{1,1}", "rounds=2", "reply_timeout=150"]
+# with dp (fedlase/privacy.py): the nodes clip in their reply path, the server adds the seeded noise, so the
+# deployment still equals the embedded run bit for bit and records epsilon in every line
+ARGS = [*SMALL, "system={1,1/4}_{1,1}", "rounds=2", "reply_timeout=150", "dp.clip=0.05", "dp.noise_multiplier=0.5"]
 
 
 @pytest.fixture(scope="module")
@@ -322,6 +324,7 @@ def test_a_node_claiming_another_partition_is_refused_and_the_run_matches_embedd
     assert same_params(_params(out), _embedded(dep))
     lines = _metrics(out)
     assert [x["round"] for x in lines] == [1, 2] and all(x["clients"] == 2 and not x["failed"] for x in lines)
+    assert 0 < lines[0]["epsilon"] < lines[1]["epsilon"] and all(not x["rejected"] for x in lines)   # dp, clipped
     refused = [r for x in lines for r in x["refused"].values()]
     key2 = fingerprint(Path(f"{fed.creds.nodes[2]}.pub").read_bytes())
     assert len(refused) == 1 and key2 in refused[0]["reason"], refused
