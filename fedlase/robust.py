@@ -47,6 +47,8 @@ class Rule:
     name: ClassVar[str] = ""
     options: ClassVar[dict[str, Option]] = {}
     weighted: ClassVar[bool] = False
+    # the rule this one runs as under a stage whose screen_by_others is False (dp), or None: itself
+    privately: ClassVar[type[Rule] | None] = None
 
     def __init__(self, **args):
         self.args = self.check_args(args)
@@ -229,10 +231,14 @@ class ServerStep:
     @classmethod
     def of(cls, robust: str, robust_args: dict, attack: str, attack_args: dict, system, seed: int, mode: str,
            coverage: str, owners, stages: tuple[Stage, ...] = ()) -> ServerStep:
-        """The registered rule and attack by name, their options checked (the attackers drawn from `seed`)."""
+        """The registered rule and attack by name, their options checked (the attackers drawn from `seed`). Under
+        a stage that may not treat one update by what the others are (dp), a rule that names its `privately` form
+        runs as that form, with the options it declares."""
         kind = ATTACKS.get(attack)
-        return cls(RULES.get(robust)(**robust_args), kind(kind.check_args(attack_args, system), system, seed),
-                   mode, coverage, owners, stages)
+        rule = RULES.get(robust)(**robust_args)
+        if rule.privately is not None and not all(s.screen_by_others for s in stages):
+            rule = rule.privately(**{k: v for k, v in rule.args.items() if k in rule.privately.options})
+        return cls(rule, kind(kind.check_args(attack_args, system), system, seed), mode, coverage, owners, stages)
 
     def receive(self, u, subs: dict, params: dict, rnd: int):
         """An update as the server receives it: an attacking client's corrupted (simulation only)."""
@@ -256,10 +262,7 @@ class ServerStep:
             updates = stage.updates(updates, subs, params, rnd)
         if self.stages:   # a stage may have changed the updates (dp clips them): the rule reads their norms
             rms = norms(updates, subs, params)[1]
-        rule = self.rule
-        if getattr(rule, "privately", None) and not all(s.screen_by_others for s in self.stages):
-            rule = rule.privately(**{k: v for k, v in rule.args.items() if k in rule.privately.options})
-        new, info = rule.aggregate(params, updates, subs, rms, self.mode, self.coverage, self.owners)
+        new, info = self.rule.aggregate(params, updates, subs, rms, self.mode, self.coverage, self.owners)
         for stage in self.stages:
             new = stage.model(params, new, rnd)
         return new, info

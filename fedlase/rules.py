@@ -147,11 +147,11 @@ class Bounded(AdaptiveClip):
     `factor` x that median, then averaged (docs/methods.md, "The default rule: bounded", says why 3).
 
     Under differential privacy (a stage that may not treat one update by what the others are), its
-    median-relative screen and clip give way to dp's own clip at `dp.clip`: it is then the plain mean of the
-    updates that pass the per-update checks."""
+    median-relative screen and clip give way to dp's own clip at `dp.clip`: it runs as `screen`, whose screen keeps
+    only its per-update checks under dp, so the plain mean of the updates that pass them."""
     name = "bounded"
     options = {"screen": Option(3.0, SCREEN.help, low=1), "factor": AdaptiveClip.options["factor"]}
-    privately = Mean   # what it is under a stage whose screen_by_others is False (fedlase/robust.py)
+    privately = Screened   # under dp: the per-update checks, then the mean (fedlase/robust.py, ServerStep.of)
 
 
 @register_rule
