@@ -214,7 +214,7 @@ class AsyncSchedule:
         version = exp.round
         sent = []
         for c, lvl, draw in chosen:
-            arrival, lost = exp.clock.dispatch(c, lvl.index, self.now)
+            arrival, lost = self._dispatch(exp, c, lvl.index)
             sent.append(Flight(arrival, self.seq, c, lvl.index, draw, version, lost))
             self.seq += 1
         trainees = [f for f in sent if not f.lost]
@@ -226,6 +226,10 @@ class AsyncSchedule:
         self._launch(exp, trainees, subs)
         for f in sent:
             heapq.heappush(self.flight, f)
+
+    def _dispatch(self, exp, client: int, level: int) -> tuple[float, bool]:
+        """(when a client sent now arrives, whether it is lost on the way): the simulated clock's."""
+        return exp.clock.dispatch(client, level, self.now)
 
     def _launch(self, exp, trainees: list[Flight], subs: dict) -> None:
         """Train the dispatched clients now, on the current model: each flight holds its update until it arrives."""
