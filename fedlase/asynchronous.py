@@ -156,8 +156,8 @@ class AsyncSchedule:
         heapq.heapify(self.flight)
         f.arrival = float(row.get(self.TIME, row.get("wall_time", self.now)))   # the recorded time
         self.now = max(self.now, f.arrival)
-        if row.get("failed"):   # its update never came: dropped, as it was
-            f.update, f.failed = None, str(row["failed"])
+        if row.get("failed") or row.get("lost"):   # its update never came: dropped, as it was
+            f.update, f.failed = None, str(row.get("failed") or "lost")
         return f
 
     def _deliver(self, exp, f: Flight) -> None:
