@@ -355,7 +355,7 @@ def test_fedbuff_over_push_and_pull_steps_in_arrival_order_and_replays_on_the_em
     2 replies in the order they were pulled, the slow client's come stale, and the embedded engine replaying
     the recorded order ends with the same model bit for bit."""
     monkeypatch.setattr(NodeRounds, "POLL", 0.0)
-    args = ["system={1,1/4}_{2,2}", "rounds=4", "schedule=fedbuff", "schedule_args.concurrency=4",
+    args = ["system={1,1/4}_{2,2}", "rounds=4", "eval_every=4", "schedule=fedbuff", "schedule_args.concurrency=4",
             "schedule_args.buffer=2"]
     cfg = small_cfg(tmp_path, *args, out="grid")
     _clocked(cfg, NodeRounds(PushPullGrid(cfg, {3: 3})))
@@ -363,13 +363,19 @@ def test_fedbuff_over_push_and_pull_steps_in_arrival_order_and_replays_on_the_em
     assert [r["arrival"] for r in rows] == list(range(1, 9)) and [r["step"] for r in rows] == [1, 1, 2, 2, 3, 3, 4, 4]
     slow = [r for r in rows if r["client"] == 3]
     assert slow and slow[0]["arrival"] > 4 and slow[0]["staleness"] >= 1, rows
-    assert all("wall_time" in r for r in rows) and [x["round"] for x in _metrics(tmp_path / "grid")] == [1, 2, 3, 4]
+    assert all("wall_time" in r for r in rows) and [x["round"] for x in _metrics(tmp_path / "grid")] == [4]
     replay = small_cfg(tmp_path, *args, f"schedule_args.replay={tmp_path / 'grid'}", out="replay")
     _clocked(replay)
     assert same_params(_params(tmp_path / "grid"), _params(tmp_path / "replay"))
     again = [json.loads(x) for x in (tmp_path / "replay" / "arrivals.jsonl").read_text().splitlines()]
     assert [(r["seq"], r["client"], r["version"], r["step"]) for r in again] == \
            [(r["seq"], r["client"], r["version"], r["step"]) for r in rows]
+    # what was in flight lives in the SuperLink, not in the checkpoint: no resume, said in one line
+    from fedlase.errors import UserError
+    from fedlase.flower import run_flower
+    with pytest.raises(UserError, match="cannot resume") as e:
+        run_flower(small_cfg(tmp_path, *args, "engine=flower-sim", out="grid"), resume=True)
+    assert "\n" not in str(e.value)
 
 
 def test_partitions_are_pinned_to_node_keys(tmp_path, task_identity):
