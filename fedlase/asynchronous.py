@@ -85,6 +85,21 @@ def read_record(path) -> list[dict]:
     return rows
 
 
+def credited(sub: Submodel, seen: dict[int, Submodel]) -> Submodel:
+    """What aggregation credits of a submodel (its masks and slices), one copy per submodel (`seen`: id of a
+    submodel -> its copy, kept only while those submodels are alive)."""
+    if id(sub) not in seen:
+        seen[id(sub)] = Submodel(masks=sub.masks, slices=sub.slices)
+    return seen[id(sub)]
+
+
+def _record_step(line: str) -> float:
+    try:
+        return json.loads(line)["step"]
+    except (ValueError, KeyError, TypeError):
+        return math.inf
+
+
 class AsyncSchedule:
     """The event loop of `schedule=fedbuff|fedasync`; `step(exp, rnd)` runs it up to the next server step."""
 
@@ -240,16 +255,8 @@ class AsyncSchedule:
             result = exp.runner.train(exp, draw, picked, {lv: subs[lv] for _, lv in picked})
             by_client = {u.client: u for u in result.updates}
             for f in group:
-                f.update = self.stripped(by_client[f.client], subs[exp.levels[f.level]], stripped)
-
-    @staticmethod
-    def stripped(u, level_sub: Submodel, seen: dict[int, Submodel]):
-        """The update with only what aggregation credits of its submodel (masks and slices), shared by the
-        updates that trained one submodel (`seen`: id of a submodel -> its stripped copy)."""
-        sub = u.sub or level_sub
-        if id(sub) not in seen:
-            seen[id(sub)] = Submodel(masks=sub.masks, slices=sub.slices)
-        return dataclasses.replace(u, sub=seen[id(sub)])
+                u = by_client[f.client]
+                f.update = dataclasses.replace(u, sub=credited(u.sub or subs[exp.levels[f.level]], stripped))
 
     def _apply(self, exp, rnd: int) -> dict:
         """Server step `rnd` on the first `buffer` arrived updates, staleness-weighted."""
@@ -301,9 +308,8 @@ class AsyncSchedule:
         if self._record is None:
             self._record = Path(exp.cfg.out) / RECORD
             kept = []
-            if self._record.exists():
-                kept = [ln for ln in self._record.read_text().splitlines()
-                        if ln.strip() and json.loads(ln)["step"] <= exp.round]
+            if self._record.exists():   # a line cut short by a kill goes too
+                kept = [ln for ln in self._record.read_text().splitlines() if _record_step(ln) <= exp.round]
             self._record.parent.mkdir(parents=True, exist_ok=True)
             self._record.write_text("".join(ln + "\n" for ln in kept))
         with open(self._record, "a") as out:

@@ -91,6 +91,8 @@ def test_a_resumed_fedbuff_run_with_updates_in_flight_is_bit_identical(tiny_cfg,
     drop = ("train_time", "eval_time")
     assert [{k: v for k, v in x.items() if k not in drop} for x in whole_lines] == \
            [{k: v for k, v in x.items() if k not in drop} for x in split_lines]
+    # the arrival record too: the stopped run's lines up to its checkpoint, then the resumed run's
+    assert (tmp_path / "whole" / "arrivals.jsonl").read_text() == (tmp_path / "split" / "arrivals.jsonl").read_text()
 
 
 def test_clients_that_always_drop_out_stop_the_run_with_one_line(tiny_cfg, tmp_path):

@@ -29,7 +29,7 @@ import heapq
 import logging
 import time
 
-from ..asynchronous import AsyncSchedule, Flight
+from ..asynchronous import AsyncSchedule, Flight, credited
 from ..errors import UserError
 from ..masks import Submodel
 from .codec import ReplyError
@@ -77,11 +77,8 @@ class NodeSchedule(AsyncSchedule):
                 if not mid:
                     self._drop(f, "Flower could not push its message")
                     continue
-                entry = entries[f.client]
-                sub = entry[2]
-                if id(sub) not in stripped:   # what aggregation credits, as the embedded schedule keeps it
-                    stripped[id(sub)] = Submodel(masks=sub.masks, slices=sub.slices)
-                self.sent[mid] = (f, entry, stripped[id(sub)], give_up)
+                entry = entries[f.client]   # entry[2]: its submodel, credited as the embedded schedule's
+                self.sent[mid] = (f, entry, credited(entry[2], stripped), give_up)
 
     def _drop(self, f: Flight, why: str) -> None:
         log.warning("client %d (dispatch %d): %s; its slot is free again", f.client, f.seq, why)
