@@ -88,6 +88,8 @@ class NodeSchedule(AsyncSchedule):
     def _arrivals(self, exp) -> list[Flight]:
         """The next reply (or failure), as one arrival: pulled every POLL seconds until there is one."""
         while not self.ready:
+            if not self.sent:   # cannot happen while a slot is taken; a loop waiting on nothing would never end
+                raise UserError("schedule=fedbuff: no message is out and no reply is waiting")
             self._pull(exp)
             if not self.ready:
                 time.sleep(self.nodes.POLL)
