@@ -20,23 +20,35 @@ What is held, and its memory: per client in flight its delta (a width slice's ga
 size: at most `concurrency` deltas, plus up to `buffer` arrived ones), its loss, and the masks and slices of
 the submodel it trained (shared by the clients of one level and version; no thresholds, scales or local
 objective: only what aggregation credits). All of it is plain data in the checkpoint (`state_dict`), so a run
-killed at any moment resumes bit-identical from its last checkpoint."""
+killed at any moment resumes bit-identical from its last checkpoint.
+
+The arrival record: every run writes `arrivals.jsonl` into its folder, one line per arrival, written at the step
+that applies or drops it: its place in the order of arrival, its dispatch number `seq`, the client, its level,
+draw and the version it trained on, the step and its staleness, or why it was dropped. `schedule_args.replay`
+names such a record (or the run folder holding one): the loop then takes its arrivals in the recorded order
+instead of by simulated time. Whom it dispatches next follows from that order alone, so it rebuilds the recorded
+run's updates and steps, bit for bit on the same machine. A Flower deployment (fedlase/flower/buffered.py) runs
+this loop with its nodes' replies as arrivals and writes the same record."""
 from __future__ import annotations
 
 import dataclasses
 import heapq
+import json
 import math
 from dataclasses import dataclass
+from pathlib import Path
 
 from .errors import UserError
 from .masks import Submodel
 from .sampling import sample_clients
 from .sim_config import schedule_settings, staleness_weight
 
+RECORD = "arrivals.jsonl"   # the arrival record, in the run folder
+
 
 @dataclass
 class Flight:
-    """One dispatched client: when it arrives (or is lost), and its update (None when lost)."""
+    """One dispatched client: when it arrives (or is lost), and its update (None when lost or failed)."""
     arrival: float
     seq: int        # dispatch order: breaks ties between equal arrival times
     client: int
@@ -45,13 +57,53 @@ class Flight:
     version: int    # the model version it trained on (server steps taken then)
     lost: bool
     update: object | None = None   # the engine's Update
+    failed: str | None = None      # why its update never came (a Flower node's error or a rejected reply)
+    order: int = 0                 # its place in the order of arrival (1, 2, ...), once it has arrived
+    instant: int = 0               # the instant it arrived at (arrivals of one instant are delivered together)
 
     def __lt__(self, other):
         return (self.arrival, self.seq) < (other.arrival, other.seq)
 
 
+def read_record(path) -> list[dict]:
+    """The arrivals of a record (`RECORD`, or a run folder holding one) in the order they arrived; a one-line
+    UserError if it cannot be one."""
+    path = Path(path).expanduser()
+    if path.is_dir():
+        path = path / RECORD
+    try:
+        rows = sorted((json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()),
+                      key=lambda r: r["arrival"])
+        ok = [r["arrival"] for r in rows] == list(range(1, len(rows) + 1)) and all(
+            isinstance(r["seq"], int) and isinstance(r["client"], int) for r in rows)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise UserError(f"schedule_args.replay: cannot read {path} as an arrival record ({type(e).__name__}: "
+                        f"{e})") from None
+    if not ok:
+        raise UserError(f"schedule_args.replay: {path} is not an arrival record (arrivals 1..n, each with its "
+                        "seq and client)")
+    return rows
+
+
+def credited(sub: Submodel, seen: dict[int, Submodel]) -> Submodel:
+    """What aggregation credits of a submodel (its masks and slices), one copy per submodel (`seen`: id of a
+    submodel -> its copy, kept only while those submodels are alive)."""
+    if id(sub) not in seen:
+        seen[id(sub)] = Submodel(masks=sub.masks, slices=sub.slices)
+    return seen[id(sub)]
+
+
+def _record_step(line: str) -> float:
+    try:
+        return json.loads(line)["step"]
+    except (ValueError, KeyError, TypeError):
+        return math.inf
+
+
 class AsyncSchedule:
     """The event loop of `schedule=fedbuff|fedasync`; `step(exp, rnd)` runs it up to the next server step."""
+
+    TIME = "sim_time"   # what `now` is, in the metrics line (a Flower deployment's is the wall clock)
 
     def __init__(self, cfg):
         self.kind, self.args = cfg.schedule, schedule_settings(cfg)
@@ -59,7 +111,12 @@ class AsyncSchedule:
         self.flight: list[Flight] = []   # a heap by (arrival, seq)
         self.buffer: list[Flight] = []   # arrived, not yet applied, in arrival order
         self.lost: list[int] = []        # clients lost offline since the last step
+        self.failed: list[int] = []      # clients whose update failed since the last step (Flower)
         self.skipped = 0                 # drawn clients passed over offline since the last step
+        self.arrived, self.instant = 0, 0   # arrivals so far, and the instants they came at
+        self.replay = read_record(self.args["replay"]) if self.args.get("replay") else None
+        self._rows: list[dict] = []      # record lines not yet written
+        self._record: Path | None = None
         self._drawn: tuple[int, list] = (0, [])
         self._subs: tuple[int, dict] = (-1, {})
 
@@ -68,26 +125,76 @@ class AsyncSchedule:
         """Deliver arrivals and dispatch clients until the buffer is full, then take server step `rnd`."""
         while len(self.buffer) < self.args["buffer"]:
             self._fill(exp)
-            if not self.flight:   # nobody could be sent: wait for someone to come online
-                t = exp.clock.next_online(self.now)
-                if math.isinf(t):
-                    raise UserError("population: no client is online again after simulated time "
-                                    f"{self.now:.1f}s; nothing can train")
-                self.now = max(t, self.now)
-                continue
-            self.now = self.flight[0].arrival
-            while self.flight and self.flight[0].arrival == self.now:
-                f = heapq.heappop(self.flight)
-                if f.lost:
-                    self.lost.append(f.client)
-                    if len(self.lost) > 100 * exp.cfg.num_clients:   # else the loop would never end
-                        raise UserError("population: clients keep going offline before their updates arrive "
-                                        f"({len(self.lost)} lost since the last server step); lengthen "
-                                        "population.online or shorten the clients' times")
-                else:   # the attack, per arrival (simulation only)
-                    f.update = exp._attacked(f.update, {}, f.draw)
-                    self.buffer.append(f)
+            arrivals = self._arrivals(exp)
+            self.instant += bool(arrivals)
+            for f in arrivals:
+                f.instant = self.instant
+                self._deliver(exp, f)
         return self._apply(exp, rnd)
+
+    def _arrivals(self, exp) -> list[Flight]:
+        """The flights that arrive next, together, in order (removed from `flight`; `now` moved to their time):
+        on the simulated clock, every flight due first (ties in dispatch order); replaying, the recorded next."""
+        if self.replay is not None:
+            return self._replayed()
+        if not self.flight:   # nobody could be sent: wait for someone to come online
+            t = exp.clock.next_online(self.now)
+            if math.isinf(t):
+                raise UserError("population: no client is online again after simulated time "
+                                f"{self.now:.1f}s; nothing can train")
+            self.now = max(t, self.now)
+            return []
+        self.now = self.flight[0].arrival
+        out = []
+        while self.flight and self.flight[0].arrival == self.now:
+            out.append(heapq.heappop(self.flight))
+        return out
+
+    def _replayed(self) -> list[Flight]:
+        """The flights the record says arrived next, at one instant; a one-line UserError where this run did not
+        send them."""
+        rows, i = self.replay, self.arrived
+        if i >= len(rows):
+            raise UserError(f"schedule_args.replay: the record ends after {len(rows)} arrivals; this run "
+                            "needs more (fewer rounds, or the record of a longer run)")
+        n = 1
+        while i + n < len(rows) and "instant" in rows[i] and rows[i + n].get("instant") == rows[i]["instant"]:
+            n += 1
+        return [self._take(row) for row in rows[i:i + n]]
+
+    def _take(self, row: dict) -> Flight:
+        f = next((f for f in self.flight if f.seq == row["seq"]), None)
+        if f is None or f.client != row["client"]:
+            raise UserError(f"schedule_args.replay: arrival {row['arrival']} is dispatch {row['seq']} (client "
+                            f"{row['client']}), which this run has not sent; the record is of another config")
+        self.flight.remove(f)
+        heapq.heapify(self.flight)
+        f.arrival = float(row.get(self.TIME, row.get("wall_time", self.now)))   # the recorded time
+        self.now = max(self.now, f.arrival)
+        if row.get("failed") or row.get("lost"):   # its update never came: dropped, as it was
+            f.update, f.failed = None, str(row.get("failed") or "lost")
+        return f
+
+    def _deliver(self, exp, f: Flight) -> None:
+        """An arrival: into the buffer (attacked, simulation only), or dropped and recorded."""
+        self.arrived += 1
+        f.order = self.arrived
+        if f.lost:
+            self.lost.append(f.client)
+            if len(self.lost) > 100 * exp.cfg.num_clients:   # else the loop would never end
+                raise UserError("population: clients keep going offline before their updates arrive "
+                                f"({len(self.lost)} lost since the last server step); lengthen "
+                                "population.online or shorten the clients' times")
+            self._note(exp, f, exp.round + 1, lost=True)
+        elif f.failed is not None:
+            self.failed.append(f.client)
+            if len(self.failed) > 100 * exp.cfg.num_clients:
+                raise UserError(f"every update fails ({len(self.failed)} since the last server step; the last: "
+                                f"{f.failed}); nothing can train")
+            self._note(exp, f, exp.round + 1, failed=f.failed)
+        else:   # the attack, per arrival (simulation only)
+            f.update = exp._attacked(f.update, {}, f.draw)
+            self.buffer.append(f)
 
     def _candidate(self, exp):
         """The next (client, level, draw) in the synchronous rounds' order."""
@@ -102,7 +209,7 @@ class AsyncSchedule:
         return out
 
     def _fill(self, exp) -> None:
-        """Dispatch clients into the free slots at `now`, each trained at once on the current model."""
+        """Dispatch clients into the free slots at `now`, each on the current model (`_launch`)."""
         free = self.args["concurrency"] - len(self.flight)
         busy = {f.client for f in self.flight}
         chosen = []
@@ -122,7 +229,7 @@ class AsyncSchedule:
         version = exp.round
         sent = []
         for c, lvl, draw in chosen:
-            arrival, lost = exp.clock.dispatch(c, lvl.index, self.now)
+            arrival, lost = self._dispatch(exp, c, lvl.index)
             sent.append(Flight(arrival, self.seq, c, lvl.index, draw, version, lost))
             self.seq += 1
         trainees = [f for f in sent if not f.lost]
@@ -131,6 +238,16 @@ class AsyncSchedule:
         subs = self._subs[1]
         need = {exp.levels[f.level] for f in trainees} - subs.keys()
         subs.update(exp.submodels(need, version + 1) if need else {})
+        self._launch(exp, trainees, subs)
+        for f in sent:
+            heapq.heappush(self.flight, f)
+
+    def _dispatch(self, exp, client: int, level: int) -> tuple[float, bool]:
+        """(when a client sent now arrives, whether it is lost on the way): the simulated clock's."""
+        return exp.clock.dispatch(client, level, self.now)
+
+    def _launch(self, exp, trainees: list[Flight], subs: dict) -> None:
+        """Train the dispatched clients now, on the current model: each flight holds its update until it arrives."""
         stripped: dict[int, Submodel] = {}
         for draw in sorted({f.draw for f in trainees}):   # the runner trains one round's batches at a time
             group = [f for f in trainees if f.draw == draw]
@@ -139,12 +256,7 @@ class AsyncSchedule:
             by_client = {u.client: u for u in result.updates}
             for f in group:
                 u = by_client[f.client]
-                sub = u.sub or subs[exp.levels[f.level]]
-                if id(sub) not in stripped:   # what aggregation credits: its masks and slices
-                    stripped[id(sub)] = Submodel(masks=sub.masks, slices=sub.slices)
-                f.update = dataclasses.replace(u, sub=stripped[id(sub)])
-        for f in sent:
-            heapq.heappush(self.flight, f)
+                f.update = dataclasses.replace(u, sub=credited(u.sub or subs[exp.levels[f.level]], stripped))
 
     def _apply(self, exp, rnd: int) -> dict:
         """Server step `rnd` on the first `buffer` arrived updates, staleness-weighted."""
@@ -164,15 +276,45 @@ class AsyncSchedule:
         for f, _ in kept:
             name = exp.levels[f.level].name
             shares[name] = shares.get(name, 0) + 1
-        extra = {"sim_time": self.now, "staleness": taus, "level_updates": shares, "in_flight": len(self.flight)}
+        for f, t in zip(batch, taus):
+            self._note(exp, f, rnd, staleness=t, **({"too_stale": True} if bound is not None and t > bound else {}))
+        extra = {self.TIME: self.now, "staleness": taus, "level_updates": shares, "in_flight": len(self.flight),
+                 **self._stats()}
         if self.lost:
             extra["lost_offline"] = self.lost
+        if self.failed:
+            extra["failed"] = self.failed
         if self.skipped:
             extra["offline_skipped"] = self.skipped
         if stale:
             extra["too_stale"] = stale
-        self.lost, self.skipped = [], 0
+        self.lost, self.failed, self.skipped = [], [], 0
+        self._write(exp)
         return exp.serve(rnd, updates, {}, extra, step_size)
+
+    def _stats(self) -> dict:
+        """A runner's own figures for the step's metrics line (Flower's: nodes refused or moved)."""
+        return {}
+
+    # ---- the arrival record (RECORD) ---------------------------------------------------------------------------
+    def _note(self, exp, f: Flight, rnd: int, **fields) -> None:
+        self._rows.append({"arrival": f.order, "instant": f.instant, "seq": f.seq, "client": f.client,
+                           "level": exp.levels[f.level].name, "draw": f.draw, "version": f.version,
+                           self.TIME: f.arrival, "step": rnd, **fields})
+
+    def _write(self, exp) -> None:
+        """Append this step's lines to the run folder's record. The first time, lines of steps after the one the
+        run starts from (a resumed run's, written after its checkpoint) are dropped."""
+        if self._record is None:
+            self._record = Path(exp.cfg.out) / RECORD
+            kept = []
+            if self._record.exists():   # a line cut short by a kill goes too
+                kept = [ln for ln in self._record.read_text().splitlines() if _record_step(ln) <= exp.round]
+            self._record.parent.mkdir(parents=True, exist_ok=True)
+            self._record.write_text("".join(ln + "\n" for ln in kept))
+        with open(self._record, "a") as out:
+            out.write("".join(json.dumps(r) + "\n" for r in sorted(self._rows, key=lambda r: r["arrival"])))
+        self._rows = []
 
     # ---- state: plain data (fedlase/checkpoint.py) ----------------------------------------------------------
     def state_dict(self) -> dict:
@@ -180,7 +322,8 @@ class AsyncSchedule:
         table = []
 
         def plain(f: Flight) -> dict:
-            out = {k: getattr(f, k) for k in ("arrival", "seq", "client", "level", "draw", "version", "lost")}
+            out = {k: getattr(f, k) for k in ("arrival", "seq", "client", "level", "draw", "version", "lost",
+                                              "order", "instant")}
             if f.update is not None:
                 u = f.update
                 if id(u.sub) not in subs:
@@ -189,8 +332,10 @@ class AsyncSchedule:
                 out.update(delta=u.delta, loss=u.loss, sub=subs[id(u.sub)])
             return out
         return {"now": self.now, "seq": self.seq, "draw": self.draw, "pos": self.pos, "lost": list(self.lost),
-                "skipped": self.skipped, "flight": [plain(f) for f in sorted(self.flight)],
-                "buffer": [plain(f) for f in self.buffer], "subs": table}
+                "failed": list(self.failed), "arrived": self.arrived, "instant": self.instant,
+                "skipped": self.skipped,
+                "flight": [plain(f) for f in sorted(self.flight)], "buffer": [plain(f) for f in self.buffer],
+                "subs": table}
 
     def load_state_dict(self, state: dict, exp, Update) -> None:
         """Back from `state_dict`; `Update`: the engine's (fedlase/engine.py, which imports this module)."""
@@ -200,13 +345,16 @@ class AsyncSchedule:
                                   for k, v in s["slices"].items()}) for s in state["subs"]]
 
         def flight(d: dict) -> Flight:
-            f = Flight(*(d[k] for k in ("arrival", "seq", "client", "level", "draw", "version", "lost")))
+            f = Flight(*(d[k] for k in ("arrival", "seq", "client", "level", "draw", "version", "lost")),
+                       order=d.get("order", 0), instant=d.get("instant", 0))
             if "delta" in d:
                 f.update = Update(f.client, exp.levels[f.level], {k: v.to(dev) for k, v in d["delta"].items()},
                                   d["loss"], table[d["sub"]])
             return f
         self.now, self.seq, self.draw, self.pos = state["now"], state["seq"], state["draw"], state["pos"]
         self.lost, self.skipped = list(state["lost"]), state["skipped"]
+        self.failed, self.arrived = list(state.get("failed", [])), state.get("arrived", 0)
+        self.instant = state.get("instant", 0)
         self.flight = [flight(d) for d in state["flight"]]
         heapq.heapify(self.flight)
         self.buffer = [flight(d) for d in state["buffer"]]

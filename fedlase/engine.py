@@ -204,11 +204,12 @@ class Experiment:
         self.runner = runner or (BatchedRounds() if cfg.batched_clients else SequentialRounds())
         self._broken = False
         self.clock = clock(cfg, p) if clock is not None else None
-        # fedbuff/fedasync: the event loop on the clock (fedlase/asynchronous.py); sync: run_round
+        # fedbuff/fedasync: the event loop on the clock (fedlase/asynchronous.py), or the runner's own (Flower's
+        # steps on its nodes' replies: fedlase/flower/buffered.py); sync: run_round
         self.schedule = None
         if cfg.schedule != "sync":
             from .asynchronous import AsyncSchedule
-            self.schedule = AsyncSchedule(cfg)
+            self.schedule = getattr(self.runner, "async_schedule", AsyncSchedule)(cfg)
 
     # the global model, as trackers and runners read it
     @property

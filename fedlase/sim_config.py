@@ -12,7 +12,10 @@ docs/async.md describes both.
 
 tau, an update's staleness: the server steps taken between the version the client received and the step that
 applies its update. s(tau): constant (1), poly ((1 + tau)^-a; a = 0.5 is FedBuff's 1/sqrt(1 + tau)) or hinge
-(1 up to tau = b, then 1 / (a (tau - b) + 1)); FedAsync's three."""
+(1 up to tau = b, then 1 / (a (tau - b) + 1)); FedAsync's three.
+
+`replay`: an arrival record (fedlase/asynchronous.py, RECORD) whose order the event loop follows instead of the
+simulated clock: the embedded engine rebuilds a recorded run, a Flower deployment's included."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -65,7 +68,12 @@ SCHEDULE = {
                             kind=int, low=0),
     "server_lr": Option(1.0, "fedbuff: the server's step size on the buffer's mean", low=0, low_open=True),
     "mixing": Option(0.5, "fedasync: the mixing weight alpha of a fresh update", low=0, low_open=True, high=1),
+    "replay": Option(None, "an arrival record (a run's arrivals.jsonl, or its folder): take arrivals in its order "
+                     "instead of by simulated time (engine=embedded; docs/async.md)", kind=str, tags=("path",)),
 }
+
+# where each schedule runs: a Flower deployment steps on its nodes' replies as they come (fedlase/flower/buffered.py)
+ENGINES = {"fedbuff": ("embedded", "flower-deploy", "flower-sim"), "fedasync": ("embedded",)}
 
 
 def staleness_weight(args: dict, tau: int) -> float:
@@ -110,8 +118,20 @@ def check_schedule(cfg, participation) -> dict:
     if args["concurrency"] > cfg.num_clients:
         raise ConfigError("schedule_args.concurrency", f"at most the {cfg.num_clients} clients, got "
                           f"{args['concurrency']}")
-    if cfg.engine != "embedded":
-        raise ConfigError("schedule", f"{cfg.schedule} runs on engine=embedded (on Flower it is not built yet)")
+    if cfg.engine not in ENGINES[cfg.schedule]:
+        raise ConfigError("schedule", f"{cfg.schedule} runs on engine={' or '.join(ENGINES[cfg.schedule])}")
+    if cfg.engine != "embedded" and cfg.population is not None:
+        raise ConfigError("population", f"on engine={cfg.engine} the nodes' own speeds and availability decide "
+                          "when updates arrive; drop population")
+    if args["replay"] is not None:
+        if cfg.engine != "embedded":
+            raise ConfigError("schedule_args.replay", "a record is replayed on engine=embedded")
+        if cfg.population is not None:
+            raise ConfigError("schedule_args.replay", "the record says when each update arrived; drop population")
+        path = Path(args["replay"]).expanduser()
+        if not (path.is_file() or (path / "arrivals.jsonl").is_file()):
+            raise ConfigError("schedule_args.replay", f"{args['replay']!r} is neither an arrival record nor a run "
+                              "folder holding one (arrivals.jsonl)")
     if cfg.deadline is not None:
         raise ConfigError("deadline", f"a synchronous round's; schedule={cfg.schedule} waits for no round "
                           "(schedule_args.max_staleness drops late updates)")

@@ -101,7 +101,7 @@ def one_thread():
 # cluster) is an integration test: it costs minutes of CPU in processes that mostly wait. `make test` leaves them to
 # `make test-integration`; .ci/run runs both. Marked here by the fixtures that start those federations, so a new
 # test on one of them is routed without a mark of its own.
-FEDERATION_FIXTURES = {"dep", "faulty_run", "faults", "cluster"}
+FEDERATION_FIXTURES = {"dep", "faulty_run", "faults", "buffered_fed", "cluster"}
 
 
 @pytest.hookimpl(tryfirst=True)   # before -m selects

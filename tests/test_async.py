@@ -91,6 +91,8 @@ def test_a_resumed_fedbuff_run_with_updates_in_flight_is_bit_identical(tiny_cfg,
     drop = ("train_time", "eval_time")
     assert [{k: v for k, v in x.items() if k not in drop} for x in whole_lines] == \
            [{k: v for k, v in x.items() if k not in drop} for x in split_lines]
+    # the arrival record too: the stopped run's lines up to its checkpoint, then the resumed run's
+    assert (tmp_path / "whole" / "arrivals.jsonl").read_text() == (tmp_path / "split" / "arrivals.jsonl").read_text()
 
 
 def test_clients_that_always_drop_out_stop_the_run_with_one_line(tiny_cfg, tmp_path):
@@ -99,4 +101,51 @@ def test_clients_that_always_drop_out_stop_the_run_with_one_line(tiny_cfg, tmp_p
                    out=str(tmp_path / "r"))
     with pytest.raises(UserError, match="keep going offline") as e:
         run_experiment(cfg, progress=False, clock=clock_for)
+    assert "\n" not in str(e.value)
+
+
+# ---- the arrival record and its replay (the Flower deployment's: tests/test_flower.py) ----------------------------
+TIMED = [*FOUR, "rounds=4", "device_model={}", "schedule=fedbuff", "schedule_args.concurrency=3",
+         "schedule_args.buffer=2"]
+
+
+def _record(out) -> list[dict]:
+    return sorted((json.loads(ln) for ln in (out / "arrivals.jsonl").read_text().splitlines()),
+                  key=lambda r: r["arrival"])
+
+
+def _same(a, b) -> bool:
+    return a["params"].keys() == b["params"].keys() and all(torch.equal(a["params"][k], b["params"][k])
+                                                              for k in a["params"])
+
+
+def test_a_replayed_arrival_order_rebuilds_the_run_and_another_order_another_model(tiny_cfg, tmp_path):
+    """The record of a run, replayed, gives its model and its record again; the same record with two arrivals
+    of different steps swapped is followed as written and gives another model; a record of another run is
+    refused in one line."""
+    from fedlase.errors import UserError
+    ran, lines = _run(tiny_cfg, tmp_path / "ran", *TIMED)
+    rows = _record(tmp_path / "ran")
+    applied = [r for r in rows if "staleness" in r]
+    assert [r["step"] for r in applied] == [1, 1, 2, 2, 3, 3, 4, 4]
+    assert [r["staleness"] for r in applied] == [s for x in lines for s in x["staleness"]]
+    again, again_lines = _run(tiny_cfg, tmp_path / "again", *TIMED, f"schedule_args.replay={tmp_path / 'ran'}")
+    assert _same(ran, again) and _record(tmp_path / "again") == rows
+    assert [x["staleness"] for x in again_lines] == [x["staleness"] for x in lines]
+    # two arrivals of different instants and steps swapped: the later one is applied a step earlier
+    i = next(k for k in range(len(rows) - 1) if rows[k]["instant"] != rows[k + 1]["instant"]
+             and rows[k]["step"] != rows[k + 1]["step"])
+    j = i + 1
+    swapped = [dict(r) for r in rows]
+    swapped[i], swapped[j] = ({**rows[j], "arrival": i + 1, "instant": rows[i]["instant"]},
+                              {**rows[i], "arrival": j + 1, "instant": rows[j]["instant"]})
+    (tmp_path / "swapped.jsonl").write_text("".join(json.dumps(r) + "\n" for r in swapped))
+    other, _ = _run(tiny_cfg, tmp_path / "other", *TIMED, f"schedule_args.replay={tmp_path / 'swapped.jsonl'}")
+    got = _record(tmp_path / "other")
+    assert [(r["seq"], r["client"]) for r in got[:j + 1]] == [(r["seq"], r["client"]) for r in swapped[:j + 1]]
+    assert got[i]["step"] == rows[i]["step"] and not _same(ran, other)
+    bad = [{**rows[0], "seq": 99}, *rows[1:]]
+    (tmp_path / "bad.jsonl").write_text("".join(json.dumps(r) + "\n" for r in bad))
+    with pytest.raises(UserError, match="has not sent") as e:
+        _run(tiny_cfg, tmp_path / "bad", *TIMED, f"schedule_args.replay={tmp_path / 'bad.jsonl'}")
     assert "\n" not in str(e.value)

@@ -314,6 +314,70 @@ def test_dp_nodes_clip_the_server_adds_the_noise_and_an_unclipped_node_is_caught
     assert same_params(params, _embedded(cfg, without={1}))
 
 
+# ---- FedBuff over push and pull, in-process (the loopback deployment's: test_fedbuff_on_the_deployment_...) ----
+class PushPullGrid(LocalGrid):
+    """A Grid with Flower's push and pull: a reply is computed when its message is pushed, and partition p's is
+    handed out by the `delays[p]`-th pull after that (default: the first), as a slow node's would be."""
+
+    def __init__(self, cfg, delays: dict[int, int]):
+        super().__init__(cfg)
+        self.delays, self.out = delays, {}   # message id -> [pulls left, reply]
+
+    def push_messages(self, messages):
+        ids = []
+        for m in messages:
+            reply = self.send_and_receive([m])[0]
+            self.out[m.metadata.message_id] = [self.delays.get(self.nodes[m.metadata.dst_node_id], 1), reply]
+            ids.append(m.metadata.message_id)
+        return ids
+
+    def pull_messages(self, message_ids):
+        got = []
+        for mid in message_ids:
+            entry = self.out.get(mid)
+            if entry is not None:
+                entry[0] -= 1
+                if entry[0] <= 0:
+                    got.append(self.out.pop(mid)[1])
+        return got
+
+
+def _clocked(cfg, runner=None):
+    """run_experiment with the simulated clock an asynchronous schedule needs (as fedlase.run passes it)."""
+    from fedlase.engine import run_experiment
+    from fedlase.simtime import clock_for
+    return run_experiment(cfg, progress=False, runner=runner, clock=clock_for)
+
+
+def test_fedbuff_over_push_and_pull_steps_in_arrival_order_and_replays_on_the_embedded_engine(
+        tmp_path, task_identity, monkeypatch):
+    """FedBuff on a Grid (fedlase/flower/buffered.py), partition 3's replies 3 pulls late: every step applies
+    2 replies in the order they were pulled, the slow client's come stale, and the embedded engine replaying
+    the recorded order ends with the same model bit for bit."""
+    monkeypatch.setattr(NodeRounds, "POLL", 0.0)
+    args = ["system={1,1/4}_{2,2}", "rounds=4", "eval_every=4", "schedule=fedbuff", "schedule_args.concurrency=4",
+            "schedule_args.buffer=2"]
+    cfg = small_cfg(tmp_path, *args, out="grid")
+    _clocked(cfg, NodeRounds(PushPullGrid(cfg, {3: 3})))
+    rows = [json.loads(x) for x in (tmp_path / "grid" / "arrivals.jsonl").read_text().splitlines()]
+    assert [r["arrival"] for r in rows] == list(range(1, 9)) and [r["step"] for r in rows] == [1, 1, 2, 2, 3, 3, 4, 4]
+    slow = [r for r in rows if r["client"] == 3]
+    assert slow and slow[0]["arrival"] > 4 and slow[0]["staleness"] >= 1, rows
+    assert all("wall_time" in r for r in rows) and [x["round"] for x in _metrics(tmp_path / "grid")] == [4]
+    replay = small_cfg(tmp_path, *args, f"schedule_args.replay={tmp_path / 'grid'}", out="replay")
+    _clocked(replay)
+    assert same_params(_params(tmp_path / "grid"), _params(tmp_path / "replay"))
+    again = [json.loads(x) for x in (tmp_path / "replay" / "arrivals.jsonl").read_text().splitlines()]
+    assert [(r["seq"], r["client"], r["version"], r["step"]) for r in again] == \
+           [(r["seq"], r["client"], r["version"], r["step"]) for r in rows]
+    # what was in flight lives in the SuperLink, not in the checkpoint: no resume, said in one line
+    from fedlase.errors import UserError
+    from fedlase.flower import run_flower
+    with pytest.raises(UserError, match="cannot resume") as e:
+        run_flower(small_cfg(tmp_path, *args, "engine=flower-sim", out="grid"), resume=True)
+    assert "\n" not in str(e.value)
+
+
 def test_partitions_are_pinned_to_node_keys(tmp_path, task_identity):
     """With pins, a node whose key is pinned to no partition is refused unasked; a node whose key is pinned to
     partition 2 but claims 1 is refused after its answer; neither gets a model, both refusals are in the round's
@@ -722,6 +786,83 @@ def test_a_killed_supernode_fails_its_round_and_rejoins(faulty_run, faults):
     # Restarted with its own key, the node is the pinned one for its partition: neither refused nor moved.
     assert all(x["refused"] == {} and x["moved"] == {} for x in lines), lines
     assert (out / "summary.json").exists()
+
+
+# ---- the Deployment Engine on loopback: FedBuff ---------------------------------------------------------------
+# A federation of its own (xdist_group: one pytest-xdist worker): four nodes with their workers, whose first run
+# is this one (a worker binds to the first run it serves; the fault federation's serve faulty_run). slow_node:
+# every training start leaves a file in FEDLASE_TEST_STARTS, and partition 3's node holds its first update back
+# until the other nodes have started six trainings, that is until at least three of their replies have reached
+# the server (it sent their second messages). Counted, not timed: the nodes' latency varies with the machine.
+FEDBUFF = pytest.mark.xdist_group("flower-fedbuff")
+SLOW_NODE = """
+import os, time, uuid
+from pathlib import Path
+from fedlase.flower import client_app
+_step = client_app.train_step
+def _slow(trainer, pid, *rest):
+    starts = Path(os.environ["FEDLASE_TEST_STARTS"])
+    (starts / f"{pid}-{uuid.uuid4().hex}").touch()
+    deadline = time.monotonic() + 300
+    while pid == 3 and time.monotonic() < deadline and sum(
+            not f.name.startswith("3-") for f in starts.iterdir()) < 6:
+        time.sleep(0.2)
+    return _step(trainer, pid, *rest)
+client_app.train_step = _slow
+"""
+
+
+@pytest.fixture(scope="module")
+def buffered_fed(tmp_path_factory):
+    """A LocalFederation (tools/flower_local.py) with nodes for partitions 0, 1 (level 1), 2 and 3 (level 1/4),
+    slow_node on its path; stopped at the end of the module, and no process that carries its tag may be left."""
+    from tools.flower_local import LocalFederation
+    root = tmp_path_factory.mktemp("fedbuff")
+    (root / "plug").mkdir()
+    (root / "plug" / "slow_node.py").write_text(SLOW_NODE)
+    tag = uuid.uuid4().hex
+    fed = LocalFederation(root / "fed", nodes=4)
+    fed.runs = []
+    (root / "starts").mkdir()
+    fed.env.update({TAG: tag, **TEST_POLL, "FEDLASE_TEST_STARTS": str(root / "starts"),
+                    "PYTHONPATH": os.pathsep.join([str(root / "plug"), _env()["PYTHONPATH"]])})
+    try:
+        _start_federation(fed, ["1", "1", "1/4", "1/4"])
+        yield fed
+    finally:
+        for p in fed.runs:
+            if p.poll() is None:
+                p.terminate()
+                p.wait(timeout=30)
+        fed.stop()
+        assert_none_left(tag)
+
+
+@FEDBUFF
+def test_fedbuff_on_the_deployment_steps_as_replies_arrive_and_its_replay_is_bit_identical(buffered_fed, tmp_path):
+    """schedule=fedbuff on four nodes, C = 4, K = 2: the ServerApp steps every 2 replies in the order they come
+    (fedlase/flower/buffered.py); the slow node's first update, sent with the others' first ones, comes after at
+    least three of theirs and is applied stale; the embedded engine, replaying the run's arrivals.jsonl, ends with
+    the deployment's model bit for bit."""
+    fed = buffered_fed
+    args = [*SMALL, "system={1,1/4}_{2,2}", "rounds=5", "eval_every=5", "reply_timeout=120", "schedule=fedbuff",
+            "schedule_args.concurrency=4", "schedule_args.buffer=2"]
+    out = tmp_path / "dep"
+    _wait(_submit(fed, [*args, "plugins=[slow_node]"], out), 400, out, fed.logs)
+    rows = [json.loads(x) for x in (out / "arrivals.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 1, 2, 2, 3, 3, 4, 4, 5, 5] and not any("failed" in r for r in rows), rows
+    times = [r["wall_time"] for r in rows]
+    assert times == sorted(times), rows
+    slow = [r for r in rows if r["client"] == 3]
+    assert slow and slow[0]["seq"] < 4 and slow[0]["version"] == 0, rows   # in the first dispatch
+    assert slow[0]["arrival"] > 3 and slow[0]["staleness"] >= 1, rows       # arrived late, applied stale
+    assert _metrics(out)[-1]["round"] == 5
+    emb = tmp_path / "emb"
+    _clocked(load_config(None, [*args, f"schedule_args.replay={out}", f"out={emb}"]))
+    assert same_params(_params(out), _params(emb))
+    again = [json.loads(x) for x in (emb / "arrivals.jsonl").read_text().splitlines()]
+    assert [(r["seq"], r["client"], r["version"], r["step"]) for r in again] == \
+           [(r["seq"], r["client"], r["version"], r["step"]) for r in rows]
 
 
 # ---- public Flower API only; security settings -----------------------------------------------------------------

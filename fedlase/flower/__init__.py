@@ -2,9 +2,10 @@
 as the embedded engine, with clients on Flower nodes (Simulation Engine or Deployment Engine).
 
 Modules: `codec` (sparse payloads, reply checks), `rounds` (the server side of a round, partitions pinned to node
-keys), `node_data` (a node's own cached samples), `server_app` and `client_app` (the Flower apps), `launch`
-(`engine=flower-sim` / `engine=flower-deploy`; the Simulation Engine is `sim_engine`, the processes below a
-run and their reaping `processes`), `security` (certificates, node keys, pins) and `proxy` (nginx in
+keys), `buffered` (schedule=fedbuff: the asynchronous event loop on the nodes' replies), `node_data` (a node's
+own cached samples), `server_app` and `client_app` (the Flower apps), `launch` (`engine=flower-sim` /
+`engine=flower-deploy`; the Simulation Engine is `sim_engine`, the processes below a run and their reaping
+`processes`), `security` (certificates, node keys, pins) and `proxy` (nginx in
 front of the SuperLink and beside each node). The loopback deployment is tools/flower_local.py. See
 docs/flower.md."""
 from ..machine import passive_openmp

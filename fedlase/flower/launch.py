@@ -115,6 +115,9 @@ def partition_pins(cfg: Config) -> dict[int, str]:
 def run_flower(cfg: Config, resume: bool = False, progress: bool = True) -> dict:
     """Run the experiment on Flower; return its summary (written to cfg.out as by the embedded engine)."""
     require_tls(cfg)
+    if resume and cfg.schedule != "sync":   # fedlase/flower/buffered.py
+        raise UserError(f"--resume: a schedule={cfg.schedule} run on Flower cannot resume: the messages it had in "
+                        "flight were the SuperLink's; start it again in another out folder")
     quiet_env()
     for mod in ("flwr", "ray") if cfg.engine == "flower-sim" else ("flwr",):
         if importlib.util.find_spec(mod) is None:

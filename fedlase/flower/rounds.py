@@ -68,6 +68,11 @@ class NodeRounds:
                 time.sleep(self.POLL)
         return replies
 
+    def async_schedule(self, cfg):
+        """The engine's event loop for schedule=fedbuff on these nodes (fedlase/flower/buffered.py)."""
+        from .buffered import NodeSchedule
+        return NodeSchedule(cfg, self)
+
     def state_dict(self) -> dict:
         return {"bytes_total": dict(self.bytes_total)}
 
@@ -163,14 +168,20 @@ class NodeRounds:
     # ---- one round -------------------------------------------------------------------------------------------
     def prepare(self, exp, rnd: int, picked: list[tuple[int, Level]], subs: dict) -> list[Message]:
         """One TRAIN message per sampled client's node, with that level's submodel of the global model."""
+        # this round's sampled clients and rejected replies, for collect(); the metrics line reports them
+        self.pending = self.messages(exp, rnd, picked, subs)
+        self.last = {"sampled": [c for c, _ in picked], "rejected": {}}
+        return [m for m, *_ in self.pending.values()]
+
+    def messages(self, exp, rnd: int, picked: list[tuple[int, Level]], subs: dict) -> dict[int, tuple]:
+        """partition id -> (its TRAIN message, level, submodel, bytes sent) for each picked client a node holds;
+        `rnd`: the round whose batches it trains."""
         self.cfg = exp.cfg
         self.discover(exp.cfg, wait=not self.nodes)
         payload = {lvl: encode_submodel(exp.params, exp.buffers, s) for lvl, s in subs.items()}
-        self.bound = client_bound(exp.server)   # dp: each node clips to it before it replies; checked in collect
+        self.bound = client_bound(exp.server)   # dp: each node clips to it before it replies; checked in check()
         task = {} if self.bound is None else {"dp-clip": float(self.bound)}
-        # this round's sampled clients and rejected replies, for collect(); the metrics line reports them
-        self.pending, self.last = {}, {"sampled": [c for c, _ in picked], "rejected": {}}
-        msgs = []
+        out = {}
         for pid, lvl in picked:
             if pid not in self.nodes:   # no node holds it: a failed client
                 continue
@@ -179,9 +190,8 @@ class NodeRounds:
             content = RecordDict({**data, "task": ConfigRecord(
                 {"round": rnd, "partition-id": pid, "level": lvl.name, **task})})
             msg = Message(content, dst_node_id=self.nodes[pid], message_type=MessageType.TRAIN, group_id=str(rnd))
-            self.pending[pid] = (msg, lvl, sub, record_bytes(*data.array_records.values()))
-            msgs.append(msg)
-        return msgs
+            out[pid] = (msg, lvl, sub, record_bytes(*data.array_records.values()))
+        return out
 
     def collect(self, exp, rnd: int, replies) -> RoundResult:
         """The good replies as updates, in partition-id order. A bad or missing reply leaves the model exactly
@@ -195,34 +205,17 @@ class NodeRounds:
             if pid is None:
                 log.warning("round %d: ignoring a reply that answers no message of this round", rnd)
                 continue
-            sent, lvl, sub, _ = self.pending[pid]
+            sent = self.pending[pid][0]
             if reply.has_error():
                 log.warning("round %d: client %d failed: %s", rnd, pid, reply.error.reason)
                 continue
-            if reply.metadata.src_node_id != sent.metadata.dst_node_id:
-                why = f"reply from node {reply.metadata.src_node_id}, not from node {sent.metadata.dst_node_id}"
-                log.warning("round %d: rejected client %d's reply: %s", rnd, pid, why)
-                self.last["rejected"][pid] = why
-                continue
-            received[pid] = record_bytes(*reply.content.array_records.values())
+            if reply.metadata.src_node_id == sent.metadata.dst_node_id:
+                received[pid] = record_bytes(*reply.content.array_records.values())
             try:
-                m = reply.content.metric_records["metrics"]
-                if int(m["partition-id"]) != pid or int(m["round"]) != rnd:
-                    raise ReplyError(f"reply for partition {m['partition-id']} round {m['round']}")
-                delta = validate_reply(reply.content.array_records["delta"], exp.params, sub)
-                loss = float(m["train-loss"])
-                # dp: a node that did not clip is caught here (the server clips again, so it would add nothing
-                # beyond the bound; refusing it records the fault)
-                if self.bound is not None and (norm := l2(delta)) > self.bound * (1 + 1e-5):
-                    raise ReplyError(f"unclipped update: L2 norm {norm:.4g} exceeds the round's dp clip bound "
-                                     f"{self.bound:.4g}")
-                if not math.isfinite(loss):   # the engine's screen would too; refused here with the wire's checks
-                    raise ReplyError(f"non-finite train-loss ({loss})")
-            except (KeyError, TypeError, ValueError) as e:   # ReplyError is a ValueError
+                good.append(self.check(exp, rnd, pid, self.pending[pid], reply))
+            except ReplyError as e:
                 log.warning("round %d: rejected client %d's reply: %s", rnd, pid, e)
                 self.last["rejected"][pid] = str(e)
-                continue
-            good.append(Update(pid, lvl, delta, loss, sub))
         good.sort(key=lambda u: u.client)
         accepted = {u.client for u in good}
         failed = sorted(set(self.last["sampled"]) - accepted - set(self.last["rejected"]))
@@ -235,6 +228,32 @@ class NodeRounds:
                  "bytes": b, "bytes_total": dict(self.bytes_total)}
         self.events = {"refused": {}, "moved": {}}
         return RoundResult(good, stats)
+
+    def check(self, exp, rnd: int, pid: int, entry: tuple, reply: Message) -> Update:
+        """Partition `pid`'s reply (not an error) to the message of `entry` (`messages`), as an update; a
+        ReplyError says why it is refused."""
+        sent, lvl, sub, _ = entry
+        if reply.metadata.src_node_id != sent.metadata.dst_node_id:
+            raise ReplyError(f"reply from node {reply.metadata.src_node_id}, not from node "
+                             f"{sent.metadata.dst_node_id}")
+        try:
+            m = reply.content.metric_records["metrics"]
+            if int(m["partition-id"]) != pid or int(m["round"]) != rnd:
+                raise ReplyError(f"reply for partition {m['partition-id']} round {m['round']}")
+            delta = validate_reply(reply.content.array_records["delta"], exp.params, sub)
+            loss = float(m["train-loss"])
+        except ReplyError:
+            raise
+        except (KeyError, TypeError, ValueError) as e:
+            raise ReplyError(str(e)) from None
+        # dp: a node that did not clip is caught here (the server clips again, so it would add nothing beyond
+        # the bound; refusing it records the fault)
+        if self.bound is not None and (norm := l2(delta)) > self.bound * (1 + 1e-5):
+            raise ReplyError(f"unclipped update: L2 norm {norm:.4g} exceeds the round's dp clip bound "
+                             f"{self.bound:.4g}")
+        if not math.isfinite(loss):   # the engine's screen would too; refused here with the wire's checks
+            raise ReplyError(f"non-finite train-loss ({loss})")
+        return Update(pid, lvl, delta, loss, sub)
 
     def _bytes(self, exp, received: dict[int, int]) -> dict:
         """Bytes sent and received this round, in all and per level, against a dense exchange of the whole

@@ -1,7 +1,8 @@
 """The ServerApp: the engine's run loop (`run_experiment`: metrics.jsonl, checkpoints, resume, summary.json,
 central evaluation) with each round's clients trained on Flower nodes by the `NodeRounds` runner, which admits
 for each partition only the node key pinned to it (`partition-keys` in the run config, written by the
-submitter from `node_keys`)."""
+submitter from `node_keys`). Under schedule=fedbuff the same runner's `async_schedule` (fedlase/flower/buffered.py)
+takes the rounds' place: a server step every `buffer` replies, in the order they come."""
 from __future__ import annotations
 
 import json
