@@ -470,8 +470,11 @@ def async_child(spec: dict) -> dict:
         lost += len(stats.get("lost_offline", []))
         flying = max(flying, stats["in_flight"])
     total = time.process_time() - t0
+    status = Path("/proc/self/status")
+    now = next((int(ln.split()[1]) / 1024 for ln in status.read_text().splitlines() if ln.startswith("VmRSS:")),
+               math.nan) if status.exists() else math.nan
     return {"init_s": init, "rss_init_mib": rss_init, "rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-            / 1024, "arrivals": arrivals, "lost": lost, "total": total, **spent,
+            / 1024, "rss_end_mib": now, "arrivals": arrivals, "lost": lost, "total": total, **spent,
             "loop": total - sum(spent.values()), "sim_time": exp.sim_time,
             "in_flight": flying, "samples": min(exp.trainer.work.batch_size,
                                                                    int(np.median([len(i) for i in exp.client_train])))}
@@ -506,7 +509,8 @@ def section_async(args, data: dict) -> str:
                      f"{100 * own:.1f}%", "yes" if own <= ASYNC_LIMIT else "no"])
         base = base or r["rss_mib"]
         mem.append([f"{n:,}", f"{r['init_s']:.1f}", str(r["in_flight"]), f"{r['sim_time']:.0f}",
-                    f"{r['rss_init_mib']:.0f}", f"{r['rss_mib']:.0f}", f"{r['rss_mib'] / base:.3f}x"])
+                    f"{r['rss_init_mib']:.0f}", f"{r['rss_mib']:.0f}", f"{r['rss_mib'] / base:.3f}x",
+                    f"{r['rss_end_mib']:.0f}"])
         print(f"  async {n} clients: loop + server step {100 * own:.1f}% of training", file=sys.stderr)
     src = "Fashion-MNIST" if data["real_fmnist"] else "Fashion-MNIST-shaped random data"
     return (f"### FedBuff's own cost per arrival ({src}, CNN, 100 in flight, buffer 10; CPU ms per arrival, and its "
@@ -515,7 +519,8 @@ def section_async(args, data: dict) -> str:
                             "server step", "mask extraction", "loop + server step", "within limit"], rows) +
             "\n\n### FedBuff's peak memory against the population (the same run)\n\n" +
             markdown_table(["clients", "setup CPU s", "in flight at a step (most)", "simulated s",
-                            "peak RSS after setup (MiB)", "peak RSS (MiB)", f"peak vs {ASYNC_CLIENTS[0]:,}"], mem))
+                            "peak RSS after setup (MiB)", "peak RSS (MiB)", f"peak vs {ASYNC_CLIENTS[0]:,}",
+                            "RSS at the end (MiB)"], mem))
 
 
 # ---- communication --------------------------------------------------------------------------------------------
