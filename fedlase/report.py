@@ -29,10 +29,10 @@ from .report_tables import (
 
 
 def make_report(dirs: list[str], out: str | Path, group_by: list[str] | None = None,
-                paired_against: str | None = None, cost: bool = True, target: float | None = None) -> Path:
+                paired_against: str | None = None, cost: bool = True, targets: list[float] | None = None) -> Path:
     """Write report.md, results.csv, runs.csv and plots/ under `out`; return the path of report.md. `cost`: add
     each group's cost table and the runs' simulated time (from the runs' sim.json, or the group's parts rebuilt:
-    data and a step; `run_clocks`). `target`: the global accuracy (a fraction) whose time to reach is
+    data and a step; `run_clocks`). `targets`: the global accuracies (fractions) whose times to reach are
     tabulated (default: the median of the groups' final accuracies)."""
     runs = find_runs(dirs)
     groups = group_runs(runs, group_by)
@@ -78,12 +78,12 @@ def make_report(dirs: list[str], out: str | Path, group_by: list[str] | None = N
         if table is not None:
             sections.append(("Per-layer parameter magnitudes (weights; first and last layers left out)", table))
     tables, clocks = run_clocks(groups) if cost else ({}, {})
-    timed = equal_time_table(groups, clocks, target)
+    timed = equal_time_table(groups, clocks, targets)
     if timed is not None:
-        what = "given" if target is not None else "the median of the groups' final accuracies"
+        what = ("the given global accuracies" if targets else "A, the median of the groups' final accuracies")
         sections.append((f"Accuracy at equal simulated time (fedlase/simtime.py; each run's device_model, unset: "
                          f"the defaults): global accuracy, mean over levels, at the common budget T (the shortest "
-                         f"group's time to finish), and the time to reach A ({what}); interpolated between "
+                         f"group's time to finish), and the time to reach {what}; interpolated between "
                          f"evaluations: {timed[0]}", timed[1:]))
     if paired_against is not None:
         sections.append((f"Paired by seed against {paired_against} (difference in points, paired t-test)",

@@ -106,10 +106,11 @@ def acc_at(r: Run, clock, T: float) -> float | None:
     return float(np.interp(T, [t for t, _ in pts], [a for _, a in pts]))
 
 
-def equal_time_table(groups: list[Group], clocks: dict, target: float | None = None) -> tuple[str, list, list] | None:
+def equal_time_table(groups: list[Group], clocks: dict, targets: list[float] | None = None
+                     ) -> tuple[str, list, list] | None:
     """(budgets, header, rows): per charge, the common budget T (`budget`) and each group's global accuracy (mean
     over levels) at T (`acc_at`: each run's, then the mean over its runs); each group's time to finish; and the
-    time to reach the accuracy A, `target` (a fraction) or else the median of the groups' final accuracies."""
+    time to reach each accuracy of `targets` (fractions), or else A, the median of the groups' final accuracies."""
     timed = [g for g in groups if all(id(r) in clocks for r in g.runs)]
     if not timed:
         return None
@@ -127,16 +128,18 @@ def equal_time_table(groups: list[Group], clocks: dict, target: float | None = N
     # time to accuracy: the simulated time a group's runs need to first reach A, by default the median of the
     # groups' final accuracies (the lowest would let one weak group set an easy target), interpolated between
     # evaluations (mean over the runs that reach it; how many did when not all)
-    A = target if target is not None else float(np.median([np.mean([r.metric("global_acc") for r in g.runs])
-                                                           for g in timed]))
-    budgets.append(f"A = {100 * A:.2f}%" + (" (given)" if target is not None else ""))
-    for c in CHARGES:
-        header.append(f"time to A, {c} (s)")
-        for g in timed:
-            hits = [_time_to(time_curve(r, clocks[id(r)][c]), A) for r in g.runs]
-            got = [h for h in hits if h is not None]
-            rows[id(g)].append(f"{np.mean(got):.4g}" + ("" if len(got) == len(hits) else f" ({len(got)}/{len(hits)})")
-                               if got else "not reached")
+    targets = targets or [float(np.median([np.mean([r.metric("global_acc") for r in g.runs]) for g in timed]))]
+    for A in targets:
+        name = "A" if len(targets) == 1 else f"{100 * A:.4g}%"
+        if len(targets) == 1:
+            budgets.append(f"A = {100 * A:.2f}%")
+        for c in CHARGES:
+            header.append(f"time to {name}, {c} (s)")
+            for g in timed:
+                hits = [_time_to(time_curve(r, clocks[id(r)][c]), A) for r in g.runs]
+                got = [h for h in hits if h is not None]
+                rows[id(g)].append(f"{np.mean(got):.4g}" + ("" if len(got) == len(hits) else
+                                                            f" ({len(got)}/{len(hits)})") if got else "not reached")
     return "; ".join(budgets), header, list(rows.values())
 
 

@@ -135,7 +135,7 @@ def test_report_user_errors(tmp_path, capsys):
     assert main(["report", str(tmp_path)]) == 2
     assert "no finished run" in capsys.readouterr().err
     assert main(["report", str(tmp_path), "--target", "120"]) == 2
-    assert "--target is a global accuracy in percent" in capsys.readouterr().err
+    assert "--target takes global accuracies in percent" in capsys.readouterr().err
 
 
 # =========================================================================== --jobs: runs at once
@@ -341,13 +341,17 @@ def test_equal_time_pairs_by_seed_and_takes_a_given_target(tmp_path):
             g.runs.append(r)
             clocks[id(r)] = {"dense": Clock(per_round), "sparse": Clock(per_round)}
         groups.append(g)
-    budgets, header, rows = equal_time_table(groups, clocks, target=0.55)
-    assert "T = 20 s under the dense charge" in budgets and "A = 55.00% (given)" in budgets
+    budgets, header, rows = equal_time_table(groups, clocks, targets=[0.55])
+    assert "T = 20 s under the dense charge" in budgets and "A = 55.00%" in budgets
     # at T = 20 s: slow 0.4 / 0.6 (its last round); fast at round 5, 0.9 / 0.7
     assert rows[0][3] == "50.00 ± 14.14" and rows[1][3] == "80.00 ± 14.14"
     # 0.55: slow seed 1 at 10 + 10 x 0.15 / 0.2 = 17.5 s (seed 0 never); fast seed 0 at 4 + 4 x 0.05 / 0.4 =
     # 4.5 s, seed 1 at 8 + 4 x 0.05 / 0.2 = 9 s
     assert rows[0][-1] == "17.5 (1/2)" and rows[1][-1] == "6.75"
+    budgets, header, rows = equal_time_table(groups, clocks, targets=[0.55, 0.85])   # a column per target
+    assert header[-4:] == ["time to 55%, dense (s)", "time to 55%, sparse (s)", "time to 85%, dense (s)",
+                           "time to 85%, sparse (s)"]
+    assert rows[1][-4:] == ["6.75", "6.75", "7.5 (1/2)", "7.5 (1/2)"] and rows[0][-1] == "not reached"
     budgets, header, rows = paired_at_time(groups, clocks, "slow")
     assert header[:5] == ["group", "seeds paired", "Δ acc at T, dense", "t", "p"]
     # +50 and +10 points: t = 30 / (28.28 / sqrt 2) = 1.5, p = 1 - 2 atan(1.5) / pi (df = 1)
