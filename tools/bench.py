@@ -767,8 +767,9 @@ def check_arguments(args) -> None:
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m tools.bench",
                                 description="Benchmark fedlase's engine: overhead against a tight SGD loop, mask "
-                                            "extraction, memory against the number of clients, bytes per client, "
-                                            "batched clients, width slices, the text track. Prints Markdown tables "
+                                            "extraction, memory against the number of clients, FedBuff's own cost "
+                                            "per arrival, bytes per client, batched clients, width slices, the text "
+                                            "track. Prints Markdown tables "
                                             "(docs/benchmarks.md).")
     p.add_argument("--quick", action="store_true", help="fewer rounds and steps")
     p.add_argument("--out", metavar="FILE", help="also write the Markdown report to FILE")
