@@ -75,7 +75,12 @@ def _cmd_sweep(args) -> int:
 
 def _cmd_report(args) -> int:
     from .report import make_report
-    path = make_report(args.dirs, args.out, args.group_by, args.paired_against, cost=not args.no_cost)
+    bad = [t for t in args.target or [] if not 0 < t <= 100]
+    if bad:
+        raise UserError(f"report: --target takes global accuracies in percent, in (0, 100]; got {bad[0]:g}")
+    targets = [t / 100 for t in args.target] if args.target else None
+    path = make_report(args.dirs, args.out, args.group_by, args.paired_against, cost=not args.no_cost,
+                       targets=targets)
     print(f"report written to {path} (tables as CSV and plots next to it)")
     return 0
 
@@ -209,7 +214,11 @@ def main(argv: list[str] | None = None) -> int:
     rep.add_argument("--group-by", nargs="+", metavar="KEY", help="group runs by these config keys only "
                      "(dotted, e.g. method method_args.score)")
     rep.add_argument("--paired-against", metavar="GROUP", help="compare every group with this one (its label as "
-                     "the report's first table shows it), paired by seed: mean difference, t and p")
+                     "the report's first table shows it), paired by seed: mean difference, t and p (and at equal "
+                     "simulated time, when the runs have one)")
+    rep.add_argument("--target", type=float, nargs="+", metavar="PCT", help="global accuracies (%%, mean over "
+                     "levels) whose simulated times to reach are tabulated [default: the median of the groups' final "
+                     "accuracies]")
     rep.add_argument("--no-cost", action="store_true", help="leave out the cost tables and the simulated time "
                      "(a group whose runs had no device_model or deadline has its parts rebuilt: its data and one "
                      "local step a level; the others recorded their costs in sim.json)")

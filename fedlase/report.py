@@ -12,7 +12,7 @@ import re
 from fractions import Fraction
 from pathlib import Path
 
-from .report_clocks import equal_time_table, run_clocks
+from .report_clocks import equal_time_table, paired_at_time, run_clocks
 from .report_plots import plot_accuracy, plot_magnitudes, plot_ratios, plot_time, plot_updates
 from .report_runs import ALL, METRICS, Group, Run, find_runs, fmt_value, group_runs, levels_of
 from .report_tables import (
@@ -29,10 +29,11 @@ from .report_tables import (
 
 
 def make_report(dirs: list[str], out: str | Path, group_by: list[str] | None = None,
-                paired_against: str | None = None, cost: bool = True) -> Path:
+                paired_against: str | None = None, cost: bool = True, targets: list[float] | None = None) -> Path:
     """Write report.md, results.csv, runs.csv and plots/ under `out`; return the path of report.md. `cost`: add
     each group's cost table and the runs' simulated time (from the runs' sim.json, or the group's parts rebuilt:
-    data and a step; `run_clocks`)."""
+    data and a step; `run_clocks`). `targets`: the global accuracies (fractions) whose times to reach are
+    tabulated (default: the median of the groups' final accuracies)."""
     runs = find_runs(dirs)
     groups = group_runs(runs, group_by)
     levels = levels_of(groups)
@@ -77,15 +78,20 @@ def make_report(dirs: list[str], out: str | Path, group_by: list[str] | None = N
         if table is not None:
             sections.append(("Per-layer parameter magnitudes (weights; first and last layers left out)", table))
     tables, clocks = run_clocks(groups) if cost else ({}, {})
-    timed = equal_time_table(groups, clocks)
+    timed = equal_time_table(groups, clocks, targets)
     if timed is not None:
+        what = ("the given global accuracies" if targets else "A, the median of the groups' final accuracies")
         sections.append((f"Accuracy at equal simulated time (fedlase/simtime.py; each run's device_model, unset: "
                          f"the defaults): global accuracy, mean over levels, at the common budget T (the shortest "
-                         f"group's time to finish), and the time to reach A (the median of the groups' final "
-                         f"accuracies); interpolated between evaluations: {timed[0]}", timed[1:]))
+                         f"group's time to finish), and the time to reach {what}; interpolated between "
+                         f"evaluations: {timed[0]}", timed[1:]))
     if paired_against is not None:
         sections.append((f"Paired by seed against {paired_against} (difference in points, paired t-test)",
                          paired_table(groups, paired_against)))
+        at_time = paired_at_time(groups, clocks, paired_against)
+        if at_time is not None:
+            sections.append((f"Paired by seed against {paired_against} at equal simulated time (global accuracy "
+                             f"at T, difference in points, paired t-test): {at_time[0]}", at_time[1:]))
     for title, (header, rows) in sections:
         md += [f"\n## {title}\n", markdown_table(header, rows)]
     if tables:

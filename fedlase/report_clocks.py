@@ -89,41 +89,85 @@ def time_curve(r: Run, clock, metric: str = "global_acc") -> list[tuple[float, f
     return [(t, v) for t, v in pts if math.isfinite(t)]   # an asynchronous run has no time under the other charge
 
 
-def equal_time_table(groups: list[Group], clocks: dict) -> tuple[str, list, list] | None:
-    """(budgets, header, rows): per charge, the common budget T (the shortest group's mean simulated time to its
-    last round) and each group's global accuracy (mean over levels) at T, linearly interpolated between the two
-    evaluations around it (each run's, then the mean over its runs); and each group's time to finish."""
+def budget(groups: list[Group], clocks: dict, charge: str) -> float:
+    """The common simulated-time budget T of timed groups under a charge: the shortest group's mean simulated time
+    to its last round (NaN when no group has a time under it)."""
+    ends = [float(np.mean([clocks[id(r)][charge].elapsed(r.summary["rounds"]) for r in g.runs])) for g in groups]
+    finite = [v for v in ends if math.isfinite(v)]
+    return min(finite) if finite else math.nan
+
+
+def acc_at(r: Run, clock, T: float) -> float | None:
+    """A run's global accuracy (mean over levels) at simulated time T, linearly interpolated between the two
+    evaluations around it (None: no evaluation by T)."""
+    pts = time_curve(r, clock)
+    if not pts or pts[0][0] > T:
+        return None
+    return float(np.interp(T, [t for t, _ in pts], [a for _, a in pts]))
+
+
+def equal_time_table(groups: list[Group], clocks: dict, targets: list[float] | None = None
+                     ) -> tuple[str, list, list] | None:
+    """(budgets, header, rows): per charge, the common budget T (`budget`) and each group's global accuracy (mean
+    over levels) at T (`acc_at`: each run's, then the mean over its runs); each group's time to finish; and the
+    time to reach each accuracy of `targets` (fractions), or else A, the median of the groups' final accuracies."""
     timed = [g for g in groups if all(id(r) in clocks for r in g.runs)]
     if not timed:
         return None
     header, rows, budgets = ["group", "runs"], {id(g): [g.label, str(len(g.runs))] for g in timed}, []
     for c in CHARGES:
         ends = {id(g): float(np.mean([clocks[id(r)][c].elapsed(r.summary["rounds"]) for r in g.runs])) for g in timed}
-        finite = [v for v in ends.values() if math.isfinite(v)]
-        T = min(finite) if finite else math.nan
+        T = budget(timed, clocks, c)
         budgets.append(f"T = {T:.4g} s under the {c} charge")
         header += [f"time to finish, {c} (s)", f"acc at T, {c} (%)"]
         for g in timed:
-            accs = []
-            for r in g.runs:
-                pts = time_curve(r, clocks[id(r)][c])
-                if pts and pts[0][0] <= T:
-                    accs.append(float(np.interp(T, [t for t, _ in pts], [a for _, a in pts])))
+            accs = [a for r in g.runs if (a := acc_at(r, clocks[id(r)][c], T)) is not None]
             cell = mean_cell(float(np.mean(accs)), float(np.std(accs, ddof=1)) if len(accs) > 1 else 0.0, len(accs)) \
                 if accs else "—"
             rows[id(g)] += [f"{ends[id(g)]:.4g}" if math.isfinite(ends[id(g)]) else "—", cell]
-    # time to accuracy: the simulated time a group's runs need to first reach A, the median of the groups' final
-    # accuracies (the lowest would let one weak group set an easy target), interpolated between evaluations
-    # (mean over the runs that reach it; how many did when not all)
-    A = float(np.median([np.mean([r.metric("global_acc") for r in g.runs]) for g in timed]))
-    budgets.append(f"A = {100 * A:.2f}%")
+    # time to accuracy: the simulated time a group's runs need to first reach A, by default the median of the
+    # groups' final accuracies (the lowest would let one weak group set an easy target), interpolated between
+    # evaluations (mean over the runs that reach it; how many did when not all)
+    targets = targets or [float(np.median([np.mean([r.metric("global_acc") for r in g.runs]) for g in timed]))]
+    for A in targets:
+        name = "A" if len(targets) == 1 else f"{100 * A:.4g}%"
+        if len(targets) == 1:
+            budgets.append(f"A = {100 * A:.2f}%")
+        for c in CHARGES:
+            header.append(f"time to {name}, {c} (s)")
+            for g in timed:
+                hits = [_time_to(time_curve(r, clocks[id(r)][c]), A) for r in g.runs]
+                got = [h for h in hits if h is not None]
+                rows[id(g)].append(f"{np.mean(got):.4g}" + ("" if len(got) == len(hits) else
+                                                            f" ({len(got)}/{len(hits)})") if got else "not reached")
+    return "; ".join(budgets), header, list(rows.values())
+
+
+def paired_at_time(groups: list[Group], clocks: dict, baseline: str) -> tuple[str, list, list] | None:
+    """(budgets, header, rows): every timed group against the baseline group at the common budget T of each
+    charge, paired by seed: the mean difference of global accuracy at T (points), t and p (None: nothing timed,
+    or the baseline is not)."""
+    from .report_tables import paired_t
+    timed = [g for g in groups if all(id(r) in clocks for r in g.runs)]
+    base = next((g for g in timed if g.label == baseline), None)
+    if base is None:
+        return None
+    header, rows, budgets = ["group", "seeds paired"], {id(g): [g.label, ""] for g in timed if g is not base}, []
     for c in CHARGES:
-        header.append(f"time to A, {c} (s)")
+        T = budget(timed, clocks, c)
+        budgets.append(f"T = {T:.4g} s under the {c} charge")
+        header += [f"Δ acc at T, {c}", "t", "p"]
+        b_acc = {r.config.get("seed"): acc_at(r, clocks[id(r)][c], T) for r in base.runs}
         for g in timed:
-            hits = [_time_to(time_curve(r, clocks[id(r)][c]), A) for r in g.runs]
-            got = [h for h in hits if h is not None]
-            rows[id(g)].append(f"{np.mean(got):.4g}" + ("" if len(got) == len(hits) else f" ({len(got)}/{len(hits)})")
-                               if got else "not reached")
+            if g is base:
+                continue
+            diffs = [100 * (a - b_acc[r.config.get("seed")]) for r in g.runs
+                     if b_acc.get(r.config.get("seed")) is not None
+                     and (a := acc_at(r, clocks[id(r)][c], T)) is not None]
+            mean, t, p = paired_t(diffs) if diffs else (math.nan, math.nan, math.nan)
+            rows[id(g)][1] = str(max(len(diffs), int(rows[id(g)][1] or 0)))
+            rows[id(g)] += ["—" if math.isnan(mean) else f"{mean:+.2f}", "—" if math.isnan(t) else f"{t:.2f}",
+                            "—" if math.isnan(p) else f"{p:.3f}"]
     return "; ".join(budgets), header, list(rows.values())
 
 

@@ -168,8 +168,8 @@ def plot_time(groups: list[Group], clocks: dict, path: Path) -> bool:
         return False
     plt = _plt()
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.8 + 0.22 * len(timed)), sharey=True)
-    for g in timed:
-        for ax, c in zip(axes, (None, *CHARGES)):
+    for i, g in enumerate(timed):
+        for ax, c in zip(axes, (None, *CHARGES)):   # a group's colour is its own in every panel, drawn there or not
             xs, ys = [], []
             for r in g.runs:
                 pts = ([(ln["round"], ln["global_acc"]) for ln in r.curve() if ln.get("global_acc") is not None]
@@ -180,7 +180,7 @@ def plot_time(groups: list[Group], clocks: dict, path: Path) -> bool:
             if n == 0:
                 continue
             ax.plot(np.mean([x[:n] for x in xs], axis=0), np.mean([y[:n] for y in ys], axis=0), marker=".",
-                    label=g.label if c is None else None)
+                    color=f"C{i % 10}", label=g.label if c is None else None)
     for ax, title in zip(axes, ("rounds", "simulated time, dense charge (s)", "simulated time, sparse charge (s)")):
         ax.set_xlabel(title)
         ax.grid(alpha=0.3)

@@ -134,6 +134,8 @@ def test_report_user_errors(tmp_path, capsys):
     assert main(["report", str(tmp_path / "nowhere")]) == 2
     assert main(["report", str(tmp_path)]) == 2
     assert "no finished run" in capsys.readouterr().err
+    assert main(["report", str(tmp_path), "--target", "120"]) == 2
+    assert "--target takes global accuracies in percent" in capsys.readouterr().err
 
 
 # =========================================================================== --jobs: runs at once
@@ -311,6 +313,50 @@ def test_curve_table_means_each_round_over_the_runs_that_evaluated_it(tmp_path):
     assert header == ["group", "runs", "round 10", "round 20", "round 30"]
     assert rows == [["g", "2", "60.0", "70.0", "70.0"]]
 
+
+
+def test_equal_time_pairs_by_seed_and_takes_a_given_target(tmp_path):
+    """Accuracy at the common budget T, interpolated on each run's own clock, paired by seed; the time to a
+    given target accuracy (report --target)."""
+    from fedlase.report_clocks import equal_time_table, paired_at_time
+    from fedlase.report_runs import Group, Run
+
+    class Clock:   # a run's simulated seconds at the end of round r: r x its round time
+        def __init__(self, per_round):
+            self.per_round = per_round
+
+        def elapsed(self, rnd):
+            return rnd * self.per_round
+
+    groups, clocks = [], {}
+    for name, per_round, accs in (("slow", 10.0, ([0.2, 0.4], [0.4, 0.6])),   # two seeds each, rounds 1 and 2
+                                  ("fast", 4.0, ([0.5, 0.9, 0.9, 0.9, 0.9], [0.3, 0.5, 0.7, 0.7, 0.7]))):
+        g = Group(name, ())
+        for seed, curve in enumerate(accs):
+            d = tmp_path / f"{name}{seed}"
+            d.mkdir()
+            (d / "metrics.jsonl").write_text("".join(json.dumps({"round": k + 1, "global_acc": a}) + "\n"
+                                                     for k, a in enumerate(curve)))
+            r = Run(d, {"final": {"global_acc": curve[-1]}, "rounds": len(curve)}, {"seed": seed})
+            g.runs.append(r)
+            clocks[id(r)] = {"dense": Clock(per_round), "sparse": Clock(per_round)}
+        groups.append(g)
+    budgets, header, rows = equal_time_table(groups, clocks, targets=[0.55])
+    assert "T = 20 s under the dense charge" in budgets and "A = 55.00%" in budgets
+    # at T = 20 s: slow 0.4 / 0.6 (its last round); fast at round 5, 0.9 / 0.7
+    assert rows[0][3] == "50.00 ± 14.14" and rows[1][3] == "80.00 ± 14.14"
+    # 0.55: slow seed 1 at 10 + 10 x 0.15 / 0.2 = 17.5 s (seed 0 never); fast seed 0 at 4 + 4 x 0.05 / 0.4 =
+    # 4.5 s, seed 1 at 8 + 4 x 0.05 / 0.2 = 9 s
+    assert rows[0][-1] == "17.5 (1/2)" and rows[1][-1] == "6.75"
+    budgets, header, rows = equal_time_table(groups, clocks, targets=[0.55, 0.85])   # a column per target
+    assert header[-4:] == ["time to 55%, dense (s)", "time to 55%, sparse (s)", "time to 85%, dense (s)",
+                           "time to 85%, sparse (s)"]
+    assert rows[1][-4:] == ["6.75", "6.75", "7.5 (1/2)", "7.5 (1/2)"] and rows[0][-1] == "not reached"
+    budgets, header, rows = paired_at_time(groups, clocks, "slow")
+    assert header[:5] == ["group", "seeds paired", "Δ acc at T, dense", "t", "p"]
+    # +50 and +10 points: t = 30 / (28.28 / sqrt 2) = 1.5, p = 1 - 2 atan(1.5) / pi (df = 1)
+    assert rows == [["fast", "2", "+30.00", "1.50", "0.374", "+30.00", "1.50", "0.374"]]
+    assert paired_at_time(groups, clocks, "nobody") is None
 
 def test_a_key_added_after_a_run_reads_as_its_default(tmp_path):
     from fedlase.report_runs import find_runs, group_runs

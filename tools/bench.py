@@ -15,6 +15,10 @@ Sections (each prints one Markdown table; `--only` picks some):
   batched   `batched_clients=true` against the sequential engine, and how far their results differ.
   sliced    width-slice methods (heterofl, fedrolex, fedavg_small): sliced training against the masked
             full-size path (`sliced=false`), per round, and how far their results differ.
+  async     FedBuff (fedlase/asynchronous.py) with 100 clients in flight and a buffer of 10, at 1,000 and 10,000
+            clients, each in a fresh subprocess: the CPU time of its event loop and bookkeeping, of its server
+            steps (the screen, the staleness-weighted mean, the step) and of mask extraction, per arrival, against
+            the clients' training; peak RSS. Limit: loop + server step <= 5% of the training time.
   text      (with the text extras) BBC News tokenization, uncached and cached, and MiniLM's local AdamW step
             (batch 20), dense and FIARSE at 1/64, at max_length 128 and 256 under 1 and 2 torch threads.
   contention `fedlase run configs/demo.yaml` (a few rounds) as a user runs it, wall time of the whole process,
@@ -55,10 +59,12 @@ from fedlase.levels import System
 from fedlase.report_tables import markdown_table
 
 CHECKOUT = Path(__file__).resolve().parents[1]   # the folder holding fedlase/ and tools/
-SECTIONS = ("overhead", "sliced", "masks", "memory", "comm", "batched", "text", "contention")
+SECTIONS = ("overhead", "sliced", "masks", "memory", "async", "comm", "batched", "text", "contention")
 # run when no --only is given: contention takes minutes of wall time and loads the machine on purpose
 DEFAULT_SECTIONS = tuple(s for s in SECTIONS if s != "contention")
 MEMORY_CLIENTS = (100, 1000, 10000)
+ASYNC_CLIENTS = (1000, 10000)
+ASYNC_LIMIT = 0.05   # the engine's own cost per arrival (loop, bookkeeping, server step) against training
 LEVELS = (1.0, 0.25, 0.0625, 0.015625)
 SYSTEM_LEVELS = System.of(list(LEVELS))   # methods take Levels (fedlase/levels.py)
 SYSTEM = "{1,1/4,1/16,1/64}_{%d,%d,%d,%d}"
@@ -424,6 +430,99 @@ def section_memory(args, data: dict) -> str:
                    "peak vs 100", "RSS at the end (MiB)"], rows))
 
 
+# ---- the asynchronous schedule: its own cost per arrival, and memory against the population -----------------
+def async_child(spec: dict) -> dict:
+    """Run in a fresh process: FedBuff on the clock, one warm-up server step (the first fill trains every slot at
+    once), then `steps` measured ones. CPU time of the clients' training (the runner), of the server steps
+    (`Experiment.serve`: the screen, the staleness-weighted mean, the step), of mask extraction (once per level
+    and model version), and the rest of `Experiment.step`: the event loop and its bookkeeping."""
+    from fedlase.config import load_config
+    from fedlase.engine import Experiment
+    from fedlase.simtime import clock_for
+    t0 = time.process_time()
+    exp = Experiment(load_config(None, spec["overrides"]), clock=clock_for)
+    init = time.process_time() - t0
+    rss_init = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024   # Linux: KiB
+    spent = {"train": 0.0, "serve": 0.0, "extract": 0.0}
+
+    def timed(key, fn):
+        def call(*a, **k):
+            t = time.process_time()
+            try:
+                return fn(*a, **k)
+            finally:
+                spent[key] += time.process_time() - t
+        return call
+    exp.runner.train = timed("train", exp.runner.train)
+    exp.serve = timed("serve", exp.serve)
+    exp.submodels = timed("extract", exp.submodels)
+
+    def step(rnd: int) -> dict:
+        stats = exp.step(rnd)
+        exp.state.round = rnd   # what the run loop does (fedlase/engine.py): the model's version
+        return stats
+    step(1)
+    spent.update(train=0.0, serve=0.0, extract=0.0)
+    arrivals, lost, flying, t0 = 0, 0, 0, time.process_time()
+    for rnd in range(2, spec["steps"] + 2):
+        stats = step(rnd)
+        arrivals += len(stats["staleness"]) + len(stats.get("too_stale", []))
+        lost += len(stats.get("lost_offline", []))
+        flying = max(flying, stats["in_flight"])
+    total = time.process_time() - t0
+    status = Path("/proc/self/status")
+    now = next((int(ln.split()[1]) / 1024 for ln in status.read_text().splitlines() if ln.startswith("VmRSS:")),
+               math.nan) if status.exists() else math.nan
+    return {"init_s": init, "rss_init_mib": rss_init, "rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+            / 1024, "rss_end_mib": now, "arrivals": arrivals, "lost": lost, "total": total, **spent,
+            "loop": total - sum(spent.values()), "sim_time": exp.sim_time,
+            "in_flight": flying, "samples": min(exp.trainer.work.batch_size,
+                                                                   int(np.median([len(i) for i in exp.client_train])))}
+
+
+def async_overrides(args, data: dict, n: int) -> list[str]:
+    """FedBuff on the demo's model and local work (the CNN, 10 steps of 32; 60,000 samples over n clients at the
+    skewed levels), 100 in flight, a buffer of 10 (FedBuff's), the docs' population (docs/async.md)."""
+    return [*data["fmnist"], "model=cnn", f"device={args.device}", f"threads={args.threads}",
+            "system=" + SYSTEM % (n // 10, 2 * n // 10, 3 * n // 10, 4 * n // 10), f"participation={100 / n}",
+            f"local_steps={5 if args.quick else 10}", "batch_size=32", "checkpoint_every=0", "schedule=fedbuff",
+            "schedule_args.concurrency=100", "schedule_args.buffer=10", "population.speed_spread=0.5",
+            "population.online=600", "population.offline=200", "seed=0"]
+
+
+def section_async(args, data: dict) -> str:
+    rows, mem, base = [], [], None
+    for n in ASYNC_CLIENTS:
+        spec = json.dumps({"overrides": async_overrides(args, data, n), "steps": 5 if args.quick else 20})
+        proc = subprocess.run([sys.executable, "-m", "tools.bench", "--async-child", spec],
+                              capture_output=True, text=True, cwd=CHECKOUT)
+        if proc.returncode != 0:
+            rows.append([f"{n:,}", "failed: " + (proc.stderr.strip().splitlines() or ["?"])[-1]] + [""] * 8)
+            continue
+        r = json.loads(proc.stdout.strip().splitlines()[-1])
+        per = {k: 1e3 * r[k] / max(1, r["arrivals"]) for k in ("train", "loop", "serve", "extract")}
+        own = (r["loop"] + r["serve"]) / r["train"]
+        rows.append([f"{n:,}", str(r["samples"]), str(r["arrivals"]), f"{per['train']:.1f}",
+                     f"{per['loop']:.2f} ({100 * r['loop'] / r['train']:.1f}%)",
+                     f"{per['serve']:.2f} ({100 * r['serve'] / r['train']:.1f}%)",
+                     f"{per['extract']:.2f} ({100 * r['extract'] / r['train']:.1f}%)",
+                     f"{100 * own:.1f}%", "yes" if own <= ASYNC_LIMIT else "no"])
+        base = base or r["rss_mib"]
+        mem.append([f"{n:,}", f"{r['init_s']:.1f}", str(r["in_flight"]), f"{r['sim_time']:.0f}",
+                    f"{r['rss_init_mib']:.0f}", f"{r['rss_mib']:.0f}", f"{r['rss_mib'] / base:.3f}x",
+                    f"{r['rss_end_mib']:.0f}"])
+        print(f"  async {n} clients: loop + server step {100 * own:.1f}% of training", file=sys.stderr)
+    src = "Fashion-MNIST" if data["real_fmnist"] else "Fashion-MNIST-shaped random data"
+    return (f"### FedBuff's own cost per arrival ({src}, CNN, 100 in flight, buffer 10; CPU ms per arrival, and its "
+            f"share of the training time; limit: loop + server step <= {100 * ASYNC_LIMIT:.0f}%)\n\n" +
+            markdown_table(["clients", "samples a step", "arrivals", "training", "loop + bookkeeping",
+                            "server step", "mask extraction", "loop + server step", "within limit"], rows) +
+            "\n\n### FedBuff's peak memory against the population (the same run)\n\n" +
+            markdown_table(["clients", "setup CPU s", "in flight at a step (most)", "simulated s",
+                            "peak RSS after setup (MiB)", "peak RSS (MiB)", f"peak vs {ASYNC_CLIENTS[0]:,}",
+                            "RSS at the end (MiB)"], mem))
+
+
 # ---- communication --------------------------------------------------------------------------------------------
 def submodel_bytes(sub, params: dict, value_bytes: int = 4) -> tuple[int, int, int]:
     """(dense, kept values + bit mask, kept values only) bytes of one submodel's weights."""
@@ -632,6 +731,8 @@ def run(args) -> str:
                 parts.append(section_masks(args))
             elif section == "memory":
                 parts.append(section_memory(args, data))
+            elif section == "async":
+                parts.append(section_async(args, data))
             elif section == "comm":
                 parts.append(section_comm(args))
             elif section == "batched":
@@ -666,8 +767,9 @@ def check_arguments(args) -> None:
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m tools.bench",
                                 description="Benchmark fedlase's engine: overhead against a tight SGD loop, mask "
-                                            "extraction, memory against the number of clients, bytes per client, "
-                                            "batched clients, width slices, the text track. Prints Markdown tables "
+                                            "extraction, memory against the number of clients, FedBuff's own cost "
+                                            "per arrival, bytes per client, batched clients, width slices, the text "
+                                            "track. Prints Markdown tables "
                                             "(docs/benchmarks.md).")
     p.add_argument("--quick", action="store_true", help="fewer rounds and steps")
     p.add_argument("--out", metavar="FILE", help="also write the Markdown report to FILE")
@@ -689,6 +791,10 @@ def main(argv: list[str] | None = None) -> int:
     if len(argv) == 2 and argv[0] == "--memory-child":   # one run of the memory section, in its own process
         load_builtins()
         print(json.dumps(memory_child(json.loads(argv[1]))))
+        return 0
+    if len(argv) == 2 and argv[0] == "--async-child":   # one run of the async section, in its own process
+        load_builtins()
+        print(json.dumps(async_child(json.loads(argv[1]))))
         return 0
     args = parser().parse_args(argv)
     try:
