@@ -44,6 +44,7 @@ from .sampling import sample_clients
 from .sim_config import schedule_settings, staleness_weight
 
 RECORD = "arrivals.jsonl"   # the arrival record, in the run folder
+TOTALS = ("lost_offline", "failed", "offline_skipped", "too_stale")   # counted over the run (`totals`)
 
 
 @dataclass
@@ -113,6 +114,9 @@ class AsyncSchedule:
         self.lost: list[int] = []        # clients lost offline since the last step
         self.failed: list[int] = []      # clients whose update failed since the last step (Flower)
         self.skipped = 0                 # drawn clients passed over offline since the last step
+        # the same counts over the whole run: a metrics line is written only at evaluated steps, so the
+        # per-step fields above would miss the steps in between
+        self.totals = dict.fromkeys(TOTALS, 0)
         self.arrived, self.instant = 0, 0   # arrivals so far, and the instants they came at
         self.replay = read_record(self.args["replay"]) if self.args.get("replay") else None
         self._rows: list[dict] = []      # record lines not yet written
@@ -288,6 +292,9 @@ class AsyncSchedule:
             extra["offline_skipped"] = self.skipped
         if stale:
             extra["too_stale"] = stale
+        for key, n in zip(TOTALS, (len(self.lost), len(self.failed), self.skipped, len(stale))):
+            self.totals[key] += n
+        extra["totals"] = dict(self.totals)
         self.lost, self.failed, self.skipped = [], [], 0
         self._write(exp)
         return exp.serve(rnd, updates, {}, extra, step_size)
@@ -333,7 +340,7 @@ class AsyncSchedule:
             return out
         return {"now": self.now, "seq": self.seq, "draw": self.draw, "pos": self.pos, "lost": list(self.lost),
                 "failed": list(self.failed), "arrived": self.arrived, "instant": self.instant,
-                "skipped": self.skipped,
+                "skipped": self.skipped, "totals": dict(self.totals),
                 "flight": [plain(f) for f in sorted(self.flight)], "buffer": [plain(f) for f in self.buffer],
                 "subs": table}
 
@@ -355,6 +362,7 @@ class AsyncSchedule:
         self.lost, self.skipped = list(state["lost"]), state["skipped"]
         self.failed, self.arrived = list(state.get("failed", [])), state.get("arrived", 0)
         self.instant = state.get("instant", 0)
+        self.totals = {**dict.fromkeys(TOTALS, 0), **state.get("totals", {})}
         self.flight = [flight(d) for d in state["flight"]]
         heapq.heapify(self.flight)
         self.buffer = [flight(d) for d in state["buffer"]]

@@ -1,5 +1,6 @@
 """Asynchronous schedules (fedlase/asynchronous.py, options in fedlase/sim_config.py): the reduction to the
 synchronous run, the staleness-weighted step, the metrics per server step, and resume with updates in flight."""
+import itertools
 import json
 
 import pytest
@@ -68,6 +69,12 @@ def test_fedbuff_and_fedasync_record_each_server_step(tiny_cfg, tmp_path):
         assert x["in_flight"] <= 3
     assert any(max(x["staleness"]) > 0 for x in lines)
     assert state["schedule"]["flight"]   # clients still in flight at the end
+    # the run's totals: the per-step fields summed, and what the arrival record says
+    record = [json.loads(ln) for ln in (tmp_path / "buff" / "arrivals.jsonl").read_text().splitlines()]
+    for key in ("lost_offline", "offline_skipped"):
+        per_step = [len(x.get(key, [])) if key == "lost_offline" else x.get(key, 0) for x in lines]
+        assert [x["totals"][key] for x in lines] == list(itertools.accumulate(per_step))
+    assert lines[-1]["totals"]["lost_offline"] == sum(bool(r.get("lost")) for r in record) > 0
     # the staleness weights reach the step: with a constant weight the same events give another model
     same, const = _run(tiny_cfg, tmp_path / "const", *ASYNC, "schedule_args.staleness=constant")
     assert [x["staleness"] for x in const] == [x["staleness"] for x in lines]
@@ -78,6 +85,9 @@ def test_fedbuff_and_fedasync_record_each_server_step(tiny_cfg, tmp_path):
     assert all(x["clients"] == 1 and len(x["staleness"]) == 1 for x in lines)
     buckets = [int(x["sim_time"] // 0.15) for x in lines]
     assert lines[-1]["round"] == 4 and 1 < len(lines) < 4 and buckets == sorted(set(buckets)), buckets
+    # steps left unevaluated still count in the totals
+    record = [json.loads(ln) for ln in (tmp_path / "async" / "arrivals.jsonl").read_text().splitlines()]
+    assert lines[-1]["totals"]["lost_offline"] == sum(bool(r.get("lost")) for r in record)
 
 
 def test_a_resumed_fedbuff_run_with_updates_in_flight_is_bit_identical(tiny_cfg, tmp_path):
