@@ -80,9 +80,10 @@ def make_report(dirs: list[str], out: str | Path, group_by: list[str] | None = N
     timed = equal_time_table(groups, clocks)
     if timed is not None:
         sections.append((f"Accuracy at equal simulated time (fedlase/simtime.py; each run's device_model, unset: "
-                         f"the defaults): global accuracy, mean over levels, at the common budget T (the shortest "
-                         f"group's time to finish), and the time to reach A (the median of the groups' final "
-                         f"accuracies); interpolated between evaluations: {timed[0]}", timed[1:]))
+                         f"the defaults): global accuracy (mean over levels) and local accuracy (mean over clients) "
+                         f"at the common budget T (the shortest group's time to finish), and the time to reach A "
+                         f"(the median of the groups' final global accuracies); interpolated between evaluations: "
+                         f"{timed[0]}", timed[1:]))
     if paired_against is not None:
         sections.append((f"Paired by seed against {paired_against} (difference in points, paired t-test)",
                          paired_table(groups, paired_against)))

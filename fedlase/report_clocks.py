@@ -91,8 +91,9 @@ def time_curve(r: Run, clock, metric: str = "global_acc") -> list[tuple[float, f
 
 def equal_time_table(groups: list[Group], clocks: dict) -> tuple[str, list, list] | None:
     """(budgets, header, rows): per charge, the common budget T (the shortest group's mean simulated time to its
-    last round) and each group's global accuracy (mean over levels) at T, linearly interpolated between the two
-    evaluations around it (each run's, then the mean over its runs); and each group's time to finish."""
+    last round) and each group's global accuracy (mean over levels) and local accuracy (mean over clients) at T,
+    linearly interpolated between the two evaluations around it (each run's, then the mean over its runs); and
+    each group's time to finish."""
     timed = [g for g in groups if all(id(r) in clocks for r in g.runs)]
     if not timed:
         return None
@@ -102,20 +103,23 @@ def equal_time_table(groups: list[Group], clocks: dict) -> tuple[str, list, list
         finite = [v for v in ends.values() if math.isfinite(v)]
         T = min(finite) if finite else math.nan
         budgets.append(f"T = {T:.4g} s under the {c} charge")
-        header += [f"time to finish, {c} (s)", f"acc at T, {c} (%)"]
+        header += [f"time to finish, {c} (s)", f"acc at T, {c} (%)", f"local acc at T, {c} (%)"]
         for g in timed:
-            accs = []
-            for r in g.runs:
-                pts = time_curve(r, clocks[id(r)][c])
-                if pts and pts[0][0] <= T:
-                    accs.append(float(np.interp(T, [t for t, _ in pts], [a for _, a in pts])))
-            cell = mean_cell(float(np.mean(accs)), float(np.std(accs, ddof=1)) if len(accs) > 1 else 0.0, len(accs)) \
-                if accs else "—"
-            rows[id(g)] += [f"{ends[id(g)]:.4g}" if math.isfinite(ends[id(g)]) else "—", cell]
+            rows[id(g)].append(f"{ends[id(g)]:.4g}" if math.isfinite(ends[id(g)]) else "—")
+            for metric in ("global_acc", "local_acc"):
+                accs = []
+                for r in g.runs:
+                    pts = time_curve(r, clocks[id(r)][c], metric)
+                    if pts and pts[0][0] <= T:
+                        accs.append(float(np.interp(T, [t for t, _ in pts], [a for _, a in pts])))
+                accs = [a for a in accs if math.isfinite(a)]   # a personalized method may leave global out (NaN)
+                rows[id(g)].append(mean_cell(float(np.mean(accs)), float(np.std(accs, ddof=1)) if len(accs) > 1
+                                             else 0.0, len(accs)) if accs else "—")
     # time to accuracy: the simulated time a group's runs need to first reach A, the median of the groups' final
     # accuracies (the lowest would let one weak group set an easy target), interpolated between evaluations
     # (mean over the runs that reach it; how many did when not all)
-    A = float(np.median([np.mean([r.metric("global_acc") for r in g.runs]) for g in timed]))
+    finals = [np.mean([r.metric("global_acc") for r in g.runs]) for g in timed]
+    A = float(np.median([a for a in finals if math.isfinite(a)] or [math.nan]))
     budgets.append(f"A = {100 * A:.2f}%")
     for c in CHARGES:
         header.append(f"time to A, {c} (s)")
