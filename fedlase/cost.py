@@ -93,8 +93,12 @@ def _step_flops(model, trainer, params: dict, buffers: dict, client: int, traine
 
 def _payload(params: dict, buffers: dict, sub) -> tuple[int, int]:
     """Bytes down and up as the Flower codec encodes them; a method whose local objective the codec cannot
-    send (FjORD, DepthFL, FedDSE) is charged the dense model each way."""
+    send (FjORD, DepthFL, FedDSE) is charged the dense model each way. A personal objective (pFedLMT's) only
+    swaps the client's own values into the submodel's tensors, at their sizes: it is charged the submodel
+    without it, i.e. the level's model each way (the authors' server keeps the parts and sends them)."""
     from .errors import UserError
+    if getattr(sub.local, "personal", False):
+        sub = dataclasses.replace(sub, local=None)
     try:
         from .flower.codec import encode_delta, encode_submodel, record_bytes
         down = encode_submodel(params, buffers, sub)

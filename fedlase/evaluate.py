@@ -154,7 +154,7 @@ def evaluate_levels(model: nn.Module, method, params: dict, buffers: dict, level
             models = {c: (w, recompute_bn_stats(model, w, bufs, bn_x, bs))
                       for c in clients for w in [own(c, lvl, weights, sub)]}
             glob = float(np.mean([accuracy(predict(model, *models[c], x_glob, bs), y_glob) for c in clients])) \
-                if clients else float("nan")
+                if clients and getattr(method, "global_eval", True) else float("nan")
         local = [accuracy(predict(model, *models[c], data.x_test[data.client_test[c]], bs, classes.get(c)),
                           data.y_test[data.client_test[c]]) for c in clients]
         all_local += local

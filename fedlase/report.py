@@ -82,9 +82,9 @@ def make_report(dirs: list[str], out: str | Path, group_by: list[str] | None = N
     if timed is not None:
         what = ("the given global accuracies" if targets else "A, the median of the groups' final accuracies")
         sections.append((f"Accuracy at equal simulated time (fedlase/simtime.py; each run's device_model, unset: "
-                         f"the defaults): global accuracy, mean over levels, at the common budget T (the shortest "
-                         f"group's time to finish), and the time to reach {what}; interpolated between "
-                         f"evaluations: {timed[0]}", timed[1:]))
+                         f"the defaults): global accuracy (mean over levels) and local accuracy (mean over clients) "
+                         f"at the common budget T (the shortest group's time to finish), and the time to reach {what}; "
+                         f"interpolated between evaluations: {timed[0]}", timed[1:]))
     if paired_against is not None:
         sections.append((f"Paired by seed against {paired_against} (difference in points, paired t-test)",
                          paired_table(groups, paired_against)))

@@ -97,20 +97,23 @@ def budget(groups: list[Group], clocks: dict, charge: str) -> float:
     return min(finite) if finite else math.nan
 
 
-def acc_at(r: Run, clock, T: float) -> float | None:
-    """A run's global accuracy (mean over levels) at simulated time T, linearly interpolated between the two
-    evaluations around it (None: no evaluation by T)."""
-    pts = time_curve(r, clock)
+def acc_at(r: Run, clock, T: float, metric: str = "global_acc") -> float | None:
+    """A run's accuracy (`metric`: global_acc, the mean over levels, or local_acc, the mean over clients) at
+    simulated time T, linearly interpolated between the two evaluations around it (None: no evaluation by T, or
+    none of this metric: a personalized method may leave global accuracy out, NaN)."""
+    pts = time_curve(r, clock, metric)
     if not pts or pts[0][0] > T:
         return None
-    return float(np.interp(T, [t for t, _ in pts], [a for _, a in pts]))
+    a = float(np.interp(T, [t for t, _ in pts], [a for _, a in pts]))
+    return a if math.isfinite(a) else None
 
 
 def equal_time_table(groups: list[Group], clocks: dict, targets: list[float] | None = None
                      ) -> tuple[str, list, list] | None:
     """(budgets, header, rows): per charge, the common budget T (`budget`) and each group's global accuracy (mean
-    over levels) at T (`acc_at`: each run's, then the mean over its runs); each group's time to finish; and the
-    time to reach each accuracy of `targets` (fractions), or else A, the median of the groups' final accuracies."""
+    over levels) and local accuracy (mean over clients) at T (`acc_at`: each run's, then the mean over its runs);
+    each group's time to finish; and the time to reach each global accuracy of `targets` (fractions), or else A,
+    the median of the groups' final global accuracies."""
     timed = [g for g in groups if all(id(r) in clocks for r in g.runs)]
     if not timed:
         return None
@@ -119,16 +122,18 @@ def equal_time_table(groups: list[Group], clocks: dict, targets: list[float] | N
         ends = {id(g): float(np.mean([clocks[id(r)][c].elapsed(r.summary["rounds"]) for r in g.runs])) for g in timed}
         T = budget(timed, clocks, c)
         budgets.append(f"T = {T:.4g} s under the {c} charge")
-        header += [f"time to finish, {c} (s)", f"acc at T, {c} (%)"]
+        header += [f"time to finish, {c} (s)", f"acc at T, {c} (%)", f"local acc at T, {c} (%)"]
         for g in timed:
-            accs = [a for r in g.runs if (a := acc_at(r, clocks[id(r)][c], T)) is not None]
-            cell = mean_cell(float(np.mean(accs)), float(np.std(accs, ddof=1)) if len(accs) > 1 else 0.0, len(accs)) \
-                if accs else "—"
-            rows[id(g)] += [f"{ends[id(g)]:.4g}" if math.isfinite(ends[id(g)]) else "—", cell]
+            rows[id(g)].append(f"{ends[id(g)]:.4g}" if math.isfinite(ends[id(g)]) else "—")
+            for metric in ("global_acc", "local_acc"):
+                accs = [a for r in g.runs if (a := acc_at(r, clocks[id(r)][c], T, metric)) is not None]
+                rows[id(g)].append(mean_cell(float(np.mean(accs)), float(np.std(accs, ddof=1)) if len(accs) > 1
+                                             else 0.0, len(accs)) if accs else "—")
     # time to accuracy: the simulated time a group's runs need to first reach A, by default the median of the
     # groups' final accuracies (the lowest would let one weak group set an easy target), interpolated between
     # evaluations (mean over the runs that reach it; how many did when not all)
-    targets = targets or [float(np.median([np.mean([r.metric("global_acc") for r in g.runs]) for g in timed]))]
+    finals = [np.mean([r.metric("global_acc") for r in g.runs]) for g in timed]
+    targets = targets or [float(np.median([a for a in finals if math.isfinite(a)] or [math.nan]))]
     for A in targets:
         name = "A" if len(targets) == 1 else f"{100 * A:.4g}%"
         if len(targets) == 1:

@@ -9,12 +9,14 @@ import torch.nn.functional as F
 
 from fedlase.cli import main
 from fedlase.client import local_work
+from fedlase.cost import level_costs
 from fedlase.engine import Experiment, run_experiment
 from fedlase.errors import ConfigError
 from fedlase.levels import System
 from fedlase.methods.fedlmt import FedLMT, PFedLMT
 from fedlase.models import build_model
 from fedlase.models.factorized import FactorizedConv2d, as_matrix, compose, decompose
+from fedlase.simtime import SimClock, client_steps
 from fedlase.train import local_train
 
 LMT = [["method=fedlmt"], ["method=fedlmt", "batched_clients=true"], ["method=pfedlmt"]]
@@ -167,3 +169,42 @@ def test_resnet18_trains_at_its_own_size(cls):
     budget = sum(p.numel() for n, p in build_model("resnet18", 3, 10, 0.125, "batch", 8).named_parameters()
                  if p.dim() > 1 or n == "linear.bias")
     assert held <= budget / 4
+
+
+@pytest.mark.parametrize("method", ["fedlmt", "pfedlmt"])
+def test_cost_and_clock_charge_each_level_its_own_model(tiny_cfg, method):
+    cfg = tiny_cfg(f"method={method}", "device_model.speed=2e6", "device_model.bandwidth=1e5")
+    exp = Experiment(cfg)
+    costs = level_costs(exp.model, exp.method, exp.trainer, exp.levels, exp.level_clients, exp.params, exp.buffers)
+    for c, lvl in zip(costs, exp.levels):
+        sub = exp.method.submodel(exp.params, lvl, 1)
+        held = sum(t.numel() for t in sub.gather(exp.params).values())
+        assert c.held == held and c.sparse_flops == c.step_flops   # what it holds; a factorized model is dense
+        # payload: the level's model each way (its values, and the codec's mask bits and framing), not the top one
+        assert all(4 * held <= b < 1.5 * 4 * held for b in (c.down_bytes, c.up_bytes)), (c, held)
+    top, small = costs
+    if method == "fedlmt":   # one (weakest-level) model at every level
+        assert (top.held, top.step_flops, top.down_bytes) == (small.held, small.step_flops, small.down_bytes)
+    else:   # the 1/4 level's rank slice: fewer parameters, FLOPs and bytes than level 1's
+        assert small.held < top.held and small.step_flops < top.step_flops and small.down_bytes < top.down_bytes
+    steps = client_steps(exp.trainer)
+    clock = SimClock(cfg, costs, steps, "dense")
+    client = exp.level_clients[exp.levels[1]][0]
+    want = small.step_flops * steps[client] / (2e6 / 4) + (small.down_bytes + small.up_bytes) / (1e5 / 4)
+    assert clock.client_time(client, 1) == pytest.approx(want)
+
+
+def test_pfedlmt_can_leave_global_accuracy_out_and_is_reported_by_local_accuracy(tiny_cfg, tmp_path):
+    from fedlase.report_clocks import equal_time_table, run_clocks
+    from fedlase.report_runs import find_runs, group_runs
+    s = run_experiment(tiny_cfg("method=pfedlmt", "method_args.global_eval=false", out=str(tmp_path / "runs" / "p")),
+                       progress=False)
+    final = s["final"]
+    assert math.isnan(final["global_acc"]) and all(math.isnan(v["global_acc"]) for v in final["levels"].values())
+    assert math.isfinite(final["local_acc"])
+    groups = group_runs(find_runs([str(tmp_path / "runs")]), None)
+    _, header, rows = equal_time_table(groups, run_clocks(groups)[1])
+    cells = dict(zip(header, rows[0]))
+    # one group: T is its own time to finish, so its local accuracy at T is its final one; no global at T
+    assert cells["acc at T, dense (%)"] == "—"
+    assert cells["local acc at T, dense (%)"] == f"{100 * final['local_acc']:.2f}"

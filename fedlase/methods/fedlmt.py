@@ -200,6 +200,10 @@ class PFedLMT(LowRank):
         "decom_rule": Option(None, "the first factorized block; the blocks before it (and the stem) are the shared "
                              "full-rank prefix; unset: the model's (resnet18 5, the authors' `2 1` on CIFAR-10; cnn "
                              "1); resnet18 has blocks 0-7, cnn 0-2", kind=int, low=0),
+        "global_eval": Option(True, "true: a level's global accuracy is the mean over its clients of their own "
+                              "models' accuracy on the whole test set (one pass per client); false: not computed "
+                              "(NaN; the method is personalized: its local accuracy is its figure)", kind=bool,
+                              choices=(True, False)),
     }
 
     @classmethod
@@ -233,6 +237,7 @@ class PFedLMT(LowRank):
         self.factored = {c: model.get_submodule(c) for block in blocks[model.lmt_rule:] for c in block}
         self.own: dict[str, dict[int, dict[str, torch.Tensor]]] = {}   # level name -> client -> name -> tensor
         self._subs: dict = {}
+        self.global_eval = bool(self.args["global_eval"])   # fedlase/evaluate.py reads it
 
     def ranks(self, level) -> dict[str, int]:
         """Each factorized convolution's rank at `level` (nested: at most the global model's)."""
