@@ -121,6 +121,11 @@ class Method:
         (computed in float, as the official code does)."""
         return int(float(level) * sum(params[n].numel() for n in self.maskable))
 
+    def bind_data(self, y_train: torch.Tensor, client_train: list, num_classes: int) -> None:
+        """What clients tell the server when they register, for a method whose server uses it (RecipFL: each
+        client's label histogram and data share): the training labels and each client's indices into them.
+        Called once by the engine after the method is built; nothing by default."""
+
     # Methods with state across rounds override these; the engine checkpoints them.
     def state_dict(self) -> dict:
         return {}
