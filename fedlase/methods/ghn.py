@@ -150,10 +150,15 @@ def _mlp(*sizes: int, last_relu: bool = True) -> nn.Sequential:
 
 class SummaryEncoder(nn.Module):
     """Each node's summary (a sequence of up to SUMMARY scalars) -> one vector: a scalar embedding plus sinusoidal
-    positions, one transformer encoder layer (4 heads, feed-forward 64, dropout 0.5), the mean over the sequence."""
+    positions, one post-norm transformer encoder layer (4 heads, feed-forward 64, dropout 0.5: the settings of
+    RecipFL's weight encoder), a LayerNorm, the mean over the sequence. Written out: torch's own layer checks a
+    padding mask with sympy, a second of every process's first call."""
 
-    def __init__(self, hid: int):
+    def __init__(self, hid: int, heads: int = 4, ff: int = 64, dropout: float = 0.5):
         super().__init__()
+        if hid % heads:
+            raise ConfigError("method_args.hidden", f"must be a multiple of {heads} (the summary encoder's heads)")
+        self.heads = heads
         self.embed = nn.Linear(1, hid)
         pos = torch.arange(SUMMARY).unsqueeze(1)
         freq = torch.exp(torch.arange(0, hid, 2) * (-math.log(10000.0) / hid))
@@ -161,19 +166,26 @@ class SummaryEncoder(nn.Module):
         pe[:, 0::2] = torch.sin(pos * freq)
         pe[:, 1::2] = torch.cos(pos * freq)[:, : hid // 2]
         self.register_buffer("positions", pe, persistent=False)
-        layer = nn.TransformerEncoderLayer(hid, 4, 64, 0.5, batch_first=True)
-        self.encoder = nn.TransformerEncoder(layer, 1, norm=nn.LayerNorm(hid), enable_nested_tensor=False)
+        self.qkv, self.proj = nn.Linear(hid, 3 * hid), nn.Linear(hid, hid)
+        self.ff = nn.Sequential(nn.Linear(hid, ff), nn.ReLU(), nn.Dropout(dropout), nn.Linear(ff, hid))
+        self.norm1, self.norm2, self.norm = nn.LayerNorm(hid), nn.LayerNorm(hid), nn.LayerNorm(hid)
+        self.drop = nn.Dropout(dropout)
 
     def forward(self, seqs: list[torch.Tensor]) -> torch.Tensor:
         length = max(len(s) for s in seqs)
         x = torch.zeros(len(seqs), length, device=self.positions.device)
-        pad = torch.ones(len(seqs), length, dtype=torch.bool, device=x.device)
+        keep = torch.zeros(len(seqs), length, dtype=torch.bool, device=x.device)
         for i, s in enumerate(seqs):
             x[i, : len(s)] = s
-            pad[i, : len(s)] = False
-        h = self.embed(x.unsqueeze(-1)) + self.positions[:length]
-        h = self.encoder(h, src_key_padding_mask=pad) * (~pad).unsqueeze(-1)
-        return h.sum(1) / (~pad).sum(1, keepdim=True)
+            keep[i, : len(s)] = True
+        h = self.drop(self.embed(x.unsqueeze(-1)) + self.positions[:length])
+        b, n, d = h.shape
+        q, k, v = self.qkv(h).view(b, n, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        att = (q @ k.transpose(-1, -2)) / math.sqrt(d // self.heads)
+        att = self.drop(att.masked_fill(~keep[:, None, None, :], float("-inf")).softmax(-1))
+        h = self.norm1(h + self.drop(self.proj((att @ v).transpose(1, 2).reshape(b, n, d))))
+        h = self.norm(self.norm2(h + self.drop(self.ff(h)))) * keep.unsqueeze(-1)
+        return h.sum(1) / keep.sum(1, keepdim=True)
 
 
 class GatedGNN(nn.Module):

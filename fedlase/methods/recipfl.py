@@ -49,6 +49,43 @@ def david_model(model: nn.Module) -> nn.Module:
                       f"{type(model).__name__} has no David variant")
 
 
+class Adam:
+    """torch.optim.Adam's default update (betas 0.9 and 0.999, eps 1e-8, bias-corrected, no weight decay),
+    written out as fedlase.train.SGD is: constructing a torch.optim optimizer imports torch._dynamo, seconds of a
+    process's start."""
+
+    def __init__(self, params: list[torch.Tensor], lr: float, betas=(0.9, 0.999), eps: float = 1e-8):
+        self.params, self.lr, self.betas, self.eps = list(params), lr, betas, eps
+        self.step_count = 0
+        self.m = [torch.zeros_like(p) for p in self.params]
+        self.v = [torch.zeros_like(p) for p in self.params]
+
+    @torch.no_grad()
+    def step(self) -> None:
+        self.step_count += 1
+        b1, b2 = self.betas
+        c1, c2 = 1 - b1 ** self.step_count, 1 - b2 ** self.step_count
+        for p, m, v in zip(self.params, self.m, self.v):
+            if p.grad is None:
+                continue
+            m.mul_(b1).add_(p.grad, alpha=1 - b1)
+            v.mul_(b2).addcmul_(p.grad, p.grad, value=1 - b2)
+            p.addcdiv_(m, (v / c2).sqrt_().add_(self.eps), value=-self.lr / c1)
+
+    def zero_grad(self) -> None:
+        for p in self.params:
+            p.grad = None
+
+    def state_dict(self) -> dict:
+        return {"step": self.step_count, "m": self.m, "v": self.v}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.step_count = int(state["step"])
+        for mine, saved in ((self.m, state["m"]), (self.v, state["v"])):
+            for t, s in zip(mine, saved):
+                t.copy_(s)
+
+
 class Generated(LocalObjective):
     """A RecipFL client's round: its models from the hypernetwork (`params_for`), their training (`loss`), and
     its upload (`finish`). Like pFedLMT's `Personal`, fedlase.client.ClientTrainer.update calls `params_for` and
@@ -62,8 +99,7 @@ class Generated(LocalObjective):
         return (LARGE, SMALL) if self.level.index == 0 else (SMALL,)
 
     def params_for(self, client: int, params: dict, sub: Submodel) -> dict:
-        m = self.method
-        m.settle()
+        m = self.method   # no step here: every client of a round gets its models from the same hypernetwork
         out = {}
         with torch.random.fork_rng(devices=[]):   # the summary encoder's dropout: from the (round, client) stream
             torch.manual_seed(derive_seed(m.seed, self.round, Stream.HYPERNET, client))
@@ -139,7 +175,7 @@ class RecipFL(Method):
             torch.manual_seed(derive_seed(self.seed, 0, Stream.HYPERNET))
             self.ghn = GraphHyperNetwork(self.nets, classes, num_classes, self.args["hidden"],
                                          self.args["ve_cutoff"]).to(device)
-        self.opt = torch.optim.Adam(self.ghn.parameters(), lr=self.args["lr"])
+        self.opt = Adam(list(self.ghn.parameters()), lr=self.args["lr"])
         self.last: dict[int, dict[str, dict[str, torch.Tensor]]] = {}   # client -> kind -> its last upload
         self.pending: dict = {}                                          # (client, kind) -> generated tensors
         self.histograms: dict[int, torch.Tensor] = {}
@@ -200,7 +236,7 @@ class RecipFL(Method):
                 p.grad /= self.weight_sum
         nn.utils.clip_grad_norm_(params, self.args["clip"])
         self.opt.step()
-        self.opt.zero_grad(set_to_none=True)
+        self.opt.zero_grad()
         self.weight_sum = 0.0
 
     def run(self, kind: str, weights: dict, x: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
