@@ -361,6 +361,9 @@ def validate(cfg: Config) -> Config:
         key = "batched_clients" if runner == "batched" else "engine"
         raise ConfigError(key, f"method {cfg.method} runs on {', '.join(method.runs_on)} only (its runs_on), not "
                           f"{'batched_clients=true' if runner == 'batched' else 'engine=' + cfg.engine}")
+    if method.models is not None and cfg.model not in method.models:   # declared by the method (Method.models)
+        raise ConfigError("model", f"method {cfg.method} runs on model {' or '.join(method.models)} only (its "
+                          f"models), not {cfg.model}")
     data, model = DATASETS.get(cfg.dataset), MODELS.get(cfg.model)
     if data.kind != model.kind:
         fitting = ", ".join(n for n, m in MODELS.items() if m.kind == data.kind)

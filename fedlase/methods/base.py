@@ -58,6 +58,8 @@ class Method:
     # rounds and "batched" the embedded engine's batched_clients=true. A method whose submodels carry their
     # own LocalObjective declares ("embedded",): neither Flower nor the vmapped step runs that objective.
     runs_on: ClassVar[tuple[str, ...]] = RUNNERS
+    # The models (registry names) it can run on, checked at config validation; None: any model.
+    models: ClassVar[tuple[str, ...] | None] = None
     # whether a client's mask depends on its own data (FedDSE): then which coordinates it sent is private too,
     # and differential privacy refuses the method (fedlase/robust_config.py, check_dp)
     masks_from_data: ClassVar[bool] = False

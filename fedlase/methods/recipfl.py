@@ -145,6 +145,7 @@ class RecipFL(Method):
     """RecipFL: a server graph hypernetwork generates each client's models (a Goliath both, a David the small)."""
     name = "recipfl"
     runs_on = ("embedded",)   # the hypernetwork and its clients' uploads live in the server's process
+    models = ("lenet", "resnet18")   # the models with a David variant (david_model)
     options = {
         "lr": Option(1e-3, "the hypernetwork's Adam learning rate", low=0, low_open=True),
         "clip": Option(50.0, "the norm the hypernetwork's gradient is clipped to before each step",
