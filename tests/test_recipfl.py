@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from fedlase.engine import run_experiment
+from fedlase.engine import evaluate_run, run_experiment
 from fedlase.errors import ConfigError
 from fedlase.methods.ghn import _fan_in
 from fedlase.methods.recipfl import RecipFL
@@ -102,3 +102,19 @@ def test_bad_combinations_are_one_line_errors(tiny_cfg, override, key):
     with pytest.raises(ConfigError) as err:
         run_experiment(tiny_cfg(*RECIP, override), progress=False)
     assert err.value.key == key and "\n" not in str(err.value)
+
+
+def test_lenet_width_slices_and_the_fine_tuned_metric(tiny_cfg, tmp_path):
+    """The other methods of RecipFL's comparison on LeNet-5: HeteroFL's width slice trains as the smaller
+    tensors (its flatten cut in whole channels) exactly as the masks over the full model do; and
+    eval_finetune=1 scores each client after local training, leaving the global accuracy alone."""
+    base = ["model=lenet", "method=heterofl", "system={1,1/8}_{1,3}", "partition=goliath", "alpha=0.5", "rounds=1"]
+    sliced = run_experiment(tiny_cfg(*base), progress=False)
+    run_experiment(tiny_cfg(*base, "sliced=false", out=str(tmp_path / "masked")), progress=False)
+    a, b = (torch.load(f"{d}/checkpoint.pt", weights_only=True)["params"]
+            for d in (sliced["config"]["out"], tmp_path / "masked"))
+    assert all(torch.allclose(a[n], b[n], atol=1e-5) for n in a)
+    tuned = evaluate_run(sliced["config"]["out"], ["eval_finetune=1"])
+    for lvl, row in sliced["final"]["levels"].items():
+        assert tuned["levels"][lvl]["global_acc"] == row["global_acc"]
+    assert tuned["local_acc"] != sliced["final"]["local_acc"]
