@@ -4,9 +4,11 @@ shared across widths by corner slicing; it runs on the embedded engine through t
 combinations are one-line errors."""
 import math
 
+import numpy as np
 import pytest
 import torch
 
+from fedlase.data.partition import goliath_split
 from fedlase.engine import evaluate_run, run_experiment
 from fedlase.errors import ConfigError
 from fedlase.methods.ghn import _fan_in
@@ -118,3 +120,17 @@ def test_lenet_width_slices_and_the_fine_tuned_metric(tiny_cfg, tmp_path):
     for lvl, row in sliced["final"]["levels"].items():
         assert tuned["levels"][lvl]["global_acc"] == row["global_acc"]
     assert tuned["local_acc"] != sliced["final"]["local_acc"]
+
+
+def test_the_goliath_partition():
+    """RecipFL's population: the Goliaths share half of the samples (IID, equal parts), the Davids the rest."""
+    y = np.arange(1000) % 10
+    parts = goliath_split(y, [0, 1], 12, alpha=0.5, seed=3)
+    assert [len(p) for p in parts[:2]] == [250, 250] and all(len(p) >= 1 for p in parts)
+    assert np.array_equal(np.sort(np.concatenate(parts)), np.arange(1000))   # each sample once
+    assert np.bincount(y[parts[0]]).min() >= 15   # IID: every class, near 25 each
+    davids = [np.bincount(y[p], minlength=10) / len(p) for p in parts[2:]]
+    assert max(float(d.max()) for d in davids) > 0.4   # Dirichlet(0.5): some David is dominated by a class
+    with pytest.raises(ConfigError) as err:
+        goliath_split(y, [0, 1, 2], 3, alpha=0.5)
+    assert err.value.key == "system"
