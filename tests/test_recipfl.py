@@ -11,6 +11,7 @@ import torch
 from fedlase.data.partition import goliath_split
 from fedlase.engine import evaluate_run, run_experiment
 from fedlase.errors import ConfigError
+from fedlase.masks import maskable_names
 from fedlase.methods.ghn import _fan_in
 from fedlase.methods.recipfl import RecipFL
 from fedlase.models.lenet import LeNet5
@@ -91,8 +92,10 @@ def test_recipfl_runs_two_rounds_on_the_embedded_engine(tiny_cfg):
     assert summary["rounds"] == 2 and all(math.isfinite(v["local_acc"]) for v in levels.values())
     # a Goliath is evaluated on its large model, a David on the slim one
     large = LeNet5(image_size=8, width=0.25)
-    assert levels["1"]["kept"] == sum(p.numel() for p in large.parameters())
-    assert levels["1/8"]["kept"] == sum(p.numel() for p in large.twin().parameters())
+    for lvl, net in (("1", large), ("1/8", large.twin())):   # their conv and linear parameters (BN left out)
+        assert levels[lvl]["kept"] == sum(p.numel() for n, p in net.named_parameters() if n in maskable_names(net))
+    # by hand: convs 52 + 204, fc 510, fc1 651, classifier 220; slim: convs 52 + 51, fc 105, classifier 220
+    assert (levels["1"]["kept"], levels["1/8"]["kept"]) == (1637, 428)
     ckpt = torch.load(f"{cfg.out}/checkpoint.pt", weights_only=True)
     assert ckpt["method"]["opt"]["step"] == 2 and ckpt["method"]["last"]   # the hypernetwork stepped, uploads kept
 

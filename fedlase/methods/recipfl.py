@@ -21,7 +21,7 @@ from torch import nn
 from torch.func import functional_call
 
 from ..errors import ConfigError
-from ..masks import Submodel
+from ..masks import Submodel, maskable_names
 from ..models.lenet import LeNet5
 from ..models.resnet import ResNet18
 from ..registry import register_method
@@ -268,8 +268,11 @@ class RecipFL(Method):
             return self.full(client, kind, self.generate(client, kind))
 
     def held_params(self, level) -> int:
-        """Budgeted parameters a client of `level` holds: its evaluated model's."""
-        return sum(p.numel() for p in self.module_for(level).parameters())
+        """Budgeted parameters (conv and linear weights and biases, as every level counts them) of the model a
+        client of `level` is evaluated on."""
+        net = self.module_for(level)
+        budgeted = set(maskable_names(net))
+        return sum(p.numel() for n, p in net.named_parameters() if n in budgeted)
 
     def state_dict(self) -> dict:
         self.settle()
