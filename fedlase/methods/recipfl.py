@@ -101,7 +101,7 @@ class Generated(LocalObjective):
     def params_for(self, client: int, params: dict, sub: Submodel) -> dict:
         m = self.method   # no step here: every client of a round gets its models from the same hypernetwork
         out = {}
-        with torch.random.fork_rng(devices=[]):   # the summary encoder's dropout: from the (round, client) stream
+        with torch.random.fork_rng(devices=m.cuda):   # the summary encoder's dropout: the (round, client) stream
             torch.manual_seed(derive_seed(m.seed, self.round, Stream.HYPERNET, client))
             m.ghn.train()
             for kind in self.kinds():
@@ -172,7 +172,8 @@ class RecipFL(Method):
         self.initial = {k: {n: p.detach().clone() for n, p in m.named_parameters()} for k, m in self.nets.items()}
         classes = classifier_names(model)
         num_classes = dict(model.named_parameters())[classes[0]].shape[0]
-        with torch.random.fork_rng(devices=[]):   # its initialisation from the run's seed, not the global stream
+        self.cuda = [device] if device.type == "cuda" else []   # the streams a seeded draw must leave as they were
+        with torch.random.fork_rng(devices=self.cuda):   # its initialisation from the run's seed, not the global stream
             torch.manual_seed(derive_seed(self.seed, 0, Stream.HYPERNET))
             self.ghn = GraphHyperNetwork(self.nets, classes, num_classes, self.args["hidden"],
                                          self.args["ve_cutoff"]).to(device)
