@@ -184,8 +184,9 @@ class Config:
                                           kind=float, low=0, low_open=True, affects_result=False)
     eval_batch_size: int = _f(1000, "batch size for evaluation", low=1, tags=("eval",))
     eval_finetune: float = _f(0, "epochs each client trains its model on its own data (the run's local optimizer "
-                              "settings, no clipping) before its local accuracy is measured: RecipFL's per-client metric is 1; "
-                              "0: none (the global accuracy never fine-tunes)", kind=float, low=0, tags=("eval",))
+                              "settings, no clipping) before its local accuracy is measured: RecipFL's per-client "
+                              "metric is 1; 0: none (the global accuracy never fine-tunes)", kind=float, low=0,
+                              tags=("eval",))
     seed: int = _f(0, "seed of model init, partition, sampling and local batches", low=0)
     device: str = _f("auto", "cpu, cuda or auto", choices=("cpu", "cuda", "auto"), affects_result=False,
                      tags=("eval",))

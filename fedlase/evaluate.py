@@ -144,8 +144,8 @@ class EvalData:
 def finetune(model: nn.Module, sub, params: dict, buffers: dict, data: EvalData, settings: EvalSettings,
              client: int, rnd: int) -> dict:
     """The weights `client` is evaluated with after `settings.finetune` epochs of local training (cross-entropy,
-    the run's local optimizer settings, no clipping) on its own training data: `sub` (its level's submodel, trained as the
-    client trains it, mask, threshold or slice; a method's own objective left out) of `params`, then that
+    the run's local optimizer settings, no clipping) on its own training data: `sub` (its level's submodel,
+    trained as the client trains it, mask, threshold or slice; a method's own objective left out) of `params`, then that
     submodel's weights (`Submodel.model`). RecipFL's per-client metric (one epoch); the same for every method so
     that they compare."""
     from .sampling import Stream, derive_seed
