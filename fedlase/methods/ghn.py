@@ -211,9 +211,8 @@ class GatedGNN(nn.Module):
             for i in order:
                 if not nbrs[i]:
                     continue
-                idx = torch.tensor([j for j, _ in nbrs[i]], device=h.device)
                 dist = torch.tensor([float(k) for _, k in nbrs[i]], device=h.device)
-                states = torch.stack([rows[j] for j in idx.tolist()])
+                states = torch.stack([rows[j] for j, _ in nbrs[i]])
                 msg = (self.far(states) / dist.unsqueeze(1)).sum(0)
                 if bool((dist == 1).any()):
                     msg = msg + self.near(states[dist == 1]).sum(0)
