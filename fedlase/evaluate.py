@@ -163,8 +163,9 @@ def finetune(model: nn.Module, sub, params: dict, buffers: dict, data: EvalData,
 def evaluate_levels(model: nn.Module, method, params: dict, buffers: dict, level_clients: dict, data: EvalData,
                     settings: EvalSettings, rnd: int) -> dict:
     """Per level: global accuracy (the level's submodel on the whole test set) and local accuracy (each client
-    of `level_clients[level]` on its own test split), with client fairness and the kept budgeted parameters;
-    then the means over levels and over every evaluated client. The metrics line's evaluation part."""
+    of `level_clients[level]` on its own test split, after `settings.finetune` epochs of local training when
+    set: `finetune`), with client fairness and the kept budgeted parameters; then the means over levels and over
+    every evaluated client. The metrics line's evaluation part."""
     bs = settings.batch
     x_glob, y_glob = global_eval_set(settings.order, data.x_test, data.y_test, data.client_test)
     classes = data.classes or {}   # label_split: the local metric masks absent classes' logits
