@@ -362,6 +362,11 @@ def validate(cfg: Config) -> Config:
         key = "batched_clients" if runner == "batched" else "engine"
         raise ConfigError(key, f"method {cfg.method} runs on {', '.join(method.runs_on)} only (its runs_on), not "
                           f"{'batched_clients=true' if runner == 'batched' else 'engine=' + cfg.engine}")
+    if cfg.simulated and not method.clocked:   # declared by the method (Method.clocked)
+        key = next(k for k in ("device_model", "deadline", "population", "schedule")
+                   if getattr(cfg, k) not in (None, "sync"))
+        raise ConfigError(key, f"method {cfg.method} has no simulated time: the clock (fedlase/simtime.py) cannot "
+                          "charge what its clients and server compute")
     if method.models is not None and cfg.model not in method.models:   # declared by the method (Method.models)
         raise ConfigError("model", f"method {cfg.method} runs on model {' or '.join(method.models)} only (its "
                           f"models), not {cfg.model}")

@@ -85,6 +85,8 @@ def cases() -> list[tuple[str, object, dict]]:
         out += [(*RUNNER_SETTINGS[r], {"method": name}) for r in RUNNERS if r not in cls.runs_on]
         if cls.models is not None:   # a model the method does not declare (BASE's cnn): refused at validation
             out.append(("model", "cnn", {"method": name}))
+        if not cls.clocked:   # simulated time for a method the clock cannot charge
+            out.append(("deadline", 10, {"method": name}))
     out += [("batch_size", 10**6, {}), ("system", "{1}_{100000}", {})]   # beyond the data (known once loaded)
     for key, opt in DP.items():   # dp.* (fedlase/robust_config.py), beside a valid clip and noise
         out += [(f"dp.{key}", v, {"dp": {"clip": 1.0, "noise_multiplier": 1.0}}) for v in bad_values(opt)]

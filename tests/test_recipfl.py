@@ -102,7 +102,7 @@ def test_recipfl_runs_two_rounds_on_the_embedded_engine(tiny_cfg):
 
 @pytest.mark.parametrize("override, key", [("model=cnn", "model"), ("bn=static", "bn"),
                                            ("batched_clients=true", "batched_clients"),
-                                           ("system={1}_{4}", "system")])
+                                           ("system={1}_{4}", "system"), ("deadline=10", "deadline")])
 def test_bad_combinations_are_one_line_errors(tiny_cfg, override, key):
     with pytest.raises(ConfigError) as err:
         run_experiment(tiny_cfg(*RECIP, override), progress=False)

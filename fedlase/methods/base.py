@@ -60,6 +60,9 @@ class Method:
     runs_on: ClassVar[tuple[str, ...]] = RUNNERS
     # The models (registry names) it can run on, checked at config validation; None: any model.
     models: ClassVar[tuple[str, ...] | None] = None
+    # whether the simulated clock (fedlase/simtime.py) can charge it: it costs a client as its level's submodel of
+    # the global model; a method whose clients or server compute something else (RecipFL) refuses simulated time
+    clocked: ClassVar[bool] = True
     # whether a client's mask depends on its own data (FedDSE): then which coordinates it sent is private too,
     # and differential privacy refuses the method (fedlase/robust_config.py, check_dp)
     masks_from_data: ClassVar[bool] = False

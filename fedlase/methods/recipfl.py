@@ -146,6 +146,7 @@ class RecipFL(Method):
     name = "recipfl"
     runs_on = ("embedded",)   # the hypernetwork and its clients' uploads live in the server's process
     models = ("lenet", "resnet18")   # the models with a David variant (david_model)
+    clocked = False   # the clock would charge its clients as the run's model and its hypernetwork as nothing
     options = {
         "lr": Option(1e-3, "the hypernetwork's Adam learning rate", low=0, low_open=True),
         "clip": Option(50.0, "the norm the hypernetwork's gradient is clipped to before each step",
