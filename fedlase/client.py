@@ -67,10 +67,11 @@ class ClientSettings:
     @classmethod
     def from_config(cls, cfg: Config) -> ClientSettings:
         """The view of a validated config (built once per run, by fedlase.engine.build_parts)."""
-        return cls(cfg.seed, _work(cfg), cfg.sliced, cfg.label_split)
+        return cls(cfg.seed, local_work_of(cfg), cfg.sliced, cfg.label_split)
 
 
-def _work(cfg: Config) -> LocalWork:
+def local_work_of(cfg: Config) -> LocalWork:
+    """The local work a validated config asks for."""
     return LocalWork(cfg.local_steps, cfg.local_epochs, cfg.batch_size, cfg.optimizer, cfg.lr, cfg.momentum,
                      cfg.weight_decay, tuple(cfg.betas), cfg.clip_norm)
 
@@ -79,7 +80,7 @@ def local_work(**settings) -> LocalWork:
     """The config's default local work with `settings` changed, for code that trains a client outside a run
     (checks, tools): the defaults are the Config's, the one place they are written."""
     from .config import Config
-    return dataclasses.replace(_work(Config()), **settings)
+    return dataclasses.replace(local_work_of(Config()), **settings)
 
 
 class ClientTrainer:

@@ -183,6 +183,10 @@ class Config:
                                           "multiple of this many simulated seconds; unset: rounds only",
                                           kind=float, low=0, low_open=True, affects_result=False)
     eval_batch_size: int = _f(1000, "batch size for evaluation", low=1, tags=("eval",))
+    eval_finetune: float = _f(0, "epochs each client trains its model on its own data (the run's local optimizer "
+                              "settings, no clipping) before its local accuracy is measured: RecipFL's per-client "
+                              "metric is 1; 0: none (the global accuracy never fine-tunes)", kind=float, low=0,
+                              tags=("eval",))
     seed: int = _f(0, "seed of model init, partition, sampling and local batches", low=0)
     device: str = _f("auto", "cpu, cuda or auto", choices=("cpu", "cuda", "auto"), affects_result=False,
                      tags=("eval",))
@@ -358,6 +362,14 @@ def validate(cfg: Config) -> Config:
         key = "batched_clients" if runner == "batched" else "engine"
         raise ConfigError(key, f"method {cfg.method} runs on {', '.join(method.runs_on)} only (its runs_on), not "
                           f"{'batched_clients=true' if runner == 'batched' else 'engine=' + cfg.engine}")
+    if cfg.simulated and not method.clocked:   # declared by the method (Method.clocked)
+        key = next(k for k in ("device_model", "deadline", "population", "schedule")
+                   if getattr(cfg, k) not in (None, "sync"))
+        raise ConfigError(key, f"method {cfg.method} has no simulated time: the clock (fedlase/simtime.py) cannot "
+                          "charge what its clients and server compute")
+    if method.models is not None and cfg.model not in method.models:   # declared by the method (Method.models)
+        raise ConfigError("model", f"method {cfg.method} runs on model {' or '.join(method.models)} only (its "
+                          f"models), not {cfg.model}")
     data, model = DATASETS.get(cfg.dataset), MODELS.get(cfg.model)
     if data.kind != model.kind:
         fitting = ", ".join(n for n, m in MODELS.items() if m.kind == data.kind)

@@ -151,12 +151,13 @@ def build_parts(cfg: Config) -> Parts:
     model = build_model_for(cfg, d).to(device)
     system = cfg.levels
     method = METHODS.get(cfg.method)(model, system, run_seed=cfg.seed, **cfg.method_args)
+    method.bind_data(d.y_train, client_train, d.num_classes)   # what clients tell the server (RecipFL's histograms)
     trainer = ClientTrainer(ClientSettings.from_config(cfg), model, x_train, y_train,
                             {c: torch.as_tensor(i, device=device) for c, i in enumerate(client_train)}, d.augment)
     g = torch.Generator().manual_seed(cfg.seed)
     bn_sample = torch.randperm(len(d.y_train), generator=g)[:BN_RECOMPUTE_SAMPLES].to(device)
     eval_data = EvalData(x_test, y_test, [torch.as_tensor(i, device=device) for i in client_test], x_train,
-                         bn_sample, trainer.classes)
+                         bn_sample, trainer.classes, y_train, list(trainer.train_idx.values()))
     # who is evaluated at each level: unless the assignment is fixed a client has no fixed level, so every
     # client is evaluated at every level
     owner = system.client_level

@@ -3,6 +3,7 @@
 `evaluate_levels` is the engine's evaluation step; the functions below it are its parts."""
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -12,7 +13,8 @@ from torch import nn
 from torch.func import functional_call
 
 from .layers import BatchNorm
-from .train import label_mask_logits
+from .masks import Submodel
+from .train import LocalWork, label_mask_logits
 
 EVAL_ORDERS = ("test", "clients")
 OFFICIAL_EVAL_BATCH_SIZE = 20   # FIARSE's README runs use --bsz 20, also the server's test loader's batch size
@@ -102,16 +104,23 @@ def fairness(accs: list[float]) -> dict:
 # ---- the evaluation step -------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class EvalSettings:
-    """How a run is evaluated: the global set's order (`global_eval_set`), the batch size, and whether a width
-    slice is evaluated as the smaller model (sliced) or as masks over the full one. A view of the validated
-    config (`from_config`), with no defaults of its own."""
+    """How a run is evaluated: the global set's order (`global_eval_set`), the batch size, whether a width
+    slice is evaluated as the smaller model (sliced) or as masks over the full one, and the fine-tune before the
+    local metric (`finetune` epochs of `work`, batches from the run's `seed`). A view of the validated config
+    (`from_config`), with no defaults of its own."""
     order: str
     batch_size: int
     sliced: bool
+    finetune: float = 0.0
+    work: LocalWork | None = None
+    seed: int = 0
 
     @classmethod
     def from_config(cls, cfg) -> EvalSettings:
-        return cls(cfg.eval_order, cfg.eval_batch_size, cfg.sliced)
+        from .client import local_work_of
+        work = dataclasses.replace(local_work_of(cfg), epochs=cfg.eval_finetune, clip_norm=None) \
+            if cfg.eval_finetune else None
+        return cls(cfg.eval_order, cfg.eval_batch_size, cfg.sliced, cfg.eval_finetune, work, cfg.seed)
 
     @property
     def batch(self) -> int:
@@ -128,13 +137,35 @@ class EvalData:
     x_train: torch.Tensor
     bn_sample: torch.Tensor                         # the training samples that recompute static BN statistics
     classes: dict[int, torch.Tensor] | None = None  # label_split: each client's classes (local metric only)
+    y_train: torch.Tensor | None = None             # eval_finetune: the training labels
+    client_train: list | None = None                # and each client's training indices
+
+
+def finetune(model: nn.Module, sub, params: dict, buffers: dict, data: EvalData, settings: EvalSettings,
+             client: int, rnd: int) -> dict:
+    """The weights `client` is evaluated with after `settings.finetune` epochs of local training (cross-entropy,
+    the run's local optimizer settings, no clipping) on its own training data: `sub` (its level's submodel,
+    trained as the client trains it, mask, threshold or slice; a method's own objective left out) of `params`, then that
+    submodel's weights (`Submodel.model`). RecipFL's per-client metric (one epoch); the same for every method so
+    that they compare."""
+    from .sampling import Stream, derive_seed
+    from .train import client_batches, local_train
+    idx = data.client_train[client]
+    gen = torch.Generator().manual_seed(derive_seed(settings.seed, rnd, Stream.FINETUNE, client))
+    batches = [idx[b] for b in client_batches(len(idx), settings.work, gen)]
+    plain = dataclasses.replace(sub, local=None)
+    with torch.enable_grad():
+        delta, _ = local_train(model, params, buffers, plain, data.x_train, data.y_train, batches, settings.work)
+    with torch.no_grad():
+        return plain.model({n: p + delta[n] for n, p in params.items()}, buffers, sliced=settings.sliced)[0]
 
 
 def evaluate_levels(model: nn.Module, method, params: dict, buffers: dict, level_clients: dict, data: EvalData,
                     settings: EvalSettings, rnd: int) -> dict:
     """Per level: global accuracy (the level's submodel on the whole test set) and local accuracy (each client
-    of `level_clients[level]` on its own test split), with client fairness and the kept budgeted parameters;
-    then the means over levels and over every evaluated client. The metrics line's evaluation part."""
+    of `level_clients[level]` on its own test split, after `settings.finetune` epochs of local training when
+    set: `finetune`), with client fairness and the kept budgeted parameters; then the means over levels and over
+    every evaluated client. The metrics line's evaluation part."""
     bs = settings.batch
     x_glob, y_glob = global_eval_set(settings.order, data.x_test, data.y_test, data.client_test)
     classes = data.classes or {}   # label_split: the local metric masks absent classes' logits
@@ -146,22 +177,34 @@ def evaluate_levels(model: nn.Module, method, params: dict, buffers: dict, level
         with torch.no_grad():   # a width slice is evaluated as the smaller model (unless sliced=false)
             weights, bufs = sub.model(params, buffers, sliced=settings.sliced)
         own = getattr(method, "personal_weights", None)   # a personalized method (pFedLMT): each client's own model
+        # the module a level runs on: the run's model, unless the method's levels are models of their own (RecipFL)
+        net = method.module_for(lvl) if hasattr(method, "module_for") else model
         if own is None:
             bufs = recompute_bn_stats(model, weights, bufs, bn_x, bs)
             glob = accuracy(predict(model, weights, bufs, x_glob, bs), y_glob)
             models = {c: (weights, bufs) for c in clients}
         else:   # its global accuracy: the mean over the level's clients of their own models' on the global set
-            models = {c: (w, recompute_bn_stats(model, w, bufs, bn_x, bs))
+            bufs = bufs if net is model else dict(net.named_buffers())
+            models = {c: (w, recompute_bn_stats(net, w, bufs, bn_x, bs))
                       for c in clients for w in [own(c, lvl, weights, sub)]}
-            glob = float(np.mean([accuracy(predict(model, *models[c], x_glob, bs), y_glob) for c in clients])) \
+            glob = float(np.mean([accuracy(predict(net, *models[c], x_glob, bs), y_glob) for c in clients])) \
                 if clients and getattr(method, "global_eval", True) else float("nan")
-        local = [accuracy(predict(model, *models[c], data.x_test[data.client_test[c]], bs, classes.get(c)),
+        if settings.finetune:   # each client's model after local training on its own data (then its BN statistics)
+            tuned = {}
+            for c in clients:
+                if own is None:   # the level's submodel of the global model, trained as the client trains it
+                    w = finetune(model, sub, params, buffers, data, settings, c, rnd)
+                else:             # the client's own model, trained whole
+                    w = finetune(net, Submodel(), models[c][0], models[c][1], data, settings, c, rnd)
+                tuned[c] = (w, recompute_bn_stats(net, w, models[c][1], bn_x, bs))
+            models = tuned
+        local = [accuracy(predict(net, *models[c], data.x_test[data.client_test[c]], bs, classes.get(c)),
                           data.y_test[data.client_test[c]]) for c in clients]
         all_local += local
         fair = fairness(local)
+        held = method.held_params(lvl) if hasattr(method, "held_params") else sub.kept(method.maskable, params)
         out["levels"][lvl.name] = {"clients": len(clients), "global_acc": glob, "local_acc": fair["mean"],
-                                   "local_std": fair["std"], "local_worst10": fair["worst10"],
-                                   "kept": sub.kept(method.maskable, params)}
+                                   "local_std": fair["std"], "local_worst10": fair["worst10"], "kept": held}
     fair = fairness(all_local)
     out["global_acc"] = float(np.mean([v["global_acc"] for v in out["levels"].values()]))
     out["local_acc"], out["local_std"], out["local_worst10"] = fair["mean"], fair["std"], fair["worst10"]

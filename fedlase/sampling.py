@@ -33,6 +33,8 @@ class Stream(enum.IntEnum):
     PRIVACY = 5    # differential privacy: the noise on a round's sum and on its clipped count (fedlase/privacy.py)
     POPULATION = 6     # each client's speed and bandwidth factors (fedlase/population.py)
     AVAILABILITY = 7   # each client's online/offline durations (fedlase/population.py)
+    HYPERNET = 8       # RecipFL's hypernetwork: its initialisation, and its dropout while generating a client's model
+    FINETUNE = 9       # the batches of a client's fine-tune before its local evaluation (eval_finetune)
 
 
 @dataclass(frozen=True)

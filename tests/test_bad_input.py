@@ -83,6 +83,10 @@ def cases() -> list[tuple[str, object, dict]]:
             out += [(f"analysis.{name}.{key}", v, {}) for v in bad_values(opt)]
     for name, cls in METHODS.items():   # a runner the method does not declare: refused at validation
         out += [(*RUNNER_SETTINGS[r], {"method": name}) for r in RUNNERS if r not in cls.runs_on]
+        if cls.models is not None:   # a model the method does not declare (BASE's cnn): refused at validation
+            out.append(("model", "cnn", {"method": name}))
+        if not cls.clocked:   # simulated time for a method the clock cannot charge
+            out.append(("deadline", 10, {"method": name}))
     out += [("batch_size", 10**6, {}), ("system", "{1}_{100000}", {})]   # beyond the data (known once loaded)
     for key, opt in DP.items():   # dp.* (fedlase/robust_config.py), beside a valid clip and noise
         out += [(f"dp.{key}", v, {"dp": {"clip": 1.0, "noise_multiplier": 1.0}}) for v in bad_values(opt)]
@@ -148,7 +152,9 @@ def test_a_method_with_its_own_local_objective_declares_only_the_sequential_roun
     one must say so in `runs_on` (else it would be refused only at run time); every runner it declares passes
     validation."""
     from fedlase.engine import Experiment
-    argv = [f"{k}={v}" for k, v in BASE.items()] + [f"method={name}", f"out={tmp_path / 'run'}"]
+    models = METHODS.get(name).models   # a method that runs on some models only: the first of them
+    argv = [f"{k}={v}" for k, v in BASE.items()] + [f"method={name}", f"out={tmp_path / 'run'}"] + \
+        ([f"model={models[0]}"] if models else [])
     exp = Experiment(load_config(None, argv))
     local = any(exp.method.submodel(exp.state.params, lvl, 1).local is not None for lvl in exp.levels)
     if local:

@@ -327,6 +327,8 @@ def _partner(key: str, value: str) -> list[str]:
         return [f"dataset={data}"]
     if key == "head_norm" and value != "none":   # a text model's option
         return ["dataset=bbc_news", "model=minilm"]
+    if key == "method" and METHODS.get(value).models is not None:   # a method that runs on some models only
+        return [f"model={METHODS.get(value).models[0]}"]
     return []
 
 
@@ -343,8 +345,8 @@ def test_every_choice_is_accepted():
 
 def test_registry_choices_are_the_registries():
     assert {"fashion_mnist", "cifar10", "cifar100", "digits"} <= set(DATASETS)
-    assert {"cnn", "resnet18"} <= set(MODELS)
-    assert set(PARTITIONS) == {"iid", "dirichlet", "balanced_dirichlet", "pathological"}
+    assert {"cnn", "resnet18", "lenet"} <= set(MODELS)
+    assert set(PARTITIONS) == {"iid", "dirichlet", "balanced_dirichlet", "pathological", "goliath"}
     assert {"fedlase", "fiarse", "heterofl", "fedrolex", "fedavg"} <= set(METHODS)
     assert {DATASETS.get(n).num_classes for n in ("fashion_mnist", "cifar10", "digits")} == {10}
     assert DATASETS.get("cifar100").num_classes == 100

@@ -217,18 +217,20 @@ def tabular():
 REFUSED = {"depthfl": r"depthfl needs a model with stages; Sequential declares no stages",
            # low-rank 3x3 convolutions: an MLP has none to factorize
            "fedlmt": r"fedlmt: Sequential declares no blocks to factorize",
-           "pfedlmt": r"pfedlmt: Sequential declares no blocks to factorize"}
+           "pfedlmt": r"pfedlmt: Sequential declares no blocks to factorize",
+           # a hypernetwork over its two declared architectures (refused at validation)
+           "recipfl": r"method recipfl runs on model lenet or resnet18 only"}
 
 
 def test_a_users_mlp_trains_under_every_method_that_can_serve_it(tabular, tmp_path):
     run = dict(dataset="tabular_t", model="mlp_t", system="{1,1/4}_{1,1}", rounds=2, local_steps=1,
                batch_size=16, threads=1, device="cpu", checkpoint_every=0)
     for method in METHODS.names():
-        cfg = fedlase.make_config(**run, method=method, out=str(tmp_path / method))
         if method in REFUSED:
             with pytest.raises(ConfigError, match=REFUSED[method]):
-                fedlase.run(cfg)
+                fedlase.run(fedlase.make_config(**run, method=method, out=str(tmp_path / method)))
             continue
+        cfg = fedlase.make_config(**run, method=method, out=str(tmp_path / method))
         levels = fedlase.run(cfg)["final"]["levels"]
         assert all(math.isfinite(v["global_acc"]) for v in levels.values()), method
         if method not in ("fedavg", "fedavg_small"):   # every client trains the same model under these two

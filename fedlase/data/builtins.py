@@ -1,6 +1,6 @@
 """Registers the built-in image datasets and the partition schemes (imported by fedlase.catalog.load_builtins,
 never by the engine: importing the engine registers nothing)."""
-from fedlase.data.partition import SCHEMES, partition
+from fedlase.data.partition import SCHEMES, goliath_split, partition
 from fedlase.data.sources import IMAGE_DATASETS, load_dataset
 from fedlase.registry import register_dataset, register_partition
 
@@ -21,3 +21,14 @@ def _splitter(scheme: str):
 
 for _scheme, _help in SCHEMES.items():
     register_partition(_scheme, _splitter(_scheme), _help)
+
+
+def _goliath(labels, num_clients, cfg):
+    """RecipFL's setting: the clients of the system's largest level (by index, as the fixed assignment places
+    them) are the Goliaths."""
+    goliaths = [c for c, lvl in enumerate(cfg.levels.client_level) if lvl == 0]
+    return goliath_split(labels, goliaths, num_clients, cfg.alpha, seed=cfg.seed)
+
+
+register_partition("goliath", _goliath, "RecipFL's: the largest level's clients hold half the data (IID), the others "
+                   "split the rest by Dirichlet(alpha)")

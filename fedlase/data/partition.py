@@ -251,3 +251,29 @@ def local_test_split(client_train_labels: list[np.ndarray], test_labels: np.ndar
                 parts.append(np.concatenate([pool, rng.choice(pool, need - len(pool), replace=True)]))
         out.append(np.sort(np.concatenate(parts)).astype(np.int64))
     return out
+
+
+def goliath_split(labels: np.ndarray, goliaths: list[int], num_clients: int, alpha: float, share: float = 0.5,
+                  seed: int = 0) -> list[np.ndarray]:
+    """RecipFL's skewed population: the `goliaths` (client indices) hold `share` of the samples between them, an
+    IID draw cut into near-equal parts; every other client (a David) gets a part of the rest, split by per-class
+    Dirichlet(alpha) label skew (`dirichlet`). Sorted int64 index arrays, one per client; no index twice."""
+    y = _check_labels(labels)
+    davids = [c for c in range(num_clients) if c not in set(goliaths)]
+    if not goliaths or not davids:
+        raise ConfigError("system", f"the goliath partition needs clients at the largest level (Goliaths) and at "
+                          f"smaller ones (Davids); got {len(goliaths)} and {len(davids)}")
+    rng = np.random.default_rng(seed)
+    order = rng.permutation(len(y))
+    cut = int(round(share * len(y)))
+    if not len(goliaths) <= cut <= len(y) - len(davids):
+        raise ConfigError("num_clients", f"{len(y)} samples cannot give {len(goliaths)} Goliaths {share:.0%} of them "
+                          f"and every one of {len(davids)} Davids at least one")
+    big, rest = order[:cut], order[cut:]
+    parts: list[np.ndarray] = [np.empty(0, dtype=np.int64)] * num_clients
+    for c, p in zip(goliaths, np.array_split(big, len(goliaths))):
+        parts[c] = np.sort(p).astype(np.int64)
+    small = partition(y[rest], len(davids), "dirichlet", alpha=alpha, seed=int(rng.integers(1 << 31)))
+    for c, p in zip(davids, small):
+        parts[c] = np.sort(rest[p]).astype(np.int64)
+    return parts

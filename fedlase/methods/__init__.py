@@ -20,6 +20,7 @@ from .depthfl import DepthFL
 from .feddse import FedDSE
 from .fedlmt import FedLMT, PFedLMT
 from .fedlase_width import FedLASEWidth
+from .recipfl import RecipFL
 # isort: on
 
 

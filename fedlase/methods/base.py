@@ -58,6 +58,11 @@ class Method:
     # rounds and "batched" the embedded engine's batched_clients=true. A method whose submodels carry their
     # own LocalObjective declares ("embedded",): neither Flower nor the vmapped step runs that objective.
     runs_on: ClassVar[tuple[str, ...]] = RUNNERS
+    # The models (registry names) it can run on, checked at config validation; None: any model.
+    models: ClassVar[tuple[str, ...] | None] = None
+    # whether the simulated clock (fedlase/simtime.py) can charge it: it costs a client as its level's submodel of
+    # the global model; a method whose clients or server compute something else (RecipFL) refuses simulated time
+    clocked: ClassVar[bool] = True
     # whether a client's mask depends on its own data (FedDSE): then which coordinates it sent is private too,
     # and differential privacy refuses the method (fedlase/robust_config.py, check_dp)
     masks_from_data: ClassVar[bool] = False
@@ -120,6 +125,11 @@ class Method:
         """Maskable coordinates a client of this level may hold: int(level * maskable count), as FIARSE
         (computed in float, as the official code does)."""
         return int(float(level) * sum(params[n].numel() for n in self.maskable))
+
+    def bind_data(self, y_train: torch.Tensor, client_train: list, num_classes: int) -> None:
+        """What clients tell the server when they register, for a method whose server uses it (RecipFL: each
+        client's label histogram and data share): the training labels and each client's indices into them.
+        Called once by the engine after the method is built; nothing by default."""
 
     # Methods with state across rounds override these; the engine checkpoints them.
     def state_dict(self) -> dict:

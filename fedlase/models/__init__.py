@@ -4,9 +4,10 @@ from torch import nn
 
 from ..registry import METHODS, register_model
 from .cnn import SmallCNN
+from .lenet import LeNet5
 from .resnet import BN_MODES, ResNet18
 
-IMAGE_MODELS = {"cnn": SmallCNN, "resnet18": ResNet18}
+IMAGE_MODELS = {"cnn": SmallCNN, "resnet18": ResNet18, "lenet": LeNet5}
 
 
 def build_model(name: str, in_channels: int, num_classes: int, width: float = 1.0, bn: str = "batch",
@@ -24,5 +25,6 @@ def _builder(name: str):
 
 register_model("cnn", _builder("cnn"), "image", "small CNN for 28x28 images, first and last layers fit 1/64")
 register_model("resnet18", _builder("resnet18"), "image", "the CIFAR ResNet-18 of FIARSE's code")
+register_model("lenet", _builder("lenet"), "image", "LeNet-5 of RecipFL's MNIST setting (44k parameters on 28x28)")
 
-__all__ = ["IMAGE_MODELS", "BN_MODES", "build_model", "SmallCNN", "ResNet18"]
+__all__ = ["IMAGE_MODELS", "BN_MODES", "build_model", "LeNet5", "SmallCNN", "ResNet18"]

@@ -1,0 +1,139 @@
+"""RecipFL (fedlase/methods/recipfl.py, its graph hypernetwork in fedlase/methods/ghn.py): the hypernetwork's
+update is the vector-Jacobian product of the generated weights with (generated - uploaded); its decoders are
+shared across widths by corner slicing; it runs on the embedded engine through the normal entry point; bad
+combinations are one-line errors."""
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from fedlase.data.partition import goliath_split
+from fedlase.engine import evaluate_run, run_experiment
+from fedlase.errors import ConfigError
+from fedlase.masks import maskable_names
+from fedlase.methods.ghn import _fan_in
+from fedlase.methods.recipfl import RecipFL
+from fedlase.models.lenet import LeNet5
+
+RECIP = ["model=lenet", "method=recipfl", "system={1,1/8}_{1,3}", "partition=goliath", "alpha=0.5",
+         "method_args.hidden=16", "eval_finetune=1", "local_steps=2"]
+
+
+def _method(hidden: int = 16) -> RecipFL:
+    torch.manual_seed(0)
+    model = LeNet5(image_size=8, width=0.5)
+    method = RecipFL(model, [1, 0.125], run_seed=0, hidden=hidden)
+    y = torch.arange(40) % 10
+    method.bind_data(y, [torch.arange(0, 20), torch.arange(20, 40)], 10)
+    method.ghn.eval()   # no dropout: two forwards of the hypernetwork give the same tensors
+    return method
+
+
+@pytest.mark.numerics
+def test_the_update_is_the_vjp_of_the_generated_weights_with_their_difference():
+    method = _method()
+    gen = method.generate(1, "small")
+    uploaded = {n: t.detach() + 0.1 * torch.randn_like(t) for n, t in gen.items()}
+    method.accumulate(gen, uploaded, 1.0)
+    applied = {n: p.grad.clone() for n, p in method.ghn.named_parameters() if p.grad is not None}
+    # the same VJP by autograd's backward of 0.5 * ||generated - uploaded||^2 (its gradient with respect to the
+    # generated tensors is their difference), on a second generation from the same hypernetwork
+    ghn = method.ghn
+    for p in ghn.parameters():
+        p.grad = None
+    again = method.generate(1, "small")
+    sum(0.5 * ((again[n] - uploaded[n]) ** 2).sum() for n in again).backward()
+    expected = {n: p.grad.clone() if p.grad is not None else torch.zeros_like(p) for n, p in ghn.named_parameters()}
+    for n, p in ghn.named_parameters():
+        p.grad = applied.get(n)
+    reached = {n for n, g in expected.items() if g.abs().sum() > 0}
+    assert reached and reached <= set(applied)
+    for n in applied:
+        torch.testing.assert_close(applied[n], expected[n], rtol=1e-4, atol=1e-6)
+    # the round's step: the gradient clipped to 50, then one Adam step of lr 1e-3 (a first step moves each
+    # coordinate by lr * sign of its gradient, where the gradient is well above Adam's eps)
+    before = {n: p.detach().clone() for n, p in method.ghn.named_parameters()}
+    scale = min(1.0, 50 / float(torch.cat([g.flatten() for g in applied.values()]).norm()))
+    method.settle()
+    w = "decoders.linear.2.weight"
+    big = (applied[w] * scale).abs() > 1e-4
+    step = (dict(method.ghn.named_parameters())[w].detach() - before[w])[big]
+    torch.testing.assert_close(step, -1e-3 * torch.sign(applied[w][big]), rtol=2e-2, atol=1e-6)
+    assert method.weight_sum == 0 and all(p.grad is None for p in method.ghn.parameters())
+
+
+def test_decoders_are_shared_across_widths_by_corner_slicing():
+    method = _method()
+    ghn = method.ghn
+    assert set(ghn.decoders) == {"conv", "linear", "bn", "bias"}   # one per node type, for both models
+    large, small = method.nets["large"], method.nets["small"]
+    assert ghn.largest["conv"] == tuple(max(a, b) for a, b in zip(large.layer2[0].weight.shape,
+                                                                   small.layer2[0].weight.shape))
+    gen = method.generate(0, "small")
+    h = ghn.node_states("small", method.last_of(0, "small"))
+    node = ghn.graphs["small"].params.index("layer2.0.weight")
+    corner = ghn.decoders["conv"](h[node]).view(ghn.largest["conv"])[:small.layer2[0].out_channels]
+    torch.testing.assert_close(gen["layer2.0.weight"], _fan_in(corner, "conv"))
+    # a David's update reaches the Goliath's large model through the shared decoders
+    before = {n: t.detach() for n, t in method.generate(0, "large").items()}
+    ghn.train()
+    method.accumulate(method.generate(1, "small"), {n: torch.zeros_like(t) for n, t in gen.items()}, 1.0)
+    method.settle()
+    ghn.eval()
+    after = method.generate(0, "large")
+    assert not torch.equal(after["fc1.weight"], before["fc1.weight"])
+
+
+def test_recipfl_runs_two_rounds_on_the_embedded_engine(tiny_cfg):
+    cfg = tiny_cfg(*RECIP)
+    summary = run_experiment(cfg, progress=False)
+    levels = summary["final"]["levels"]
+    assert summary["rounds"] == 2 and all(math.isfinite(v["local_acc"]) for v in levels.values())
+    # a Goliath is evaluated on its large model, a David on the slim one
+    large = LeNet5(image_size=8, width=0.25)
+    for lvl, net in (("1", large), ("1/8", large.twin())):   # their conv and linear parameters (BN left out)
+        assert levels[lvl]["kept"] == sum(p.numel() for n, p in net.named_parameters() if n in maskable_names(net))
+    # by hand: convs 52 + 204, fc 510, fc1 651, classifier 220; slim: convs 52 + 51, fc 105, classifier 220
+    assert (levels["1"]["kept"], levels["1/8"]["kept"]) == (1637, 428)
+    ckpt = torch.load(f"{cfg.out}/checkpoint.pt", weights_only=True)
+    assert ckpt["method"]["opt"]["step"] == 2 and ckpt["method"]["last"]   # the hypernetwork stepped, uploads kept
+
+
+@pytest.mark.parametrize("override, key", [("model=cnn", "model"), ("bn=static", "bn"),
+                                           ("batched_clients=true", "batched_clients"),
+                                           ("system={1}_{4}", "system"), ("deadline=10", "deadline")])
+def test_bad_combinations_are_one_line_errors(tiny_cfg, override, key):
+    with pytest.raises(ConfigError) as err:
+        run_experiment(tiny_cfg(*RECIP, override), progress=False)
+    assert err.value.key == key and "\n" not in str(err.value)
+
+
+def test_lenet_width_slices_and_the_fine_tuned_metric(tiny_cfg, tmp_path):
+    """The other methods of RecipFL's comparison on LeNet-5: HeteroFL's width slice trains as the smaller
+    tensors (its flatten cut in whole channels) exactly as the masks over the full model do; and
+    eval_finetune=1 scores each client after local training, leaving the global accuracy alone."""
+    base = ["model=lenet", "method=heterofl", "system={1,1/8}_{1,3}", "partition=goliath", "alpha=0.5", "rounds=1"]
+    sliced = run_experiment(tiny_cfg(*base), progress=False)
+    run_experiment(tiny_cfg(*base, "sliced=false", out=str(tmp_path / "masked")), progress=False)
+    a, b = (torch.load(f"{d}/checkpoint.pt", weights_only=True)["params"]
+            for d in (sliced["config"]["out"], tmp_path / "masked"))
+    assert all(torch.allclose(a[n], b[n], atol=1e-5) for n in a)
+    tuned = evaluate_run(sliced["config"]["out"], ["eval_finetune=1"])
+    for lvl, row in sliced["final"]["levels"].items():
+        assert tuned["levels"][lvl]["global_acc"] == row["global_acc"]
+    assert tuned["local_acc"] != sliced["final"]["local_acc"]
+
+
+def test_the_goliath_partition():
+    """RecipFL's population: the Goliaths share half of the samples (IID, equal parts), the Davids the rest."""
+    y = np.arange(1000) % 10
+    parts = goliath_split(y, [0, 1], 12, alpha=0.5, seed=3)
+    assert [len(p) for p in parts[:2]] == [250, 250] and all(len(p) >= 1 for p in parts)
+    assert np.array_equal(np.sort(np.concatenate(parts)), np.arange(1000))   # each sample once
+    assert np.bincount(y[parts[0]]).min() >= 15   # IID: every class, near 25 each
+    davids = [np.bincount(y[p], minlength=10) / len(p) for p in parts[2:]]
+    assert max(float(d.max()) for d in davids) > 0.4   # Dirichlet(0.5): some David is dominated by a class
+    with pytest.raises(ConfigError) as err:
+        goliath_split(y, [0, 1, 2], 3, alpha=0.5)
+    assert err.value.key == "system"
