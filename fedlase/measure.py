@@ -19,6 +19,11 @@ __all__ = ["cost_table", "memory_child"]
 def cost_table(cfg, memory: bool = True, checkpoint: str | None = None) -> list[LevelCost]:
     """The cost of every level of a config (`fedlase cost`); `checkpoint`: a run's checkpoint.pt whose model
     the submodels are taken from (default: the initial model)."""
+    from .errors import UserError
+    from .registry import METHODS
+    if not METHODS.get(cfg.method).clocked:   # its clients train models the table would not describe
+        raise UserError(f"fedlase cost: method {cfg.method} has no cost table: its clients' own models and its "
+                        "server's work are not what fedlase/cost.py charges (its Method.clocked is false)")
     p = build_parts(cfg)
     params, buffers = load_params(p.device, checkpoint) if checkpoint else (None, None)
     costs = level_costs(p.model, p.method, p.trainer, p.levels, p.level_clients, params, buffers)

@@ -29,7 +29,12 @@ def run_clocks(groups: list[Group]) -> tuple[dict, dict]:
     from .config import config_from_dict
     from .simtime import SimClock, recorded_clock
     tables, clocks = {}, {}
+    from .registry import METHODS
     for g in groups:
+        methods = {r.summary["config"].get("method") for r in g.runs}
+        if any(m in METHODS and not METHODS.get(m).clocked for m in methods):   # recipfl (Method.clocked)
+            log.info("report: no cost table or simulated time for %s (its method has none)", g.label)
+            continue
         try:
             for r in g.runs:   # a run folder's `plugins` are not imported (fedlase/checkpoint.py)
                 check_plugins(r.path / "summary.json", r.summary["config"].get("plugins", []),

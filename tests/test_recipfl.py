@@ -3,6 +3,7 @@ update is the vector-Jacobian product of the generated weights with (generated -
 shared across widths by corner slicing; it runs on the embedded engine through the normal entry point; bad
 combinations are one-line errors."""
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -10,11 +11,13 @@ import torch
 
 from fedlase.data.partition import goliath_split
 from fedlase.engine import evaluate_run, run_experiment
-from fedlase.errors import ConfigError
+from fedlase.errors import ConfigError, UserError
 from fedlase.masks import maskable_names
+from fedlase.measure import cost_table
 from fedlase.methods.ghn import _fan_in
 from fedlase.methods.recipfl import RecipFL
 from fedlase.models.lenet import LeNet5
+from fedlase.report import make_report
 
 RECIP = ["model=lenet", "method=recipfl", "system={1,1/8}_{1,3}", "partition=goliath", "alpha=0.5",
          "method_args.hidden=16", "eval_finetune=1", "local_steps=2"]
@@ -98,6 +101,12 @@ def test_recipfl_runs_two_rounds_on_the_embedded_engine(tiny_cfg):
     assert (levels["1"]["kept"], levels["1/8"]["kept"]) == (1637, 428)
     ckpt = torch.load(f"{cfg.out}/checkpoint.pt", weights_only=True)
     assert ckpt["method"]["opt"]["step"] == 2 and ckpt["method"]["last"]   # the hypernetwork stepped, uploads kept
+    # no cost table or simulated time is made up for it: `fedlase cost` refuses in one line, the report leaves both out
+    with pytest.raises(UserError, match="has no cost table") as err:
+        cost_table(cfg, memory=False)
+    assert "\n" not in str(err.value)
+    text = make_report([cfg.out], Path(cfg.out) / "report").read_text()
+    assert "Global accuracy per level" in text and "equal simulated time" not in text and "FLOP" not in text
 
 
 @pytest.mark.parametrize("override, key", [("model=cnn", "model"), ("bn=static", "bn"),
