@@ -414,12 +414,10 @@ def section_memory(args, data: dict) -> str:
                      "system=" + SYSTEM % ((n // 4,) * 4), f"participation={10 / n}", "local_steps=5",
                      "batch_size=5", "checkpoint_every=0"]
         spec = json.dumps({"overrides": overrides, "rounds": 2 if args.quick else 3})
-        proc = subprocess.run([sys.executable, "-m", "tools.bench", "--memory-child", spec],
-                              capture_output=True, text=True, cwd=CHECKOUT)
-        if proc.returncode != 0:
-            rows.append([f"{n:,}", "failed: " + (proc.stderr.strip().splitlines() or ["?"])[-1]] + [""] * 5)
+        r = _child("--memory-child", spec)
+        if isinstance(r, str):
+            rows.append([f"{n:,}", r] + [""] * 5)
             continue
-        r = json.loads(proc.stdout.strip().splitlines()[-1])
         base = base or r["rss_mib"]
         rows.append([f"{n:,}", f"{r['init_s']:.1f}", f"{r['round_s']:.2f}", f"{r['rss_init_mib']:.0f}",
                      f"{r['rss_mib']:.0f}", f"{r['rss_mib'] / base:.3f}x", f"{r['rss_end_mib']:.0f}"])
@@ -490,16 +488,24 @@ def async_overrides(args, data: dict, n: int) -> list[str]:
             "population.online=600", "population.offline=200", "seed=0"]
 
 
+def _child(flag: str, spec: str) -> dict | str:
+    """One measured run in its own process (`python -m tools.bench FLAG SPEC`, so its peak memory is its own): its
+    last stdout line as a dict, or "failed: <its last error line>"."""
+    proc = subprocess.run([sys.executable, "-m", "tools.bench", flag, spec], capture_output=True, text=True,
+                          cwd=CHECKOUT)
+    if proc.returncode != 0:
+        return "failed: " + (proc.stderr.strip().splitlines() or ["?"])[-1]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 def section_async(args, data: dict) -> str:
     rows, mem, base = [], [], None
     for n in ASYNC_CLIENTS:
         spec = json.dumps({"overrides": async_overrides(args, data, n), "steps": 5 if args.quick else 20})
-        proc = subprocess.run([sys.executable, "-m", "tools.bench", "--async-child", spec],
-                              capture_output=True, text=True, cwd=CHECKOUT)
-        if proc.returncode != 0:
-            rows.append([f"{n:,}", "failed: " + (proc.stderr.strip().splitlines() or ["?"])[-1]] + [""] * 8)
+        r = _child("--async-child", spec)
+        if isinstance(r, str):
+            rows.append([f"{n:,}", r] + [""] * 8)
             continue
-        r = json.loads(proc.stdout.strip().splitlines()[-1])
         per = {k: 1e3 * r[k] / max(1, r["arrivals"]) for k in ("train", "loop", "serve", "extract")}
         own = (r["loop"] + r["serve"]) / r["train"]
         rows.append([f"{n:,}", str(r["samples"]), str(r["arrivals"]), f"{per['train']:.1f}",
