@@ -119,7 +119,6 @@ def test_a_malicious_trace_is_refused_in_one_line_and_never_runs(tmp_path, capsy
     ("schedule=fedbuff deadline=3", "deadline"), ("schedule=fedbuff robust=median", "schedule_args.staleness"),
     ("schedule=fedbuff schedule_args.concurrency=9", "schedule_args.concurrency"),
     ("schedule=fedbuff schedule_args.mixing=0.5", "schedule_args.mixing"),
-    ("schedule=fedasync engine=flower-deploy", "schedule"),
     ("schedule=fedbuff engine=flower-deploy population.speed_spread=0.5", "population"),
     ("schedule=fedbuff schedule_args.replay=/no/such", "schedule_args.replay"),
     ("schedule=fedbuff schedule_args.replay=. population.speed_spread=0.5", "schedule_args.replay")])

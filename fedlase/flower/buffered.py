@@ -1,15 +1,16 @@
-"""FedBuff on Flower (`schedule=fedbuff`, engine=flower-deploy; docs/async.md, docs/flower.md): the event loop of
-fedlase/asynchronous.py with the nodes' replies for arrivals, over Flower's Message API.
+"""FedBuff and FedAsync on Flower (`schedule=fedbuff|fedasync`, engine=flower-deploy; docs/async.md,
+docs/flower.md): the event loop of fedlase/asynchronous.py with the nodes' replies for arrivals, over Flower's
+Message API.
 
 The ServerApp keeps `concurrency` clients training: it pushes one TRAIN message to each chosen client's node
 (`Grid.push_messages`; the message `NodeRounds.messages` builds for a synchronous round, with the batches of the
 round the client was drawn in and its level's submodel of the current model version), and pulls replies
 (`Grid.pull_messages`) until one is there. Every reply is an arrival, delivered one at a time, in the order the
 ServerApp received them (replies of one pull in the order their nodes made them, `created_at`). After `buffer`
-arrivals the server steps exactly as the embedded schedule does (`AsyncSchedule._apply`: the staleness weights,
-then `Experiment.serve`: the screen and the rule), then refills the freed slots from the new version, drawing
-clients in the synchronous rounds' order (`AsyncSchedule._fill`). Staleness: the server steps between the
-version a message carried and the step that applies its reply.
+arrivals (fedasync: every arrival) the server steps exactly as the embedded schedule does
+(`AsyncSchedule._apply`: the staleness weights, then `Experiment.serve`: the screen and the rule), then refills
+the freed slots from the new version, drawing clients in the synchronous rounds' order (`AsyncSchedule._fill`).
+Staleness: the server steps between the version a message carried and the step that applies its reply.
 
 A reply that is an error, fails the wire's checks (`NodeRounds.check`), or does not come within `reply_timeout`
 seconds, and a client no node holds, frees its slot and is dropped (`failed` in the step's metrics line, the
@@ -38,7 +39,7 @@ log = logging.getLogger("fedlase")
 
 
 class NodeSchedule(AsyncSchedule):
-    """`schedule=fedbuff` on Flower nodes; `nodes`: the ServerApp's NodeRounds (discovery, pins, checks)."""
+    """`schedule=fedbuff|fedasync` on Flower nodes; `nodes`: the ServerApp's NodeRounds (discovery, pins, checks)."""
 
     TIME = "wall_time"
 
@@ -89,7 +90,7 @@ class NodeSchedule(AsyncSchedule):
         """The next reply (or failure), as one arrival: pulled every POLL seconds until there is one."""
         while not self.ready:
             if not self.sent:   # cannot happen while a slot is taken; a loop waiting on nothing would never end
-                raise UserError("schedule=fedbuff: no message is out and no reply is waiting")
+                raise UserError(f"schedule={self.kind}: no message is out and no reply is waiting")
             self._pull(exp)
             if not self.ready:
                 time.sleep(self.nodes.POLL)
@@ -129,5 +130,5 @@ class NodeSchedule(AsyncSchedule):
         return events
 
     def load_state_dict(self, state: dict, exp, Update) -> None:
-        raise UserError("resume: a fedbuff run on Flower cannot resume: the messages it had in flight were the "
+        raise UserError(f"resume: a {self.kind} run on Flower cannot resume: the messages it had in flight were the "
                         "SuperLink's, and are gone; start it again in another out folder")
