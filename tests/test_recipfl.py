@@ -146,3 +146,20 @@ def test_the_goliath_partition():
     with pytest.raises(ConfigError) as err:
         goliath_split(y, [0, 1, 2], 3, alpha=0.5)
     assert err.value.key == "system"
+
+
+def test_the_written_out_adam_follows_torch_optim_adam():
+    """recipfl's Adam (written out so that a run does not import torch._dynamo) takes torch.optim.Adam's steps."""
+    from fedlase.methods.recipfl import Adam
+    torch.manual_seed(0)
+    a = [torch.randn(5, 3, requires_grad=True), torch.randn(7, requires_grad=True)]
+    b = [t.detach().clone().requires_grad_(True) for t in a]
+    ours, ref = Adam(a, lr=1e-2), torch.optim.Adam(b, lr=1e-2)
+    for step in range(5):
+        x = torch.randn(3)
+        for params, opt in ((a, ours), (b, ref)):
+            opt.zero_grad()
+            ((params[0] @ x).pow(2).sum() + params[1].sin().sum() * (step + 1)).backward()
+            opt.step()
+        for p, q in zip(a, b):
+            torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
