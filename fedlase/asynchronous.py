@@ -42,6 +42,7 @@ from .errors import UserError
 from .masks import Submodel
 from .sampling import sample_clients
 from .sim_config import schedule_settings, staleness_weight
+from .util import atomic_write, lines_up_to
 
 RECORD = "arrivals.jsonl"   # the arrival record, in the run folder
 TOTALS = ("lost_offline", "failed", "offline_skipped", "too_stale")   # counted over the run (`totals`)
@@ -94,11 +95,12 @@ def credited(sub: Submodel, seen: dict[int, Submodel]) -> Submodel:
     return seen[id(sub)]
 
 
-def _record_step(line: str) -> float:
-    try:
-        return json.loads(line)["step"]
-    except (ValueError, KeyError, TypeError):
-        return math.inf
+def by_draw(exp, flights: list[Flight]):
+    """The flights by the round whose batches they train, in round order: (draw, its flights, their (client,
+    level) pairs)."""
+    for draw in sorted({f.draw for f in flights}):
+        group = [f for f in flights if f.draw == draw]
+        yield draw, group, [(f.client, exp.levels[f.level]) for f in group]
 
 
 class AsyncSchedule:
@@ -253,9 +255,7 @@ class AsyncSchedule:
     def _launch(self, exp, trainees: list[Flight], subs: dict) -> None:
         """Train the dispatched clients now, on the current model: each flight holds its update until it arrives."""
         stripped: dict[int, Submodel] = {}
-        for draw in sorted({f.draw for f in trainees}):   # the runner trains one round's batches at a time
-            group = [f for f in trainees if f.draw == draw]
-            picked = [(f.client, exp.levels[f.level]) for f in group]
+        for draw, group, picked in by_draw(exp, trainees):   # the runner trains one round's batches at a time
             result = exp.runner.train(exp, draw, picked, {lv: subs[lv] for _, lv in picked})
             by_client = {u.client: u for u in result.updates}
             for f in group:
@@ -282,19 +282,11 @@ class AsyncSchedule:
             shares[name] = shares.get(name, 0) + 1
         for f, t in zip(batch, taus):
             self._note(exp, f, rnd, staleness=t, **({"too_stale": True} if bound is not None and t > bound else {}))
+        events = dict(zip(TOTALS, (self.lost, self.failed, self.skipped, stale)))   # only the non-empty reported
+        for key, v in events.items():
+            self.totals[key] += v if isinstance(v, int) else len(v)
         extra = {self.TIME: self.now, "staleness": taus, "level_updates": shares, "in_flight": len(self.flight),
-                 **self._stats()}
-        if self.lost:
-            extra["lost_offline"] = self.lost
-        if self.failed:
-            extra["failed"] = self.failed
-        if self.skipped:
-            extra["offline_skipped"] = self.skipped
-        if stale:
-            extra["too_stale"] = stale
-        for key, n in zip(TOTALS, (len(self.lost), len(self.failed), self.skipped, len(stale))):
-            self.totals[key] += n
-        extra["totals"] = dict(self.totals)
+                 **self._stats(), **{k: v for k, v in events.items() if v}, "totals": dict(self.totals)}
         self.lost, self.failed, self.skipped = [], [], 0
         self._write(exp)
         return exp.serve(rnd, updates, {}, extra, step_size)
@@ -314,11 +306,9 @@ class AsyncSchedule:
         run starts from (a resumed run's, written after its checkpoint) are dropped."""
         if self._record is None:
             self._record = Path(exp.cfg.out) / RECORD
-            kept = []
-            if self._record.exists():   # a line cut short by a kill goes too
-                kept = [ln for ln in self._record.read_text().splitlines() if _record_step(ln) <= exp.round]
+            kept = lines_up_to(self._record, "step", exp.round)
             self._record.parent.mkdir(parents=True, exist_ok=True)
-            self._record.write_text("".join(ln + "\n" for ln in kept))
+            atomic_write(self._record, lambda p: p.write_text("".join(ln + "\n" for ln in kept)))
         with open(self._record, "a") as out:
             out.write("".join(json.dumps(r) + "\n" for r in sorted(self._rows, key=lambda r: r["arrival"])))
         self._rows = []

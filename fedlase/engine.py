@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -38,7 +37,7 @@ from .registry import DATASETS, METHODS, TRACKERS
 from .resources import check_loaded
 from .robust import ServerStep
 from .sampling import Sampling, sample_clients
-from .util import atomic_write, run_folder
+from .util import atomic_write, lines_up_to, run_folder
 
 log = logging.getLogger("fedlase")
 
@@ -327,14 +326,6 @@ class Experiment:
 
 
 # ---- the run loop ----------------------------------------------------------------------------------------------
-def _metrics_round(line: str) -> float:
-    """The round of a metrics line; a line cut short by a kill counts as after every checkpoint."""
-    try:
-        return json.loads(line)["round"]
-    except (ValueError, KeyError, TypeError):
-        return math.inf
-
-
 def config_changes(saved: dict, cfg: Config) -> set[str]:
     """Keys whose values differ between a checkpoint's config and `cfg` and would change the result."""
     now = cfg.to_dict()
@@ -368,8 +359,7 @@ def run_experiment(cfg: Config, resume: bool = False, progress: bool = True, run
         if exp.round > cfg.rounds:
             raise UserError(f"rounds: the run in {out} is at round {exp.round}, beyond rounds={cfg.rounds}; "
                             f"resume with rounds >= {exp.round}")
-        if metrics_path.exists():   # drop lines written after the checkpoint
-            lines = [ln for ln in metrics_path.read_text().splitlines() if _metrics_round(ln) <= exp.round]
+        lines = lines_up_to(metrics_path, "round", exp.round)   # drop lines written after the checkpoint
         log.info("resuming %s at round %d", out, exp.round)
     (out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=1, default=str))
 

@@ -4,6 +4,8 @@ its errors, so any module may import it (the config included)."""
 from __future__ import annotations
 
 import importlib.util
+import json
+import math
 import os
 import shutil
 import warnings
@@ -39,6 +41,17 @@ def atomic_write(path: Path, write: Callable[[Path], object]) -> None:
             shutil.rmtree(tmp, ignore_errors=True)
         elif tmp.exists():
             tmp.unlink()
+
+
+def lines_up_to(path: Path, key: str, last: int) -> list[str]:
+    """The lines of a JSON-lines file (a run's metrics.jsonl or arrivals.jsonl) whose `key` is at most `last`: a
+    resumed run drops those written after its checkpoint, and a line cut short by a kill. None without the file."""
+    def at(line: str) -> float:
+        try:
+            return json.loads(line)[key]
+        except (ValueError, KeyError, TypeError):
+            return math.inf
+    return [ln for ln in path.read_text().splitlines() if at(ln) <= last] if path.exists() else []
 
 
 def cache_dir() -> Path:

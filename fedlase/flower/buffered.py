@@ -30,7 +30,7 @@ import heapq
 import logging
 import time
 
-from ..asynchronous import AsyncSchedule, Flight, credited
+from ..asynchronous import AsyncSchedule, Flight, by_draw, credited
 from ..errors import UserError
 from ..masks import Submodel
 from .codec import ReplyError
@@ -63,9 +63,7 @@ class NodeSchedule(AsyncSchedule):
     def _launch(self, exp, trainees: list[Flight], subs: dict) -> None:
         """Push one TRAIN message per dispatched client (its draw's batches, its level's submodel)."""
         stripped: dict[int, Submodel] = {}
-        for draw in sorted({f.draw for f in trainees}):
-            group = [f for f in trainees if f.draw == draw]
-            picked = [(f.client, exp.levels[f.level]) for f in group]
+        for draw, group, picked in by_draw(exp, trainees):
             entries = self.nodes.messages(exp, draw, picked, {lv: subs[lv] for _, lv in picked})
             pushed = [f for f in group if f.client in entries]
             ids = list(self.nodes.grid.push_messages([entries[f.client][0] for f in pushed])) if pushed else []
@@ -126,8 +124,7 @@ class NodeSchedule(AsyncSchedule):
                 self._drop(f, f"no reply within reply_timeout={self.nodes.reply_timeout:g}s")
 
     def _stats(self) -> dict:
-        events, self.nodes.events = self.nodes.events, {"refused": {}, "moved": {}}
-        return events
+        return self.nodes.take_events()
 
     def load_state_dict(self, state: dict, exp, Update) -> None:
         raise UserError(f"resume: a {self.kind} run on Flower cannot resume: the messages it had in flight were the "

@@ -40,7 +40,7 @@ class NodeRounds:
         self.nodes: dict[int, int] = {}        # partition id -> node id
         self.queried: set[int] = set()         # node ids asked (or refused) already
         self.keyed: dict[int, int] = {}        # node id -> the partition its key is pinned to
-        self.events = {"refused": {}, "moved": {}}   # since the last metrics line
+        self.events = {"refused": {}, "moved": {}}   # since the last metrics line (take_events)
         self.pending: dict[int, tuple] = {}    # partition id -> (message, level, submodel, bytes sent)
         self.bytes_total = {"sent": 0, "received": 0}
         self._dense: tuple[int, int] | None = None
@@ -67,6 +67,11 @@ class NodeRounds:
             if waiting:
                 time.sleep(self.POLL)
         return replies
+
+    def take_events(self) -> dict:
+        """The nodes refused and the partitions moved since the last metrics line; from now, none."""
+        events, self.events = self.events, {"refused": {}, "moved": {}}
+        return events
 
     def async_schedule(self, cfg):
         """The engine's event loop for schedule=fedbuff on these nodes (fedlase/flower/buffered.py)."""
@@ -224,9 +229,7 @@ class NodeRounds:
             self.bytes_total[key] += b[key]
         stats = {"sampled": len(self.last["sampled"]), "failed": failed,
                  "rejected": {str(k): v for k, v in self.last["rejected"].items()},
-                 "refused": self.events["refused"], "moved": self.events["moved"],
-                 "bytes": b, "bytes_total": dict(self.bytes_total)}
-        self.events = {"refused": {}, "moved": {}}
+                 **self.take_events(), "bytes": b, "bytes_total": dict(self.bytes_total)}
         return RoundResult(good, stats)
 
     def check(self, exp, rnd: int, pid: int, entry: tuple, reply: Message) -> Update:
