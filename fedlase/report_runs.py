@@ -4,6 +4,7 @@ device, checkpoint, evaluation and analysis settings). The tables, plots and sim
 (fedlase/report.py) are built from these."""
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import math
@@ -42,9 +43,14 @@ class Run:
         src = self.final if level == ALL else self.final["levels"].get(level, {})
         return float(src.get(name, math.nan))
 
-    def curve(self) -> list[dict]:
+    @functools.cached_property
+    def _lines(self) -> tuple[dict, ...]:
         f = self.path / "metrics.jsonl"
-        return [json.loads(ln) for ln in f.read_text().splitlines() if ln.strip()] if f.is_file() else []
+        return tuple(json.loads(ln) for ln in f.read_text().splitlines() if ln.strip()) if f.is_file() else ()
+
+    def curve(self) -> list[dict]:
+        """The run's metrics lines, read once per report (its tables, clocks and plots each walk them)."""
+        return list(self._lines)
 
     def npz(self, name: str):
         f = self.path / "analysis" / f"{name}.npz"
