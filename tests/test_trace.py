@@ -159,6 +159,62 @@ def test_a_forward_that_cannot_take_the_smaller_tensors_trains_masked():
     assert not sub.slices and int(sub.masks["fc1.weight"].any(1).sum()) == 4   # masks: half of the 8 channels
 
 
+# ---- channels moved between layers: the trace sees them one to one, the masked forward does not ----------------
+SHUFFLES = {
+    "view_transpose": lambda h: h.view(h.shape[0], 2, h.shape[1] // 2, *h.shape[2:]).transpose(1, 2).reshape(h.shape),
+    "flip": lambda h: h.flip(1),
+    "roll": lambda h: torch.roll(h, 1, dims=1),
+    "index": lambda h: h[:, torch.tensor([3, 0, 6, 1, 7, 2, 5, 4])],
+}
+
+
+def shuffled_net(kind: str) -> nn.Module:
+    class Shuffled(nn.Module):   # conv-bn-relu, its 8 channels moved, conv-bn-relu, global pooling, classifier
+        def __init__(self):
+            super().__init__()
+            self.c1, self.b1 = nn.Conv2d(1, 8, 3, padding=1), nn.BatchNorm2d(8)
+            self.c2, self.b2 = nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8)
+            self.fc = nn.Linear(8, 10)
+
+        def forward(self, x):
+            h = SHUFFLES[kind](torch.relu(self.b1(self.c1(x)))) if kind else torch.relu(self.b1(self.c1(x)))
+            return self.fc(torch.relu(self.b2(self.c2(h))).mean((2, 3)))
+
+    # a class per kind: the trace's cache is keyed by the model's class and shapes
+    return type(f"Shuffled_{kind or 'none'}", (Shuffled,), {})()
+
+
+@pytest.mark.parametrize("kind", sorted(SHUFFLES))
+def test_a_channel_shuffle_is_refused_in_one_line(kind):
+    model = shuffled_net(kind)
+    # the trace alone takes the moved channels for one to one: c2 reads c1's group
+    assert traced(model, (1, 8, 8))["c2.weight"] == ("c2.weight:0", "c1.weight:0")
+    with pytest.raises(ConfigError, match=r"model: heterofl slices channels; model Shuffled_\w+ declares no "
+                       r"channel_groups\(\) and tracing it failed \(under the masks c2 reads [1-4] kept input "
+                       r"channels as zero, [1-4] dropped as live: channels move between layers") as e:
+        derive(model, (1, 8, 8))
+    assert "\n" not in str(e.value)
+
+
+def test_the_same_net_without_the_shuffle_slices():
+    model = derive(shuffled_net(""), (1, 8, 8))
+    assert model.sliceable is True
+
+
+def test_a_masked_model_whose_channels_stay_in_place_passes_the_check():
+    class FixedView(nn.Module):   # a view with a fixed size fails the slice trial; its channels stay in place
+        def __init__(self):
+            super().__init__()
+            self.fc1, self.fc2, self.fc3 = nn.Linear(6, 8), nn.Linear(8, 8), nn.Linear(8, 3)
+
+        def forward(self, x):
+            h = torch.relu(self.fc1(x)).view(-1, 8)
+            return self.fc3(torch.relu(self.fc2(h)))
+
+    model = derive(FixedView(), (6,))
+    assert model.sliceable is False and model.channel_groups()["fc2.weight"][1] is not None
+
+
 # ---- own hooks win; failures are one line ------------------------------------------------------------------------
 def test_a_models_own_hooks_win_and_built_ins_never_import_torch_pruning():
     sys.modules.pop("torch_pruning", None)

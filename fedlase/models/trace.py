@@ -19,7 +19,11 @@ The mapping (docs/methods-structured.md, "Groups derived by tracing"):
 - sliced or masked: the model trains as the physically smaller tensors (`sliceable`) only where a trial on the
   same two samples shows the half-width slice, run as smaller tensors, gives the same logits as the masks over
   the full model (a forward that reads a size from a layer's attributes, a view with a fixed size, a LayerNorm
-  or GroupNorm over cut channels fail it); otherwise it trains masked.
+  or GroupNorm over cut channels fail it); otherwise it trains masked, once a forward with hooks has shown that
+  under the masks every layer reads live values on exactly the input channels it keeps. A model that moves
+  channels between a producer and its consumer (a channel shuffle by view and transpose, `flip(1)`,
+  `roll(..., dims=1)`, indexing with a permutation) passes the trace as one to one; it fails that check and is
+  refused in one line.
 
 Torch-Pruning is imported only here, and only when a width method meets a model without the hooks."""
 from __future__ import annotations
@@ -79,7 +83,10 @@ def ensure_groups(model: nn.Module, method: str, width_slices) -> None:
     key = (type(model), tuple((n, tuple(p.shape)) for n, p in params.items()), tuple(example.shape), example.dtype)
     if key not in _CACHE:
         groups = trace_groups(model, example, method)
-        _CACHE[key] = (groups, _slices_match(model, groups, example, method, width_slices))
+        sliceable = _slices_match(model, groups, example, method, width_slices)
+        if not sliceable:   # masked training needs only that each consumer reads its producers' kept channels
+            _check_channel_flow(model, groups, example, method, width_slices)
+        _CACHE[key] = (groups, sliceable)
     groups, sliceable = _CACHE[key]
     object.__setattr__(model, "channel_groups", DerivedGroups(groups))
     if not hasattr(model, "sliceable"):   # a model's own choice wins
@@ -245,3 +252,86 @@ def _slices_match(model: nn.Module, groups: dict, example: torch.Tensor, method:
         return False
     scale = float(full.abs().max()) if full.numel() else 0.0
     return bool(torch.allclose(full, small, rtol=1e-4, atol=1e-5 * max(1.0, scale)))
+
+
+# ---- the channels each layer reads under the masks ----------------------------------------------------------------
+def _channel_dim(module: nn.Module) -> int:
+    """The dim of a layer's input and output tensors that holds its channels."""
+    return 1 if isinstance(module, (Conv, BatchNorm, nn.GroupNorm)) else -1
+
+
+def _kept_channels(groups: dict, masks: dict) -> dict[str, torch.Tensor]:
+    """Group -> bool vector of the channels the masks keep (read off any parameter the group cuts)."""
+    keep: dict[str, torch.Tensor] = {}
+    for name, gs in groups.items():
+        m = masks[name]
+        for d, g in enumerate(gs):
+            if g is not None and g not in keep:
+                keep[g] = m.transpose(0, d).reshape(m.shape[d], -1).any(1)
+    return keep
+
+
+@torch.no_grad()
+def _check_channel_flow(model: nn.Module, groups: dict, example: torch.Tensor, method: str, width_slices) -> None:
+    """Refuse (one line) a model whose layers, under the half-width masks, read a dropped channel as live or a
+    kept one as zero. Every layer that produces a group's channels emits markers instead of its output (a
+    positive random value on its kept channels, zero on its dropped ones), so what each consumer reads depends on
+    the model's wiring alone, not on its weights; a pre-hook on each consumer compares its input's live channels
+    with the ones it keeps."""
+    params = {n: p.detach() for n, p in model.named_parameters()}
+    trial = SimpleNamespace(channel_groups=DerivedGroups(groups), sliceable=False, named_buffers=model.named_buffers)
+    keep = _kept_channels(groups, width_slices(trial, params, _TRIAL_RATE)[0])
+    gen = torch.Generator().manual_seed(0)
+    wrong: list[str] = []
+
+    def along(v: torch.Tensor, dim: int, ndim: int) -> torch.Tensor:
+        shape = [1] * ndim
+        shape[dim] = -1
+        return v.view(shape)
+
+    def produce(g):
+        def hook(mod, _inp, out):
+            dim = _channel_dim(mod)
+            if not isinstance(out, torch.Tensor) or out.dim() < 2 or out.shape[dim] != keep[g].numel():
+                return None
+            marks = torch.rand(out.shape, generator=gen).to(out) + 0.5
+            return marks * along(keep[g].to(out.device), dim % out.dim(), out.dim())
+        return hook
+
+    def consume(name, g):
+        def hook(mod, inp):
+            x, dim = inp[0] if inp else None, _channel_dim(mod)
+            if wrong or not isinstance(x, torch.Tensor) or x.dim() < 2 or x.shape[dim] != keep[g].numel():
+                return
+            live = (x.movedim(dim, 0).reshape(x.shape[dim], -1) != 0).any(1).cpu()
+            dead, stray = (keep[g] & ~live).nonzero().flatten(), (~keep[g] & live).nonzero().flatten()
+            if len(dead) or len(stray):
+                wrong.append(f"{name} reads {len(dead)} kept input channels as zero, {len(stray)} dropped as live")
+        return hook
+
+    handles = []
+    for name, mod in model.named_modules():
+        gs = groups.get(f"{name}.weight" if name else "weight")
+        if gs is None or not isinstance(mod, (Conv, nn.Linear, BatchNorm, nn.GroupNorm, nn.LayerNorm, nn.Embedding)):
+            continue
+        channelwise = not isinstance(mod, (Conv, nn.Linear)) or getattr(mod, "groups", 1) > 1   # norms, depthwise
+        out_g = gs[1] if isinstance(mod, nn.Embedding) else gs[0]
+        in_g = None if isinstance(mod, nn.Embedding) else gs[0] if channelwise else gs[1]
+        if in_g is not None:
+            handles.append(mod.register_forward_pre_hook(consume(name, in_g)))
+        if out_g is not None:
+            handles.append(mod.register_forward_hook(produce(out_g)))
+    modes = {m: m.training for m in model.modules()}
+    model.eval()
+    try:
+        model(example.to(next(iter(params.values())).device))
+    except Exception as e:   # noqa: BLE001
+        raise _fail(method, model, f"its forward with channel markers failed: {type(e).__name__}: {e}") from None
+    finally:
+        for h in handles:
+            h.remove()
+        for m, t in modes.items():
+            m.training = t
+    if wrong:
+        raise _fail(method, model, f"under the masks {wrong[0]}: channels move between layers (a shuffle, flip, "
+                    "roll or permutation?)")
