@@ -6,7 +6,8 @@ Per level, on the submodel of round 1 of the initial model (or of the model a ch
   held        parameters the client must hold to train: the whole model for masked methods (FIARSE, FedLASE:
               the client trains the full-size tensors under masks), the gathered slice for width methods
               (HeteroFL, FedRolex, fedlase_width), BatchNorm parameters included;
-  kept        budgeted coordinates of its submodel (what the budget counts);
+  kept        budgeted coordinates of its submodel (what the budget counts), and their share of the model's:
+              a method that defines a level by width (HeteroFL) can keep far more than the level's fraction;
   step_flops  FLOPs of one local step (forward and backward of one batch) as fedlase computes it, counted by
               torch.utils.flop_counter.FlopCounterMode (matmuls and convolutions only; BN, activations and the
               optimizer are not counted);
@@ -52,6 +53,7 @@ class LevelCost:
     sliced: bool          # whether the client trains a gathered slice
     peak_bytes: int | None = None
     train_bytes: int | None = None
+    share: float | None = None   # kept / the model's budgeted coordinates
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -118,6 +120,7 @@ def level_costs(model, method, trainer, levels, level_clients: dict, params: dic
     params = params if params is not None else {k: v.detach() for k, v in model.named_parameters()}
     buffers = buffers if buffers is not None else {k: v.detach() for k, v in model.named_buffers()}
     state = copy.deepcopy(method.state_dict())
+    total = sum(params[n].numel() for n in method.maskable)
     out = []
     try:
         for lvl in levels:
@@ -130,8 +133,9 @@ def level_costs(model, method, trainer, levels, level_clients: dict, params: dic
             flops, sparse = _step_flops(model, trainer, params, buffers, client, trained)
             down, up = _payload(params, buffers, sub)
             steps = trainer.work.num_steps(len(trainer.train_idx[client]))
-            out.append(LevelCost(lvl.name, float(lvl), held, sub.kept(method.maskable, params), flops,
-                                 sparse, down, up, steps, bool(trained.slices)))
+            kept = sub.kept(method.maskable, params)
+            out.append(LevelCost(lvl.name, float(lvl), held, kept, flops, sparse, down, up, steps,
+                                 bool(trained.slices), share=kept / total if total else None))
     finally:
         method.load_state_dict(state)
     return out
@@ -176,7 +180,8 @@ def format_cost_table(costs: list[LevelCost], method: str = "") -> str:
     """The per-level Markdown table."""
     rows = []
     for c in costs:
-        rows.append([c.level, f"{c.held:,}" + (" (slice)" if c.sliced else " (dense)"), f"{c.kept:,}",
+        share = "" if c.share is None else f" ({100 * c.share:.3g}%)"   # what the level really keeps
+        rows.append([c.level, f"{c.held:,}" + (" (slice)" if c.sliced else " (dense)"), f"{c.kept:,}{share}",
                      _mib(c.peak_bytes), _mib(c.train_bytes), _si(c.step_flops, "FLOP"), _si(c.sparse_flops, "FLOP"),
                      _si(c.down_bytes, "B"), _si(c.up_bytes, "B"), str(c.steps)])
     head = ["level", "params held", "kept (budget)", "peak RSS", "train+", "step FLOPs", "sparse FLOPs",

@@ -5,7 +5,7 @@ from __future__ import annotations
 from ..masks import Submodel
 from ..registry import register_method
 from .base import Method
-from .slicing import WidthSlicer
+from .slicing import WidthSlicer, state_widths, width_rate
 
 
 @register_method
@@ -26,6 +26,7 @@ class FedAvgSmall(Method):
     def __init__(self, model, system=(1.0,), **options):
         super().__init__(model, system, **options)
         self.slicer = WidthSlicer(model, method=self.name)
+        state_widths(self, lambda lvl: width_rate(float(self.system.smallest)))
 
     def submodel(self, params, level, round):
         return self.slicer(params, self.system.smallest)

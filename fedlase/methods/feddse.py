@@ -21,7 +21,7 @@ from ..layers import BatchNorm
 from ..masks import Submodel
 from ..registry import register_method
 from .base import LocalObjective, Method, Option
-from .slicing import channel_groups, group_keep, width_rate, width_slices
+from .slicing import channel_groups, group_keep, state_widths, width_rate, width_slices
 
 
 def top_channels(score: torch.Tensor, keep: int) -> torch.Tensor:
@@ -74,6 +74,7 @@ class FedDSE(Method):
         self.scored = {name: self.groups[f"{name}.weight"][0] for name, mod in model.named_modules()
                        if isinstance(mod, BatchNorm) and f"{name}.weight" in self.groups}
         self.counts: dict[int, tuple[int, dict[str, torch.Tensor]]] = {}   # level index -> (round, selections)
+        state_widths(self, lambda lvl: width_rate(float(lvl)), units=False)   # single channels, not units
 
     def submodel(self, params, level, round):
         if float(level) >= 1:

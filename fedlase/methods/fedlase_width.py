@@ -37,17 +37,19 @@ dense tensors, as HeteroFL's and FedRolex's clients do, and the server averages 
 clients that hold it. No scaler: the widths differ per group and BN cancels a constant factor anyway."""
 from __future__ import annotations
 
+import logging
 import math
 
 import torch
 
+from ..errors import ConfigError
 from ..layers import forward_uses
 from ..masks import Submodel
 from ..registry import register_method
 from .base import Method, Option
 from .feddse import top_channels
 from .fedlase import FedLASE
-from .slicing import channel_groups, group_sizes, width_rate, width_slices
+from .slicing import channel_groups, group_sizes, held, width_rate, width_slices
 
 SCORING = ("score", "log", "transform", "extract_all_layers", "edge_layers")   # FedLASE's switches that apply
 
@@ -81,19 +83,35 @@ class FedLASEWidth(Method):
         # budget=both only: each weight's uses in one forward pass (one pass at start-up) and the full model's work
         self.uses = forward_uses(model) if self.args["budget"] == "both" else None
         self.full_work = self._cost(dict(self.sizes), params, self.uses) if self.uses is not None else None
+        self._check_smallest(params)
+        self._single: set[str] = set()   # levels already said to cut a group to a single channel
 
     def _cost(self, keep: dict[str, int], params, uses: dict[str, int] | None = None) -> int:
         """Budgeted coordinates held when group g keeps keep[g] of its channels; with `uses`, each coordinate
         weighted by its uses in one forward pass (the forward work)."""
-        total = 0
-        for n in self.maskable:
-            out_g, in_g = self.groups.get(n, (None, None))
-            size = params[n].numel()
-            for g in (out_g, in_g):
-                if g is not None:
-                    size = size // self.sizes[g] * keep[g]
-            total += size * (uses.get(n, 0) if uses is not None else 1)
-        return total
+        return held(self.groups, self.sizes, params, self.maskable, keep, uses)
+
+    def _check_smallest(self, params) -> None:
+        """Refuse (one line) a system whose smallest level cannot be met: one channel per group already holds more
+        than its budget, because layers no width cut reaches (the classes, the image channels, a flatten into a
+        linear layer) are kept whole. The widths would otherwise cut every group to one channel and still hand
+        the level more than its fraction."""
+        lvl = self.system.smallest
+        least = {g: 1 for g in self.sizes}
+        budget = self.budget(params, lvl)
+        cost, work = self._cost(least, params), None
+        if self.uses is not None and self._cost(least, params, self.uses) > int(float(lvl) * self.full_work):
+            work = "forward work"
+        if cost <= budget and work is None:
+            return
+        whole = sorted((n for n in self.maskable if self.groups.get(n, (None, None)) == (None, None)),
+                       key=lambda n: -params[n].numel())
+        uncut = sum(params[n].numel() for n in whole)
+        what = f"its {work} budget" if work and cost <= budget else f"its {budget:,} budgeted parameters"
+        raise ConfigError("system", f"level {lvl.name} of fedlase_width cannot be met: one channel per group "
+                          f"already holds {cost:,} parameters, over {what} ({uncut:,} are in layers no width cut "
+                          f"reaches: {', '.join(whole[:3]) or 'none'}); use larger levels or a model whose uncut "
+                          "layers are smaller")
 
     def widths(self, params: dict[str, torch.Tensor], level) -> dict[str, int]:
         """Group -> kept channels at this level (steps 1-4 of the module docstring)."""
@@ -140,6 +158,13 @@ class FedLASEWidth(Method):
                 keep[g] += 1
                 if not fits(keep):
                     keep[g] -= 1
+        single = [g for g, k in keep.items() if k == 1 < self.sizes[g]]
+        name = str(getattr(level, "name", lvl))
+        if single and name not in self._single:   # said once per level and run: widths move every round
+            self._single.add(name)
+            logging.getLogger("fedlase").warning(
+                "fedlase_width: level %s meets its budget only by cutting %s to a single channel (%s)", name,
+                f"{len(single)} of {len(self.sizes)} channel groups", ", ".join(single[:4]))
         return keep
 
     @torch.no_grad()

@@ -18,7 +18,7 @@ from ..errors import ConfigError
 from ..masks import Submodel
 from ..registry import register_method
 from .base import LocalObjective, Method, Option
-from .slicing import channel_groups, width_rate, width_slices
+from .slicing import channel_groups, state_widths, width_rate, width_slices
 
 UNIFORM5 = (0.2, 0.4, 0.6, 0.8, 1.0)   # FjORD's own width set ("uniform-5")
 
@@ -87,6 +87,7 @@ class FjORD(Method):
                 raise ConfigError("method_args.widths", f"no width rate fits level {lvl.name} (its rate is at most "
                                   f"{width_rate(float(lvl)):.4g}); add a smaller rate")
             self.allowed[lvl] = ok
+        state_widths(self, lambda lvl: self.allowed[lvl][-1])   # the widest width a level holds
         self._cache: dict = {}
 
     def submodel(self, params, level, round):

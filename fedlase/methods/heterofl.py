@@ -15,7 +15,7 @@ from __future__ import annotations
 from ..errors import ConfigError
 from ..registry import register_method
 from .base import Method, Option
-from .slicing import WidthSlicer
+from .slicing import WidthSlicer, state_widths, width_rate
 
 
 @register_method
@@ -39,6 +39,7 @@ class HeteroFL(Method):
                               "leave method_args.scaler unset or false")
         self.scaler = bool(scaler)
         self.slicer = WidthSlicer(model, model.scaler_names() if self.scaler else (), self.name)
+        state_widths(self, lambda lvl: width_rate(float(lvl)))   # a level is a width: say what it really holds
 
     def roll(self, round: int) -> int:
         """How far the window has rolled at this round: never, for HeteroFL."""

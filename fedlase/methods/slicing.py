@@ -5,6 +5,7 @@ A model declares, per parameter, which channel group its output and input dimens
 kept input channels are exactly the kept output channels of the layer that feeds it."""
 from __future__ import annotations
 
+import logging
 import math
 
 import torch
@@ -13,16 +14,22 @@ from torch import nn
 from ..levels import level_name
 from ..masks import Submodel
 
+log = logging.getLogger("fedlase")
+
 
 def width_rate(level: float) -> float:
     """Parameter level -> width rate: a width rate r keeps about r^2 of a conv's parameters."""
     return math.sqrt(level)
 
 
+def window_size(size: int, rate: float) -> int:
+    """How many of `size` channels a window at `rate` keeps: ceil(rate * size), at least one."""
+    return min(size, max(1, math.ceil(rate * size - 1e-9)))
+
+
 def channel_window(size: int, rate: float, roll: int = 0) -> torch.Tensor:
     """Indices of the kept channels: ceil(rate * size) of them starting at (-roll) mod size, wrapping."""
-    keep = min(size, max(1, math.ceil(rate * size - 1e-9)))
-    return (torch.arange(keep) - roll) % size
+    return (torch.arange(window_size(size, rate)) - roll) % size
 
 
 def group_sizes(groups: dict, params: dict[str, torch.Tensor]) -> dict[str, int]:
@@ -34,6 +41,54 @@ def group_sizes(groups: dict, params: dict[str, torch.Tensor]) -> dict[str, int]
             if g is not None:
                 sizes.setdefault(g, params[name].shape[dim])
     return sizes
+
+
+def held(groups: dict, sizes: dict[str, int], params: dict[str, torch.Tensor], names: list[str],
+         counts: dict[str, int], uses: dict[str, int] | None = None) -> int:
+    """Coordinates of the parameters `names` (a method's budgeted ones) a width submodel holds when group g keeps
+    counts[g] of its sizes[g] channels (a parameter's size scales with its output and its input width); with
+    `uses`, each coordinate weighted by its uses in one forward pass (the forward work)."""
+    total = 0
+    for n in names:
+        size = params[n].numel()
+        for g in groups.get(n, (None, None)):
+            if g is not None:
+                size = size // sizes[g] * counts[g]
+        total += size * (uses.get(n, 0) if uses is not None else 1)
+    return total
+
+
+def state_widths(method, rate_of, units: bool = True) -> dict[str, int]:
+    """The run's start line for a method that defines a level by its width (HeteroFL's rate sqrt(level), FjORD's,
+    FedDSE's, FedAvg-small's): the budgeted parameters each level really holds. Where layers no width cut
+    reaches (the classes, the image channels, a flatten into a linear layer) are much of the model, a level holds
+    far more than its fraction; such a level, and a group cut to a single channel, make the line a warning.
+    `rate_of(level)`: the level's width rate; `units`: whether the window counts in the model's `group_units()`.
+    Returns level name -> parameters held."""
+    model, params = method.model, {n: p.detach() for n, p in method.model.named_parameters()}
+    groups = model.channel_groups()
+    sizes = group_sizes(groups, params)
+    unit = model.group_units() if units and hasattr(model, "group_units") else {}
+    total = sum(params[n].numel() for n in method.maskable)
+    holds, parts, single, over = {}, [], [], False
+    if not total:   # nothing budgeted: nothing to state
+        return holds
+    for lvl in method.system.levels:
+        rate = rate_of(lvl)
+        if rate >= 1:
+            continue
+        counts = {g: unit.get(g, 1) * window_size(k // unit.get(g, 1), rate) for g, k in sizes.items()}
+        kept = holds[lvl.name] = held(groups, sizes, params, method.maskable, counts)
+        above = kept > method.budget(params, lvl)
+        over |= above
+        note = f", above its {float(lvl) * 100:.3g}%" if above else ""
+        parts.append(f"{lvl.name} {kept:,} ({100 * kept / total:.3g}%{note})")
+        single += [f"{g} (1 of {k}) at {lvl.name}" for g, k in sizes.items() if counts[g] == 1 < k]
+    if parts:
+        line = (f"{method.name} defines a level by its width; of the {total:,} budgeted parameters a level holds: "
+                + ", ".join(parts) + ("; cut to a single channel: " + ", ".join(single[:4]) if single else ""))
+        log.log(logging.WARNING if over or single else logging.INFO, "%s", line)
+    return holds
 
 
 def group_keep(model: nn.Module, groups: dict, params: dict[str, torch.Tensor], rate: float,
