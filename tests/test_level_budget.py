@@ -104,6 +104,16 @@ def test_a_width_defined_level_states_what_it_really_holds(mixer, method, caplog
     assert f"1/4 {kept:,} ({100 * kept / total:.3g}%, above its 25%)" in line.getMessage()
 
 
+def test_a_width_cut_to_a_single_channel_is_said(mixer, caplog):
+    # rate sqrt(1/1024) = 1/32 of 32 channels: every group keeps one
+    with caplog.at_level(logging.INFO, logger="fedlase"):
+        build_parts(config("heterofl", "{1,1/1024}_{1,1}", "pooled_mixer_t"))
+    line = next(r for r in caplog.records if r.getMessage().startswith("heterofl defines a level by its width"))
+    assert line.levelno == logging.WARNING
+    assert line.getMessage().endswith("; cut to a single channel: 0.weight:0 (1 of 32) at 1/1024, 3.1.weight:0 "
+                                      "(1 of 32) at 1/1024, 4.1.weight:0 (1 of 32) at 1/1024")
+
+
 def test_fedlase_cost_states_the_share_each_level_keeps(mixer, monkeypatch):
     monkeypatch.setattr(cost, "_payload", lambda *a: (0, 0))   # the bytes are not under test (Flower loads slowly)
     parts = build_parts(config("heterofl"))

@@ -44,6 +44,7 @@ import torch
 
 from ..errors import ConfigError
 from ..layers import forward_uses
+from ..levels import level_name
 from ..masks import Submodel
 from ..registry import register_method
 from .base import Method, Option
@@ -51,6 +52,7 @@ from .feddse import top_channels
 from .fedlase import FedLASE
 from .slicing import channel_groups, group_sizes, held, width_rate, width_slices
 
+log = logging.getLogger("fedlase")
 SCORING = ("score", "log", "transform", "extract_all_layers", "edge_layers")   # FedLASE's switches that apply
 
 
@@ -159,12 +161,11 @@ class FedLASEWidth(Method):
                 if not fits(keep):
                     keep[g] -= 1
         single = [g for g, k in keep.items() if k == 1 < self.sizes[g]]
-        name = str(getattr(level, "name", lvl))
+        name = level_name(level)
         if single and name not in self._single:   # said once per level and run: widths move every round
             self._single.add(name)
-            logging.getLogger("fedlase").warning(
-                "fedlase_width: level %s meets its budget only by cutting %s to a single channel (%s)", name,
-                f"{len(single)} of {len(self.sizes)} channel groups", ", ".join(single[:4]))
+            log.warning("fedlase_width: level %s meets its budget only by cutting %d of %d channel groups to a "
+                        "single channel (%s)", name, len(single), len(self.sizes), ", ".join(single[:4]))
         return keep
 
     @torch.no_grad()
