@@ -13,20 +13,19 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from .deploy_config import check_deployment, ray_address_rule
 from .errors import ConfigError
 from .levels import System, parse_level
 from .machine import sim_actors_rule, threads_rule, writable_folder
 from .options import Option, check_value
 from .registry import ATTACKS, DATASETS, METHODS, MODELS, PARTITIONS, RULES, TRACKERS
 from .resources import check_run
-from .util import split_host_port
 
 
 def _f(default, help: str, **kw):
@@ -39,44 +38,6 @@ def _f(default, help: str, **kw):
 
 def _positive(**kw):
     return {"low": 0, "low_open": True, **kw}
-
-
-def _ray_address(value: str) -> str | None:
-    """`ray_address`: host:port of a Ray head (as `ray start --head` prints it), or auto."""
-    if value == "auto" or split_host_port(value) is not None:
-        return None
-    return f"expected host:port of a running Ray cluster's head, or auto; got {value!r}"
-
-
-DEVICE_KEYS = ("speed", "bandwidth", "memory")   # of `device_model`, a level-1 device's
-
-
-def check_device_model(value, num_levels: int) -> None:
-    """`device_model` (fedlase/simtime.py): ConfigError naming `device_model.<key>` for a key or value it does
-    not take."""
-    if value is None:
-        return
-    if not isinstance(value, dict):
-        raise ConfigError("device_model", f"expected a mapping of speed, bandwidth, memory; got {value!r}")
-    for key, v in value.items():
-        if key not in DEVICE_KEYS:
-            raise ConfigError(f"device_model.{key}", f"unknown key; expected one of {', '.join(DEVICE_KEYS)}")
-        values = v if isinstance(v, list) else [v]
-        if isinstance(v, list) and len(v) != num_levels:
-            raise ConfigError(f"device_model.{key}", f"a list needs one value per level ({num_levels}), got {len(v)}")
-        for x in values:
-            if not _positive_number(x):
-                raise ConfigError(f"device_model.{key}", f"expected a positive number (or a list of them), got {x!r}")
-
-
-def _positive_number(x) -> bool:
-    """A positive number; a string such as '1e9' counts (YAML reads 1e9 without a dot as a string)."""
-    if isinstance(x, bool):
-        return False
-    try:
-        return float(x) > 0
-    except (TypeError, ValueError):
-        return False
 
 
 @dataclass(frozen=True)
@@ -222,7 +183,7 @@ class Config:
                                tags=("path", "submitter"))
     ray_address: str | None = _f(None, "engine=flower-sim: join the running Ray cluster at this address (host:port, "
                                  "or auto) instead of starting a private Ray; unset: a private one sized to this "
-                                 "machine (docs/cluster.md)", kind=str, check=_ray_address, affects_result=False,
+                                 "machine (docs/cluster.md)", kind=str, check=ray_address_rule, affects_result=False,
                                  tags=("raw",))
     sim_actors: int | None = _f(None, "engine=flower-sim: clients trained at once, each in a Ray actor (a process "
                                 "that imports torch) of its own, at most the CPUs this process may use; unset: one "
@@ -306,42 +267,6 @@ def check_analysis(value) -> dict[str, dict]:
             if value.get(name) not in (None, False)}
 
 
-def _readable(key: str, path: str, what: str) -> Path:
-    p = Path(path).expanduser()
-    try:
-        with open(p, "rb") as f:
-            head = f.read(64)
-    except OSError as e:
-        raise ConfigError(key, f"cannot read the {what} {str(p)!r}: {e.strerror or e}") from None
-    if b"-----BEGIN" not in head:
-        raise ConfigError(key, f"{str(p)!r} is not a PEM file (the {what})")
-    return p
-
-
-def check_security(cfg) -> None:
-    """Check the Flower security keys of a config; raise ConfigError(key, one line) on the first problem."""
-    if cfg.tls_ca is not None:
-        _readable("tls_ca", cfg.tls_ca, "CA certificate")
-    if cfg.tls_cert is not None:
-        _readable("tls_cert", cfg.tls_cert, "SuperLink certificate")
-    if cfg.tls_key is not None:
-        _readable("tls_key", cfg.tls_key, "SuperLink private key")
-    if (cfg.tls_cert is None) != (cfg.tls_key is None):
-        missing = "tls_key" if cfg.tls_key is None else "tls_cert"
-        raise ConfigError(missing, "tls_cert and tls_key go together (the SuperLink's certificate and its key)")
-    if cfg.tls_cert is not None and cfg.tls_ca is None:
-        raise ConfigError("tls_ca", "needed with tls_cert: the CA certificate that signed it")
-    if cfg.node_keys is not None:
-        folder = Path(cfg.node_keys).expanduser()
-        if not folder.is_dir():
-            raise ConfigError("node_keys", f"folder {str(folder)!r} does not exist")
-        if not os.access(folder, os.R_OK | os.X_OK):
-            raise ConfigError("node_keys", f"folder {str(folder)!r} cannot be read")
-    if cfg.insecure and any(getattr(cfg, k) is not None for k in tagged("submitter")):
-        raise ConfigError("insecure", "insecure=true turns TLS and node authentication off; drop it or the "
-                                      "tls_*/node_keys files")
-
-
 def validate(cfg: Config) -> Config:
     """The checked copy of `cfg`: every value checked and coerced (`cfg` itself is left as it was). Raises
     ConfigError naming the key and the allowed values."""
@@ -387,21 +312,15 @@ def validate(cfg: Config) -> Config:
     if not isinstance(cfg.dp, dict):
         raise ConfigError("dp", f"expected a mapping such as {{clip: 1, noise_multiplier: 1}}, got {cfg.dp!r}")
     cfg = dataclasses.replace(cfg, dp=check_dp(cfg))
+    from .sim_config import check_device_model, check_population, check_schedule
     check_device_model(cfg.device_model, len(cfg.levels.levels))
-    from .sim_config import check_population, check_schedule
     check_population(cfg.population)   # kept as given, like schedule_args: defaults are filled where they are used
     check_schedule(cfg, participation)
     if cfg.data_dir is not None and not Path(cfg.data_dir).is_dir():
         raise ConfigError("data_dir", f"folder {cfg.data_dir!r} does not exist")
     if data.needs_data_dir and cfg.data_dir is None:
         raise ConfigError("data_dir", f"dataset {cfg.dataset} needs data_dir: the folder holding its files")
-    check_security(cfg)
-    if cfg.ray_address is not None and cfg.engine != "flower-sim":
-        raise ConfigError("ray_address", f"joins a Ray cluster for engine=flower-sim, got engine={cfg.engine} "
-                          "(a sweep's runs go to a cluster with `fedlase sweep --ray`)")
-    if cfg.ray_address is not None and cfg.sim_actors is not None:
-        raise ConfigError("sim_actors", "sizes the run's private Ray; with ray_address the cluster's CPUs decide "
-                          "how many clients train at once")
+    check_deployment(cfg, tagged("submitter"))
     if cfg.batched_clients and cfg.engine != "embedded":   # Flower trains each client in its own ClientApp
         raise ConfigError("batched_clients", f"needs engine=embedded, got engine={cfg.engine}")
     if cfg.batched_clients and model.kind == "text":   # the forward trims batches with a data-dependent size

@@ -12,7 +12,6 @@ clock) and ends each server step in the same `serve`. The engine knows no method
 analysis by name: it builds them through fedlase.registry."""
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections.abc import Callable
@@ -26,7 +25,7 @@ import torch
 from . import checkpoint
 from .aggregate import channel_owners
 from .client import ClientSettings, ClientTrainer, build_model_for, client_splits, pick_device
-from .config import Config, check_analysis, config_from_dict, parse_override, result_keys, set_dotted, tagged
+from .config import Config, check_analysis, config_from_dict, parse_override, set_dotted, tagged
 from .errors import UserError
 from .evaluate import EvalData, EvalSettings, evaluate_levels
 from .levels import Level
@@ -36,8 +35,8 @@ from .privacy import stages_for
 from .registry import DATASETS, METHODS, TRACKERS
 from .resources import check_loaded
 from .robust import ServerStep
+from .run_dir import EvalCadence, Progress, RunFolder
 from .sampling import Sampling, sample_clients
-from .util import atomic_write, lines_up_to, run_folder
 
 log = logging.getLogger("fedlase")
 
@@ -326,104 +325,44 @@ class Experiment:
 
 
 # ---- the run loop ----------------------------------------------------------------------------------------------
-def config_changes(saved: dict, cfg: Config) -> set[str]:
-    """Keys whose values differ between a checkpoint's config and `cfg` and would change the result."""
-    now = cfg.to_dict()
-    return {k for k in result_keys() if k in saved and saved[k] != now.get(k)}
-
-
 def run_experiment(cfg: Config, resume: bool = False, progress: bool = True, runner: RoundRunner | None = None,
                    clock: Callable[[Config, Parts], Clock | None] | None = None) -> dict:
     """Run (or resume) one experiment; write metrics.jsonl, checkpoint.pt and summary.json into cfg.out.
     `runner` trains the rounds (default: sequential, or batched with batched_clients; Flower passes its own).
     `clock(cfg, parts)` builds the simulated clock a config with `device_model` or `deadline` asks for
     (fedlase.simtime.clock_for: fedlase/runner.py and Flower's ServerApp hand it in)."""
-    out = run_folder(cfg.out, resume)
-    ckpt, metrics_path, summary_path = out / "checkpoint.pt", out / "metrics.jsonl", out / "summary.json"
     if clock is None and cfg.simulated:
         raise UserError("device_model/deadline/population/schedule: simulated time needs a clock; run through "
                         "fedlase.run or pass clock=fedlase.simtime.clock_for")
+    folder = RunFolder(cfg, resume)
     exp = Experiment(cfg, runner, clock)
-    out.mkdir(parents=True, exist_ok=True)
-    if exp.clock is not None:   # what `fedlase report` recomputes the simulated time from, without the data
-        record = exp.clock.record()
-        atomic_write(out / "sim.json", lambda p: p.write_text(json.dumps(record)))
-    lines: list[str] = []
-    if resume and ckpt.exists():
-        state = checkpoint.load(ckpt)   # weights-only: nothing in a run folder runs
-        diff = config_changes(state["config"], cfg)
-        if diff:
-            raise UserError(f"out: {out} holds a run with other settings ({', '.join(sorted(diff))}); "
-                            "use another out folder")
-        exp.load_state_dict(state)
-        if exp.round > cfg.rounds:
-            raise UserError(f"rounds: the run in {out} is at round {exp.round}, beyond rounds={cfg.rounds}; "
-                            f"resume with rounds >= {exp.round}")
-        lines = lines_up_to(metrics_path, "round", exp.round)   # drop lines written after the checkpoint
-        log.info("resuming %s at round %d", out, exp.round)
-    (out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=1, default=str))
-
-    def save_checkpoint():
-        checkpoint.save(exp.state_dict(), ckpt)
-
-    atomic_write(metrics_path, lambda p: p.write_text("".join(ln + "\n" for ln in lines)))
-    last = json.loads(lines[-1]) if lines else None
-    bar = None
-    if progress:
-        from tqdm import tqdm
-        bar = tqdm(total=cfg.rounds, initial=exp.round, desc=f"{cfg.method}", unit="round", dynamic_ncols=True)
+    last = folder.open(exp)   # the last evaluated line (a resumed run's), or None
+    cadence, bar = EvalCadence.of(cfg), Progress(cfg, exp.round, progress)
     stopped = None   # why the run ended before `rounds` (a stage's budget: dp.max_epsilon)
-    with open(metrics_path, "a") as mf:
-        while exp.round < cfg.rounds:
-            rnd = exp.round + 1
-            if (stopped := exp.server.halt(rnd)) is not None:
-                log.warning("%s", stopped)
-                break
-            t0 = time.perf_counter()
-            before = exp.sim_time
-            stats = exp.step(rnd)
-            exp.state.train_time += time.perf_counter() - t0
-            exp.state.round = rnd
-            line = {"round": rnd, **stats, "train_time": exp.state.train_time}
-            every = cfg.eval_every_seconds
-            timed = every is not None and before is not None and exp.sim_time // every > before // every
-            if rnd % cfg.eval_every == 0 or rnd == cfg.rounds or timed:
-                t1 = time.perf_counter()
-                line.update(exp.evaluate(rnd))
-                line["eval_time"] = time.perf_counter() - t1
-                mf.write(json.dumps(line) + "\n")
-                mf.flush()
-                last = line
-                if "epsilon" in line:   # dp: the privacy spent, in the log too (Flower's ServerApp's)
-                    log.info("round %d: epsilon %.4g at delta %g", rnd, line["epsilon"], line["dp"]["delta"])
-            for t in exp.trackers:
-                t.on_metrics(rnd, line)
-            if cfg.checkpoint_every and (rnd % cfg.checkpoint_every == 0 or rnd == cfg.rounds):
-                save_checkpoint()
-            if bar is not None:
-                bar.update(1)
-                post = {"s/round": f"{time.perf_counter() - t0:.2f}", "loss": f"{stats['train_loss']:.3f}"}
-                if "sim_time" in stats:   # progress in simulated time
-                    post["sim"] = f"{stats['sim_time']:.0f}s"
-                if last:
-                    post["acc"] = f"{last['global_acc']:.3f}"
-                bar.set_postfix(post)
-    if bar is not None:
-        bar.close()
-    end = exp.round if stopped else cfg.rounds
-    if last is None or last["round"] != end:   # e.g. resumed a finished run with more eval needed, or stopped
-        last = {"round": end, "train_time": exp.state.train_time, **exp.server.info(end), **exp.evaluate(end)}
-        if stopped:   # the stopped run's last line: its final model, evaluated
-            with open(metrics_path, "a") as mf:
-                mf.write(json.dumps(last) + "\n")
-    if stopped and cfg.checkpoint_every:
-        save_checkpoint()
-    summary = {"config": cfg.to_dict(), "rounds": end, "train_time": exp.state.train_time,
-               "final": last, "num_clients": cfg.num_clients}
-    if stopped:
-        summary["stopped"] = stopped
-    atomic_write(summary_path, lambda p: p.write_text(json.dumps(summary, indent=1, default=str)))
-    return summary
+    while exp.round < cfg.rounds:
+        rnd = exp.round + 1
+        if (stopped := exp.server.halt(rnd)) is not None:
+            log.warning("%s", stopped)
+            break
+        t0, before = time.perf_counter(), exp.sim_time
+        stats = exp.step(rnd)
+        exp.state.train_time += time.perf_counter() - t0
+        exp.state.round = rnd
+        line = {"round": rnd, **stats, "train_time": exp.state.train_time}
+        if cadence.due(rnd, before, exp.sim_time):
+            t1 = time.perf_counter()
+            line.update(exp.evaluate(rnd), eval_time=time.perf_counter() - t1)
+            folder.append(line)
+            last = line
+            if "epsilon" in line:   # dp: the privacy spent, in the log too (Flower's ServerApp's)
+                log.info("round %d: epsilon %.4g at delta %g", rnd, line["epsilon"], line["dp"]["delta"])
+        for t in exp.trackers:
+            t.on_metrics(rnd, line)
+        if folder.checkpoint_due(rnd):
+            folder.save(exp)
+        bar.update(time.perf_counter() - t0, line, last)
+    bar.close()
+    return folder.finish(exp, last, stopped)
 
 
 # evaluation-only keys: a finished run can be evaluated again under other values of these

@@ -23,6 +23,37 @@ from pathlib import Path
 from .errors import ConfigError
 from .options import Option, check_options
 
+DEVICE_KEYS = ("speed", "bandwidth", "memory")   # of `device_model`, a level-1 device's
+
+
+def check_device_model(value, num_levels: int) -> None:
+    """`device_model` (fedlase/simtime.py): ConfigError naming `device_model.<key>` for a key or value it does
+    not take."""
+    if value is None:
+        return
+    if not isinstance(value, dict):
+        raise ConfigError("device_model", f"expected a mapping of speed, bandwidth, memory; got {value!r}")
+    for key, v in value.items():
+        if key not in DEVICE_KEYS:
+            raise ConfigError(f"device_model.{key}", f"unknown key; expected one of {', '.join(DEVICE_KEYS)}")
+        values = v if isinstance(v, list) else [v]
+        if isinstance(v, list) and len(v) != num_levels:
+            raise ConfigError(f"device_model.{key}", f"a list needs one value per level ({num_levels}), got {len(v)}")
+        for x in values:
+            if not _positive_number(x):
+                raise ConfigError(f"device_model.{key}", f"expected a positive number (or a list of them), got {x!r}")
+
+
+def _positive_number(x) -> bool:
+    """A positive number; a string such as '1e9' counts (YAML reads 1e9 without a dot as a string)."""
+    if isinstance(x, bool):
+        return False
+    try:
+        return float(x) > 0
+    except (TypeError, ValueError):
+        return False
+
+
 STALENESS = ("constant", "poly", "hinge")
 
 POPULATION = {

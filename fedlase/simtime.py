@@ -25,8 +25,8 @@ import math
 import statistics
 from dataclasses import dataclass
 
-from .config import DEVICE_KEYS
 from .population import Population
+from .sim_config import DEVICE_KEYS
 
 DEFAULTS = dict(zip(DEVICE_KEYS, (1e10, 1.25e6, None)))   # speed, bandwidth, memory of a level-1 device
 CHARGES = ("dense", "sparse")

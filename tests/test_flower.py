@@ -885,14 +885,15 @@ def test_the_client_side_loads_no_engine_and_no_torch_until_it_trains():
 
 
 def test_security_keys_are_checked(tmp_path):
-    from fedlase.config import check_security
+    from fedlase.config import tagged
+    from fedlase.deploy_config import check_deployment
     from fedlase.errors import ConfigError
     from fedlase.flower.launch import require_tls
     from fedlase.flower.security import make_credentials
     creds = make_credentials(tmp_path / "tls", nodes=1)
     ok = small_cfg(tmp_path, "engine=flower-deploy", f"tls_ca={creds.ca}", f"tls_cert={creds.cert}",
                    f"tls_key={creds.key}", f"node_keys={creds.folder}")
-    check_security(ok)
+    check_deployment(ok, tagged("submitter"))
     require_tls(ok)
     cases = [(["engine=flower-deploy", f"tls_ca={tmp_path / 'nope.crt'}"], "tls_ca"),
              ([f"tls_ca={creds.ca}", f"tls_cert={creds.cert}"], "tls_key"),
@@ -900,7 +901,7 @@ def test_security_keys_are_checked(tmp_path):
                f"tls_key={creds.key}"], "tls_cert"),                                    # not PEM
              ([f"node_keys={tmp_path / 'none'}"], "node_keys"),
              (["insecure=true", f"tls_ca={creds.ca}"], "insecure")]
-    for overrides, key in cases:   # the config's own validation calls check_security
+    for overrides, key in cases:   # the config's own validation calls check_deployment
         with pytest.raises(ConfigError) as e:
             small_cfg(tmp_path, *overrides)
         assert e.value.key == key and "\n" not in str(e.value), (overrides, str(e.value))

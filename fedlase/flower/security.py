@@ -1,6 +1,6 @@
 """Credentials of a Flower deployment: making them, and reading which node may serve which partition.
 
-- Checked elsewhere: the config's `check_security(cfg)` (fedlase/config.py, low in the import graph; `validate`
+- Checked elsewhere: the config's `check_deployment` (fedlase/deploy_config.py, low in the import graph; `validate`
   calls it) checks only the files a config names: tls_ca, tls_cert and tls_key readable PEM files, tls_cert and
   tls_key together and with tls_ca, node_keys a readable folder, and none of them with `insecure=true`. That
   `engine=flower-deploy` has tls_ca and node_keys unless `insecure=true` is checked where a run is submitted
