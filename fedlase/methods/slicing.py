@@ -62,7 +62,8 @@ def state_widths(method, rate_of, units: bool = True) -> dict[str, int]:
     """The run's start line for a method that defines a level by its width (HeteroFL's rate sqrt(level), FjORD's,
     FedDSE's, FedAvg-small's): the budgeted parameters each level really holds. Where layers no width cut
     reaches (the classes, the image channels, a flatten into a linear layer) are much of the model, a level holds
-    far more than its fraction; such a level, and a group cut to a single channel, make the line a warning.
+    far more than its fraction; a level more than 10% above its budget (a width rounding gives the papers' CNN a
+    few percent), or a group cut to a single channel, makes the line a warning.
     `rate_of(level)`: the level's width rate; `units`: whether the window counts in the model's `group_units()`.
     Returns level name -> parameters held."""
     model, params = method.model, {n: p.detach() for n, p in method.model.named_parameters()}
@@ -79,8 +80,9 @@ def state_widths(method, rate_of, units: bool = True) -> dict[str, int]:
             continue
         counts = {g: unit.get(g, 1) * window_size(k // unit.get(g, 1), rate) for g, k in sizes.items()}
         kept = holds[lvl.name] = held(groups, sizes, params, method.maskable, counts)
-        above = kept > method.budget(params, lvl)
-        over |= above
+        budget = method.budget(params, lvl)
+        above = kept > budget
+        over |= kept > 1.1 * budget
         note = f", above its {float(lvl) * 100:.3g}%" if above else ""
         parts.append(f"{lvl.name} {kept:,} ({100 * kept / total:.3g}%{note})")
         single += [f"{g} (1 of {k}) at {lvl.name}" for g, k in sizes.items() if counts[g] == 1 < k]
