@@ -50,11 +50,12 @@ def env():
 
 def start_worker(folder: Path, partition: int = SERVED, watch: int | None = None, log=None, more=(),
                  cwd=None) -> subprocess.Popen:
-    """A worker process (started as `python -m`, without -P: the worker's own import-path rule is what holds);
-    returns once its socket listens (it binds before importing torch; a killed worker's stale socket refuses
-    connections)."""
-    cmd = [sys.executable, "-m", "fedlase.flower.worker", "--dir", str(folder), "--partition-id", str(partition)]
-    p = subprocess.Popen(cmd + ([] if watch is None else ["--watch-pid", str(watch)]) + list(more), env=env(),
+    """A worker process watching `watch` (default: this process, so that its requests are its node's), started
+    as `python -m` without -P (the worker's own import-path rule is what holds); returns once its socket listens
+    (it binds before importing torch; a killed worker's stale socket refuses connections)."""
+    cmd = [sys.executable, "-m", "fedlase.flower.worker", "--dir", str(folder), "--partition-id", str(partition),
+           "--watch-pid", str(os.getpid() if watch is None else watch)]
+    p = subprocess.Popen(cmd + list(more), env=env(),
                          cwd=cwd, stdout=log or subprocess.DEVNULL,
                          stderr=subprocess.STDOUT if log else subprocess.DEVNULL)
     deadline = time.monotonic() + 60
@@ -318,7 +319,8 @@ def test_a_worker_dies_with_its_node_and_restarts_cleanly(wdir):
         assert not kids and (wdir / worker.SOCKET).exists()   # nothing below it; its socket is stale
         again = start_worker(wdir, watch=node.pid)
         second = subprocess.run([sys.executable, "-m", "fedlase.flower.worker", "--dir", str(wdir),
-                                 "--partition-id", "1"], env=env(), capture_output=True, text=True, timeout=120)
+                                 "--partition-id", "1", "--watch-pid", str(node.pid)], env=env(),
+                                capture_output=True, text=True, timeout=120)
         assert second.returncode == 2 and "already listens" in second.stderr, second.stderr
         assert again.poll() is None
         node.kill()
@@ -392,19 +394,21 @@ def rss(pid: int) -> int:
     raise AssertionError("no VmRSS")
 
 
-def exhausted(folder: Path, pid: int) -> dict | None:
-    """A MemoryError while a request arrives: the worker's address space capped just above its size, a payload
-    streamed into it until it gives up; the cap lifted again. -> the reply header (None: dropped)."""
+def exhausted(folder: Path, pid: int, head: dict) -> dict | None:
+    """A MemoryError while a request arrives: the worker's address space capped just above its size, a 1 GiB
+    payload announced (the worker makes room for it, in address space, when the header has come) and streamed
+    until the worker gives up; the cap lifted again. `head`: a train request's header fields. -> the reply
+    header (None: dropped)."""
     import resource
     import socket
     proc = psutil.Process(pid)
     old = proc.rlimit(resource.RLIMIT_AS)
     s = connect(folder)
     try:
-        s.sendall(frame({"records": [{"name": "w", "kind": "array",
-                                      "arrays": [["w", "uint8", [GiB], "numpy.ndarray", GiB]]}]}))
         time.sleep(0.3)   # the request's thread runs: its stack is mapped before the cap
         proc.rlimit(resource.RLIMIT_AS, (proc.memory_info().vms + (64 << 20), old[1]))
+        s.sendall(frame({**head, "records": [{"name": "w", "kind": "array",
+                                              "arrays": [["w", "uint8", [GiB], "numpy.ndarray", GiB]]}]}))
         chunk = bytes(1 << 20)
         for _ in range(512):
             s.sendall(chunk)
@@ -468,7 +472,7 @@ def test_no_frame_kills_the_worker(hardened, task_identity):
             s.recv(1)
     assert peak - before < 32 << 20, f"RSS {before >> 20} MiB -> {peak >> 20} MiB"
 
-    assert exhausted(folder, proc.pid) is None and proc.poll() is None
+    assert exhausted(folder, proc.pid, ok) is None and proc.poll() is None
     reply = exchange(folder, b"".join(worker.pack({**ok, "run": 999})))   # no content: fails, binds nothing
     assert reply is not None and "KeyError" in reply["error"], reply
     assert proc.poll() is None
@@ -562,8 +566,9 @@ def test_a_stopped_worker_is_passed_over_within_the_timeout(hardened, task_ident
 
 
 _LAUNCHER = """
-import subprocess, sys
-w = subprocess.Popen([sys.executable, "-m", "fedlase.flower.worker", "--dir", sys.argv[1], "--partition-id", "1"])
+import os, subprocess, sys
+w = subprocess.Popen([sys.executable, "-m", "fedlase.flower.worker", "--dir", sys.argv[1], "--partition-id", "1",
+                      "--watch-pid", str(os.getpid())])
 print(w.pid, flush=True)
 w.wait()
 """
