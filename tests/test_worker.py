@@ -608,8 +608,7 @@ def test_a_request_leaves_no_memory_behind_and_one_budget_bounds_them_all(wdir):
 
         base, peak = rss(p.pid), 0
         with connect(wdir) as first, connect(wdir) as second:
-            first.sendall(claim(GiB) + bytes(64 * MiB))
-            time.sleep(0.2)   # its header read and its bytes taken from the budget
+            first.sendall(claim(GiB) + bytes(64 * MiB))   # returns once the worker has read most of it
             second.sendall(claim(GiB))
             assert "busy" in worker.receive(second)[0]
             peak = rss(p.pid) - base
@@ -690,11 +689,11 @@ def test_a_worker_serves_its_nodes_clientapps_and_ask_ends_by_its_deadline(wdir)
             t = time.monotonic()
             with pytest.raises(worker.WorkerError, match="the deadline passed"):
                 worker.ask(wdir, 7, SERVED, "{}", content, deadline=1.5)
-            assert 1.5 <= time.monotonic() - t < 4
+            assert 1.5 <= time.monotonic() - t < 6
             t = time.monotonic()
             with pytest.raises(worker.WorkerError, match="timed out"):   # a keepalive would come every second
                 worker.ask(wdir, 7, SERVED, "{}", content, timeout=worker.HEARTBEAT + 0.5, deadline=60)
-            assert time.monotonic() - t < 4
+            assert time.monotonic() - t < 6
         deadline = time.monotonic() + 10
         while w.budget.used:   # both requests let go
             assert time.monotonic() < deadline
@@ -716,7 +715,7 @@ def test_a_signal_while_training_ends_the_worker_cleanly(tmp_path, wdir, task_id
         with connect(wdir) as s:
             s.sendall(b"".join(worker.pack({"op": "train", "run": 7, "partition": SERVED, "config": long},
                                            _train_content(cfg))))
-            for _ in range(2):   # the trainer built, the training under way
+            for _ in range(3):   # one when its turn comes, then one a second: the training under way
                 assert s.recv(8) == worker.KEEPALIVE
             p.send_signal(sig)
             assert p.wait(timeout=30) == 0
