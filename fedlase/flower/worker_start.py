@@ -54,7 +54,7 @@ def watch(pid: int) -> None:
     try:
         fd = os.pidfd_open(pid)
     except OSError as e:
-        raise ProcessLookupError(f"--watch-pid {pid}: no such process ({e.strerror})") from None
+        raise ProcessLookupError(f"--watch-pid {pid}: cannot watch it ({e.strerror})") from None
 
     def wait():
         select.select([fd], [], [])
