@@ -16,6 +16,7 @@ import sys
 import tempfile
 import time
 import uuid
+from contextlib import contextmanager
 from pathlib import Path
 
 import psutil
@@ -50,11 +51,12 @@ def env():
 
 def start_worker(folder: Path, partition: int = SERVED, watch: int | None = None, log=None, more=(),
                  cwd=None) -> subprocess.Popen:
-    """A worker process (started as `python -m`, without -P: the worker's own import-path rule is what holds);
-    returns once its socket listens (it binds before importing torch; a killed worker's stale socket refuses
-    connections)."""
-    cmd = [sys.executable, "-m", "fedlase.flower.worker", "--dir", str(folder), "--partition-id", str(partition)]
-    p = subprocess.Popen(cmd + ([] if watch is None else ["--watch-pid", str(watch)]) + list(more), env=env(),
+    """A worker process watching `watch` (default: this process, so that its requests are its node's), started
+    as `python -m` without -P (the worker's own import-path rule is what holds); returns once its socket listens
+    (it binds before importing torch; a killed worker's stale socket refuses connections)."""
+    cmd = [sys.executable, "-m", "fedlase.flower.worker", "--dir", str(folder), "--partition-id", str(partition),
+           "--watch-pid", str(os.getpid() if watch is None else watch)]
+    p = subprocess.Popen(cmd + list(more), env=env(),
                          cwd=cwd, stdout=log or subprocess.DEVNULL,
                          stderr=subprocess.STDOUT if log else subprocess.DEVNULL)
     deadline = time.monotonic() + 60
@@ -318,7 +320,8 @@ def test_a_worker_dies_with_its_node_and_restarts_cleanly(wdir):
         assert not kids and (wdir / worker.SOCKET).exists()   # nothing below it; its socket is stale
         again = start_worker(wdir, watch=node.pid)
         second = subprocess.run([sys.executable, "-m", "fedlase.flower.worker", "--dir", str(wdir),
-                                 "--partition-id", "1"], env=env(), capture_output=True, text=True, timeout=120)
+                                 "--partition-id", "1", "--watch-pid", str(node.pid)], env=env(),
+                                capture_output=True, text=True, timeout=120)
         assert second.returncode == 2 and "already listens" in second.stderr, second.stderr
         assert again.poll() is None
         node.kill()
@@ -392,19 +395,21 @@ def rss(pid: int) -> int:
     raise AssertionError("no VmRSS")
 
 
-def exhausted(folder: Path, pid: int) -> dict | None:
-    """A MemoryError while a request arrives: the worker's address space capped just above its size, a payload
-    streamed into it until it gives up; the cap lifted again. -> the reply header (None: dropped)."""
+def exhausted(folder: Path, pid: int, head: dict) -> dict | None:
+    """A MemoryError while a request arrives: the worker's address space capped just above its size, a 1 GiB
+    payload announced (the worker makes room for it, in address space, when the header has come) and streamed
+    until the worker gives up; the cap lifted again. `head`: a train request's header fields. -> the reply
+    header (None: dropped)."""
     import resource
     import socket
     proc = psutil.Process(pid)
     old = proc.rlimit(resource.RLIMIT_AS)
     s = connect(folder)
     try:
-        s.sendall(frame({"records": [{"name": "w", "kind": "array",
-                                      "arrays": [["w", "uint8", [GiB], "numpy.ndarray", GiB]]}]}))
         time.sleep(0.3)   # the request's thread runs: its stack is mapped before the cap
         proc.rlimit(resource.RLIMIT_AS, (proc.memory_info().vms + (64 << 20), old[1]))
+        s.sendall(frame({**head, "records": [{"name": "w", "kind": "array",
+                                              "arrays": [["w", "uint8", [GiB], "numpy.ndarray", GiB]]}]}))
         chunk = bytes(1 << 20)
         for _ in range(512):
             s.sendall(chunk)
@@ -468,7 +473,7 @@ def test_no_frame_kills_the_worker(hardened, task_identity):
             s.recv(1)
     assert peak - before < 32 << 20, f"RSS {before >> 20} MiB -> {peak >> 20} MiB"
 
-    assert exhausted(folder, proc.pid) is None and proc.poll() is None
+    assert exhausted(folder, proc.pid, ok) is None and proc.poll() is None
     reply = exchange(folder, b"".join(worker.pack({**ok, "run": 999})))   # no content: fails, binds nothing
     assert reply is not None and "KeyError" in reply["error"], reply
     assert proc.poll() is None
@@ -561,35 +566,275 @@ def test_a_stopped_worker_is_passed_over_within_the_timeout(hardened, task_ident
     assert err.count("this node trains in its ClientApp processes") == 1 and "timed out" in err, err
 
 
+MiB = 1 << 20
+
+
+def claim(n: int) -> bytes:
+    """A train request's header (run 7, partition SERVED) that announces one array of `n` bytes."""
+    return frame({"op": "train", "run": 7, "partition": SERVED, "config": "{}",
+                  "records": [{"name": "w", "kind": "array", "arrays": [["w", "uint8", [n], "numpy.ndarray", n]]}]})
+
+
+def ready(log: Path, timeout: float = 120) -> None:
+    """Wait until the worker logging to `log` has loaded torch and serves (its "ready" line)."""
+    deadline = time.monotonic() + timeout
+    while "ready in" not in log.read_text():
+        assert time.monotonic() < deadline, log.read_text()
+        time.sleep(0.1)
+
+
+def test_a_request_leaves_no_memory_behind_and_one_budget_bounds_them_all(wdir):
+    """Twelve 256 MiB requests, one after another, to an unbound worker (each fails: it has no task) raise its
+    RSS by under 300 MB: each request's arrays are freed when it is answered (Flower's record views hold them in
+    a reference cycle) and its payload is read in place, without a copy. Two concurrent 1 GiB requests to a
+    worker with a 1.5 GiB budget: the second is answered "busy" at once, RSS stays under the budget (the first
+    sends 64 MiB of its 1 GiB), and the budget is given back when the first goes away."""
+    budget = 3 * GiB // 2
+    with open(wdir / "worker.log", "w") as log:
+        p = start_worker(wdir, log=log, more=["--max-bytes", str(budget)])
+    try:
+        ready(wdir / "worker.log")
+        payload = bytes(256 * MiB)
+        before = rss(p.pid)
+        for _ in range(12):
+            with connect(wdir) as s:
+                s.sendall(claim(len(payload)))
+                s.sendall(payload)
+                reply = worker.receive(s, keepalive=True)[0]
+            assert "KeyError" in reply["error"], reply
+        grown = rss(p.pid) - before
+        assert grown < 300e6, f"RSS grew by {grown >> 20} MiB"
+        del payload
+
+        base, peak = rss(p.pid), 0
+        with connect(wdir) as first, connect(wdir) as second:
+            first.sendall(claim(GiB) + bytes(64 * MiB))   # returns once the worker has read most of it
+            second.sendall(claim(GiB))
+            assert "busy" in worker.receive(second)[0]
+            peak = rss(p.pid) - base
+        assert peak < budget and peak < 256 * MiB, f"RSS {peak >> 20} MiB above its start"
+        deadline = time.monotonic() + 10
+        while True:   # the first one's bytes given back once the worker sees it closed
+            with connect(wdir) as third:
+                third.sendall(claim(GiB))
+                third.settimeout(0.5)
+                try:
+                    assert "busy" in worker.receive(third)[0]
+                except TimeoutError:   # no answer: it waits for the payload, which fits
+                    break
+            assert time.monotonic() < deadline, "the budget was never given back"
+            time.sleep(0.1)
+        assert p.poll() is None
+    finally:
+        p.kill()
+        p.wait()
+
+
+def test_a_worker_started_without_P_starts_again_with_it(wdir, tmp_path, monkeypatch):
+    """Started as `python -m` without -P from a folder holding a `yaml.py`, a `psutil.py` (both imported by
+    `fedlase.flower` before the worker's own module runs) and a `select.py` (imported by its start-up), with an
+    empty PYTHONPATH entry that adds the working folder once more: the worker executes itself again with -P
+    (the same pid), and no planted module runs."""
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    marker = cwd / "ran"
+    for name in ("yaml", "psutil", "select"):
+        (cwd / f"{name}.py").write_text(f"open({str(marker)!r}, 'a').write({name!r})\n")
+    monkeypatch.setenv("PYTHONPATH", "")   # env() then gives "ROOT:": an empty entry
+    p = start_worker(wdir, cwd=cwd)
+    try:
+        assert "-P" in psutil.Process(p.pid).cmdline()
+        assert not marker.exists(), marker.read_text()
+    finally:
+        p.kill()
+        p.wait()
+
+
+@contextmanager
+def serving(folder: Path, node: int):
+    """A Worker for partition SERVED serving `folder` in a thread of this process, its node `node`."""
+    import socket
+    import threading
+    w = worker.Worker(SERVED, node, deadline=DEADLINE)
+    bound = worker.bind(folder)
+    threading.Thread(target=w.serve, args=(bound.srv,), daemon=True).start()
+    try:
+        yield w
+    finally:
+        bound.srv.shutdown(socket.SHUT_RDWR)   # wakes the accept
+        bound.close()
+
+
+def test_a_worker_serves_its_nodes_clientapps_and_ask_ends_by_its_deadline(wdir):
+    """A worker whose node (--watch-pid) is another process refuses a valid TRAIN from this one, before reading
+    its payload. A request queued behind another's training hears no keepalive, so `ask` gives up after its
+    silence timeout, and `ask` ends by its overall deadline in any case; neither request is trained once its
+    ClientApp has gone, and the next one is."""
+    node = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    try:
+        with serving(wdir, node.pid):
+            t = time.monotonic()
+            with pytest.raises(worker.WorkerError, match=f"serves the ClientApps of its node \\(pid {node.pid}\\)"):
+                worker.ask(wdir, 999, SERVED, "{}", RecordDict({"w": _big_record(256 * MiB)}))
+            assert time.monotonic() - t < 5
+    finally:
+        node.kill()
+        node.wait()
+
+    content = RecordDict({"w": _big_record(MiB)})
+    with serving(wdir, os.getpid()) as w:
+        trained = []
+        w.handle = lambda header, content: (trained.append(header["run"]), ({"ok": True}, RecordDict()))[1]
+        with w.training:   # another request trains meanwhile
+            t = time.monotonic()
+            with pytest.raises(worker.WorkerError, match="the deadline passed"):
+                worker.ask(wdir, 7, SERVED, "{}", content, deadline=1.5)
+            assert 1.5 <= time.monotonic() - t < 6
+            t = time.monotonic()
+            with pytest.raises(worker.WorkerError, match="timed out"):   # a keepalive would come every second
+                worker.ask(wdir, 7, SERVED, "{}", content, timeout=worker.HEARTBEAT + 0.5, deadline=60)
+            assert time.monotonic() - t < 6
+        deadline = time.monotonic() + 10
+        while w.budget.used:   # both requests let go
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert trained == []
+        header, _ = worker.ask(wdir, 7, SERVED, "{}", content)
+        assert header["ok"] and trained == [7]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_while_training_ends_the_worker_cleanly(tmp_path, wdir, task_identity, sig):
+    """SIGTERM or SIGINT while the worker trains (a keepalive has come) ends it with status 0, its socket
+    removed, without the abort (and core dump) of Python's shutdown under torch's threads."""
+    cfg = cfg_of(tmp_path)
+    long = json.dumps({**cfg.to_dict(), "local_steps": 100_000}, default=str)
+    with open(wdir / "worker.log", "w") as log:
+        p = start_worker(wdir, log=log)
+    try:
+        with connect(wdir) as s:
+            s.sendall(b"".join(worker.pack({"op": "train", "run": 7, "partition": SERVED, "config": long},
+                                           _train_content(cfg))))
+            for _ in range(3):   # one when its turn comes, then one a second: the training under way
+                assert s.recv(8) == worker.KEEPALIVE
+            p.send_signal(sig)
+            assert p.wait(timeout=30) == 0
+    finally:
+        p.kill()
+        p.wait()
+    log = (wdir / "worker.log").read_text()
+    assert "terminate called" not in log and "Traceback" not in log, log
+    assert not (wdir / worker.SOCKET).exists()
+
+
+def test_the_codec_refuses_a_masked_tensor_of_another_count():
+    """A masked parameter's values must be exactly its mask's count, as one flat array: one value (which
+    `w[s] = v` would broadcast over the mask) or a (1, n) array is refused; the honest message decodes."""
+    import numpy as np
+    import torch
+    from flwr.app import Array
+
+    from fedlase.flower.codec import decode_submodel, encode_submodel
+    from fedlase.masks import Submodel
+    w = torch.arange(12, dtype=torch.float32).reshape(4, 3)
+    mask = torch.zeros(4, 3, dtype=torch.bool)
+    mask[:2] = True
+    content = encode_submodel({"w": w}, {}, Submodel({"w": mask}))
+    params, _, _ = decode_submodel(content, {"w": w})
+    assert torch.equal(params["w"], w * mask)
+    for bad in (np.ones(1, np.float32), np.ones((1, 6), np.float32), np.ones(5, np.float32)):
+        content["values"]["w"] = Array(bad)
+        with pytest.raises(ValueError, match="values for a mask of 6"):
+            decode_submodel(content, {"w": w})
+
+
+def test_a_connect_burst_delays_an_honest_request_and_is_logged_quietly(hardened, task_identity):
+    """With every connection slot held by idle clients and a burst of connections for 2 s, each turned away
+    "busy", an honest `ask` sent meanwhile tries again until a slot is free (the idle clients leave after the
+    burst) and trains; the worker writes at most a line a second about the connections it dropped, each line
+    counting the ones it kept back."""
+    import threading
+    folder, proc, _, cfg, text = hardened
+    log = folder / "worker.log"
+    ready(log)
+    before = len(log.read_text())
+    idle = [connect(folder) for _ in range(worker.MAX_CLIENTS)]
+    time.sleep(0.5)   # accepted: every slot taken
+    asked = {}
+
+    def honest():
+        try:
+            asked["reply"] = worker.ask(folder, 7, SERVED, text, _train_content(cfg))
+        except Exception as e:   # noqa: BLE001 -- said by the assertion below
+            asked["error"] = e
+    t = threading.Thread(target=honest)
+    t.start()
+    try:
+        end, n = time.monotonic() + 2, 0
+        while time.monotonic() < end:
+            try:
+                with connect(folder):
+                    n += 1
+            except OSError:   # the listen backlog full
+                pass
+    finally:
+        for s in idle:
+            s.close()
+        t.join(timeout=60)
+    header, reply = asked.get("reply") or (asked, None)
+    assert header.get("ok") and "delta" in reply, header
+    lines = [ln for ln in log.read_text()[before:].splitlines() if "dropped a connection" in ln]
+    assert 2 <= len(lines) <= 4 and "more since the last such line" in lines[-1], (n, lines)
+    assert proc.poll() is None
+
+
+# A launcher: starts a worker watching itself (its parent), says the worker's pid, waits.
 _LAUNCHER = """
-import subprocess, sys
-w = subprocess.Popen([sys.executable, "-m", "fedlase.flower.worker", "--dir", sys.argv[1], "--partition-id", "1"])
+import os, subprocess, sys
+w = subprocess.Popen([sys.executable, "-m", "fedlase.flower.worker", "--dir", sys.argv[1], "--partition-id", "1",
+                      "--watch-pid", str(os.getpid())])
 print(w.pid, flush=True)
 w.wait()
+"""
+# A child subreaper (as systemd's user manager or tini are): for each delay, a launcher started, killed that long
+# after it started its worker, and the orphaned worker, adopted here rather than by init, waited for (20 s at
+# most, then killed). Prints, per delay, whether the worker exited by itself.
+_SUBREAPER = """
+import ctypes, json, os, signal, subprocess, sys, time
+ctypes.CDLL(None, use_errno=True).prctl(36, 1)   # PR_SET_CHILD_SUBREAPER
+launcher, folder, delays = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+out = []
+for delay in delays:
+    p = subprocess.Popen([sys.executable, "-c", launcher, folder], stdout=subprocess.PIPE, text=True)
+    pid = int(p.stdout.readline())
+    time.sleep(delay)
+    p.kill()
+    p.wait()
+    end = time.monotonic() + 20
+    while os.waitpid(pid, os.WNOHANG) == (0, 0):   # ours now: adopted by this subreaper
+        if time.monotonic() > end:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            break
+        time.sleep(0.02)
+    else:
+        out.append(delay)
+print(json.dumps(out))
 """
 
 
 def test_a_parent_killed_during_start_up_leaves_no_worker(wdir):
-    """The default watch (the parent) is read and armed before the worker's slow imports: a parent killed while
-    the worker imports flwr and torch takes it along."""
-    parent = subprocess.Popen([sys.executable, "-c", _LAUNCHER, str(wdir)], env=env(), stdout=subprocess.PIPE,
-                              text=True)
-    pid = int(parent.stdout.readline())
-    time.sleep(0.5)   # the worker imports (flwr alone takes longer)
-    parent.kill()
-    parent.wait()
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline:   # gone: its leader exited (a zombie until reaped) and no thread listens
-        try:
-            ended = psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
-        except psutil.NoSuchProcess:
-            ended = True
-        if ended and not worker.listening(wdir):
-            break
-        time.sleep(0.05)
-    else:
-        os.kill(pid, signal.SIGKILL)
-        raise AssertionError("the worker outlived its parent")
+    """Every launcher names the process to watch (--watch-pid; a worker without it refuses to start), and the
+    worker opens its pidfd before its slow imports: a launcher killed 0, 50, 150 or 500 ms after it started the
+    worker takes the worker along, also under a child subreaper (which adopts the orphan instead of init)."""
+    bare = subprocess.run([sys.executable, "-m", "fedlase.flower.worker", "--dir", str(wdir), "--partition-id", "1"],
+                          env=env(), capture_output=True, text=True, timeout=120)
+    assert bare.returncode == 2 and "--watch-pid" in bare.stderr.splitlines()[-1], bare.stderr
+    delays = [0, 0.05, 0.15, 0.5]
+    res = subprocess.run([sys.executable, "-c", _SUBREAPER, _LAUNCHER, str(wdir), json.dumps(delays)], env=env(),
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0 and json.loads(res.stdout) == delays, res.stdout + res.stderr
+    assert not worker.listening(wdir)
 
 
 # Another user's swap of the socket folder, played by this user: the folder and a symlink to a folder outside it

@@ -98,6 +98,8 @@ def decode_submodel(content: RecordDict, template: dict[str, torch.Tensor]):
         if n in bits:
             b = bits[n].numpy()
             s = unpack_bits(b, tuple(t.shape)) if b.size else torch.ones(t.shape, dtype=torch.bool)
+            if v.shape != (int(s.sum()),):   # `w[s] = v` would broadcast one value, or a (1, n) array, over the mask
+                raise ValueError(f"{n}: {list(v.shape)} values for a mask of {int(s.sum())}")
             w = torch.zeros(t.shape, dtype=v.dtype)
             w[s] = v
             params[n] = w

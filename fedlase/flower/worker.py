@@ -2,7 +2,7 @@
 the node's partition and the model (on a GPU node, the CUDA context and the partition on the device), so that
 the ClientApp process Flower starts for every message only hands the message's arrays over and returns the reply.
 
-    python -P -m fedlase.flower.worker --dir DIR --partition-id N [--watch-pid PID] [--deadline S]
+    python -P -m fedlase.flower.worker --dir DIR --partition-id N --watch-pid PID [--deadline S] [--max-bytes B]
 
 Flower keeps transport, authentication, scheduling and the app bundle; the SuperNode is started with
 `--node-config "partition-id=N ... worker-dir='DIR'"` and its ClientApp (fedlase/flower/client_app.py) asks the
@@ -17,118 +17,85 @@ ClientApp process never imports torch when a worker answers.
   created with mode 0600 (the umask at bind; never Linux's abstract namespace, which has no permissions). Both
   ends also check the other's uid (SO_PEERCRED): the worker answers nothing to another user, and a ClientApp
   hands no model to a socket another user serves.
+- **Only its node's ClientApps.** `--watch-pid` names the node (the SuperNode); a request from a process that
+  is neither it nor below it (SO_PEERCRED's pid, /proc's parents) is refused before its payload is read.
 - **Whatever a local process sends.** A frame's header is checked (size, nesting, shape and types) before
-  anything is read or built from it; its payload is bounded by the bound run's model (`message_limit`; before a
-  run is bound, UNBOUND_LIMIT) and read into memory only as it arrives; a request must arrive whole within
-  `--deadline` seconds. Any failure while serving one request ends with a reply or a closed connection, never
-  the worker. Connections are served concurrently (training one at a time), so a slow client delays nobody.
-- **Dies with the node.** The worker watches `--watch-pid` (the SuperNode; default: its parent, read and
-  armed with PR_SET_PDEATHSIG before anything slow is imported) through a pidfd and exits when it ends, SIGKILL
-  included. It starts no process of its own. A stale socket (a killed worker) is replaced; a live one is not
-  (a lock file that the kernel releases when the worker dies, however it dies).
-- **A safe import path.** Run as a module, it drops its working folder from `sys.path` before importing
-  anything else (`-P` does so for Python's own start-up too), so a folder another user can write cannot shadow
-  a module that the first message imports.
-- **One run, one partition.** The first TRAIN message that trains, complete and valid, binds the worker to its
-  run (Flower's run id and the fedlase config); a message for another run or another partition is refused. A
-  ClientApp that finds no worker, is refused, or hears nothing from it for REPLY_TIMEOUT seconds (a training
-  worker sends a keepalive every HEARTBEAT s) trains in its own process as before (the same code, so the same
-  result) and says so once in the node's log (a marker file in DIR, cleared when a worker starts).
+  anything is read or built from it. Its payload is read straight into the bytes that Flower's arrays keep (no
+  copy; resident only as it arrives), within one budget for all requests in flight (`--max-bytes`, default
+  UNBOUND_LIMIT; once a run is bound, at most `message_limit` of its model), taken when the header is read:
+  a request that does not fit now is answered "busy". Each request's arrays are freed as soon as it is answered
+  (`discard`). A request must arrive whole within `--deadline` seconds. Any failure while serving one request
+  ends with a reply or a closed connection, never the worker. Connections are served concurrently (training
+  one at a time), so a slow client delays nobody; one more than MAX_CLIENTS is answered "busy", and that is
+  logged at most once a second.
+- **Dies with the node, and on a signal.** The worker watches `--watch-pid` (required) through a pidfd,
+  opened before anything slow is imported (fedlase/flower/worker_start.py), and exits when it ends, SIGKILL
+  included, whoever adopts the worker meanwhile. SIGTERM and SIGINT end it at once, training or not (Python's
+  own shutdown under torch's threads aborts). It starts no process of its own. A stale socket (a killed worker)
+  is replaced; a live one is not (a lock file that the kernel releases when the worker dies, however it dies).
+- **A safe import path.** Started without `-P`, it executes itself again with `-P` before `fedlase.flower`
+  imports anything (worker_start), and drops its working folder from `sys.path` wherever it stands, so a
+  folder another user can write cannot shadow a module (yaml at start-up, secrets at the first message).
+- **One run, one partition.** The first TRAIN message of its node that trains, complete and valid, binds the
+  worker to its run (Flower's run id and the fedlase config); a message for another run or another partition
+  is refused. A ClientApp that finds no worker, is refused, finds it busy for BUSY_WAIT s, hears nothing from
+  it for REPLY_TIMEOUT s (a keepalive comes every HEARTBEAT s while its request trains, none while it waits
+  behind another) or has no reply by the run's reply_timeout trains in its own process as before (the same
+  code, so the same result) and says so once in the node's log (a marker file in DIR, cleared when a worker
+  starts).
 
 Wire format, both ways: 8 bytes (big-endian) the length of a JSON header, the header, then the raw blobs it lists
 (each array's `.npy` bytes exactly as Flower carries them, so a reply is byte for byte the in-process one); from
 the worker, a length of 0 is a keepalive."""
 from __future__ import annotations
 
+import argparse
+import hashlib
 import os
+import signal
+import socket
+import stat
 import sys
+import threading
+import time
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+from typing import NamedTuple
 
+from flwr.app import ArrayRecord, RecordDict
 
-def _die_with_parent() -> None:
-    """PR_SET_PDEATHSIG: the kernel kills this process with SIGKILL when its parent ends."""
-    try:
-        import ctypes
-        ctypes.CDLL(None, use_errno=True).prctl(1, 9)
-    except (OSError, AttributeError):
-        pass
-
-
-def _start_safely() -> int | None:
-    """What `python -m fedlase.flower.worker` does before its slow imports (flwr, torch): the working folder
-    leaves the import path, and without --watch-pid the parent is read and armed to take this process with it,
-    so a parent that dies during start-up leaves no worker. -> the parent's pid (None with --watch-pid)."""
-    try:
-        here = os.getcwd()
-    except OSError:   # a working folder that is gone shadows nothing
-        here = ""
-    # wherever it stands: `-m` puts it first, and an empty PYTHONPATH entry ("/a:") adds it again further on
-    sys.path[:] = [p for p in sys.path if p not in ("", ".", here)]
-    if any(arg.split("=")[0] == "--watch-pid" for arg in sys.argv[1:]):
-        return None
-    parent = os.getppid()
-    _die_with_parent()
-    if os.getppid() != parent:   # it died between the two: nobody to serve
-        os._exit(0)
-    return parent
-
-
-_PARENT = _start_safely() if __name__ == "__main__" else None
-
-import argparse  # noqa: E402
-import hashlib  # noqa: E402
-import signal  # noqa: E402
-import socket  # noqa: E402
-import stat  # noqa: E402
-import threading  # noqa: E402
-import time  # noqa: E402
-from contextlib import ExitStack, contextmanager  # noqa: E402
-from pathlib import Path  # noqa: E402
-from typing import NamedTuple  # noqa: E402
-
-from flwr.app import RecordDict  # noqa: E402
-
-from .worker_link import (  # noqa: E402, F401
+from .worker_link import (  # noqa: F401
     HEARTBEAT,
     KEEPALIVE,
     SOCKET,
     UNBOUND_LIMIT,
     BadFrame,
+    Busy,
     Closed,
     WorkerError,
     ask,
     check_private,
     listening,
     pack,
-    peer_uid,
+    peer,
     private_problem,
     receive,
+    receive_content,
+    receive_header,
     say_once,
     send,
+    too_large,
     unpack,
 )
+from .worker_start import watch
 
 DEADLINE = 10.0     # seconds a request may take to arrive whole (a ResNet-18 message takes milliseconds)
-MAX_CLIENTS = 16    # connections served at once; one more is closed at once (its ClientApp trains itself)
+MAX_CLIENTS = 16    # connections served at once; one more is answered "busy" at once (its ClientApp tries again)
+BACKLOG = 256       # connections the kernel queues before the worker accepts them (a burst of connects)
+QUIET = 1.0         # seconds between two lines that say connections were dropped (a burst is one line a second)
 
 
 # ---- start-up --------------------------------------------------------------------------------------------------
-def watch(pid: int) -> None:
-    """Exit the moment process `pid` ends (the SuperNode): a pidfd becomes readable then, and cannot be confused
-    with a later process of the same pid. If `pid` is the parent, the kernel also kills us when it dies."""
-    if pid == os.getppid():
-        _die_with_parent()
-    try:
-        fd = os.pidfd_open(pid)
-    except OSError as e:
-        raise WorkerError(f"--watch-pid {pid}: no such process ({e.strerror})") from None
-
-    def wait():
-        import select
-        select.select([fd], [], [])
-        os._exit(0)   # the node is gone: nothing to finish, nothing to flush
-    threading.Thread(target=wait, daemon=True, name="watch-node").start()
-
-
 def check_parents(folder: Path) -> None:
     """Refuse a folder that a user other than this one could swap: every existing directory above it, as written
     and as its symlinks resolve, must be this user's or root's, and writable by no one else unless sticky (like
@@ -219,7 +186,7 @@ def bind(folder: Path) -> Bound:
             srv.bind(f"/proc/self/fd/{fd}/{SOCKET}")
         finally:
             os.umask(old)
-        srv.listen(8)
+        srv.listen(BACKLOG)
         for name in os.listdir(fd):   # a new worker: a later outage is worth saying again
             if name.startswith("in-process-run-"):
                 os.unlink(name, dir_fd=fd)
@@ -245,19 +212,85 @@ def _say(line: str) -> None:
         pass
 
 
+class Quiet:
+    """A log line said at most once every QUIET seconds; the ones kept back are counted in the next."""
+
+    def __init__(self):
+        self.last, self.held, self.lock = -QUIET, 0, threading.Lock()
+
+    def say(self, line: str) -> None:
+        with self.lock:
+            now = time.monotonic()
+            if now - self.last < QUIET:
+                self.held += 1
+                return
+            held, self.last, self.held = self.held, now, 0
+        _say(line + (f" (and {held} more since the last such line)" if held else ""))
+
+
 def _digest(config: str) -> str:
     return hashlib.sha256(config.encode()).hexdigest()[:16]
 
 
-class Worker:
-    """Serves TRAIN requests for one partition and, from its first complete and valid request on, one run."""
+def below(pid: int, node: int) -> bool:
+    """Whether process `pid` is `node` or runs below it (its parents, read from /proc)."""
+    for _ in range(64):   # deeper than any tree a SuperNode makes (it, its SuperExec, a ClientApp)
+        if pid == node:
+            return True
+        if pid <= 1:
+            return False
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as f:   # "pid (comm) state ppid ...", comm may hold anything
+                pid = int(f.read().rsplit(b")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):   # gone meanwhile
+            return False
+    return False
 
-    def __init__(self, partition: int, deadline: float = DEADLINE):
-        self.partition, self.deadline = partition, deadline
+
+def discard(content: RecordDict | None) -> None:
+    """Drop a request's (or reply's) arrays now. Flower 1.42's `config_records` and `array_records` views refer
+    to themselves (a reference cycle), so a content that one of them saw lives on until the cyclic garbage
+    collector runs, which allocations of bytes never trigger (3 GB resident after twelve 256 MiB requests).
+    Emptying every record frees the payload whoever still holds the records."""
+    for rec in (content or {}).values():
+        if isinstance(rec, ArrayRecord):
+            rec.clear()
+    if content is not None:
+        content.clear()
+
+
+class Budget:
+    """Payload bytes in flight, all requests together: a request's declared size is taken when its header has
+    been read (before a byte of its payload) and given back once its content is discarded."""
+
+    def __init__(self, total: int):
+        self.total, self.used, self.lock = total, 0, threading.Lock()
+
+    def take(self, n: int) -> None:
+        """Reserve `n` bytes, or BadFrame (more than the whole budget) or Busy (not now)."""
+        with self.lock:
+            if n > self.total:
+                raise too_large(n, self.total)
+            if self.used + n > self.total:
+                raise Busy(f"{self.used} of its {self.total} payload bytes are in flight; this request needs {n}")
+            self.used += n
+
+    def give(self, n: int) -> None:
+        with self.lock:
+            self.used -= n
+
+
+class Worker:
+    """Serves TRAIN requests for one partition, from its node's ClientApps (process `node` and those below it),
+    and from the node's first complete and valid request on, for one run."""
+
+    def __init__(self, partition: int, node: int, deadline: float = DEADLINE, budget: int = UNBOUND_LIMIT):
+        self.partition, self.node, self.deadline = partition, node, deadline
         self.run: tuple[int, str] | None = None   # (Flower run id, digest of the fedlase config)
-        self.limit = UNBOUND_LIMIT                # payload bytes a request may carry
+        self.budget = Budget(budget)              # once bound, at most the largest message of the run's model
         self.training = threading.Lock()          # one training at a time; connections are served at once
         self.slots = threading.BoundedSemaphore(MAX_CLIENTS)
+        self.dropped = Quiet()
 
     def refusal(self, header: dict) -> str | None:
         """Why this worker does not train the request `header` (already a well-formed frame), or None."""
@@ -274,29 +307,30 @@ class Worker:
         return None
 
     def handle(self, header: dict, content: RecordDict) -> tuple[dict, RecordDict | None]:
+        """Train a request (holding `training`): -> the reply's header and content."""
         from . import client_app
-        with self.training:
-            why = self.refusal(header)
-            if why:
-                return {"refused": why}, None
-            try:
-                pid, rnd = client_app.task_ids(content, self.partition)
-                times: dict[str, float] = {}
-                cfg = client_app.config_of(header["config"])
-                reply = client_app.train_content(cfg, content, pid, rnd, times)
-                if self.run is None:   # complete and valid: from now on, this run's
-                    self.limit = message_limit(client_app.trainer_for(cfg, pid).model)
-                    self.run = (header["run"], _digest(header["config"]))
-            except Exception as e:   # reported to the ClientApp, which fails the message as in-process training would
-                return {"error": f"{type(e).__name__}: {e}"}, None
+        why = self.refusal(header)   # again: a run may have been bound while this one waited
+        if why:
+            return {"refused": why}, None
+        try:
+            pid, rnd = client_app.task_ids(content, self.partition)
+            times: dict[str, float] = {}
+            cfg = client_app.config_of(header["config"])
+            reply = client_app.train_content(cfg, content, pid, rnd, times)
+            if self.run is None:   # complete and valid: from now on, this run's
+                self.budget.total = min(self.budget.total, message_limit(client_app.trainer_for(cfg, pid).model))
+                self.run = (header["run"], _digest(header["config"]))
+        except Exception as e:   # reported to the ClientApp, which fails the message as in-process training would
+            return {"error": f"{type(e).__name__}: {e}"}, None
         _say(f"run {header['run']} round {rnd}: trained partition {pid} "
              f"({', '.join(f'{k} {v:.3f} s' for k, v in times.items())})")
         return {"ok": True, "times": times}, reply
 
     @contextmanager
     def keepalive(self, conn: socket.socket):
-        """A keepalive to the ClientApp every HEARTBEAT s while its request waits or trains: it tells a worker
-        that trains long from one that is stopped."""
+        """A keepalive to the ClientApp every HEARTBEAT s while its request trains: it tells a worker that
+        trains long from one that is stopped. A request that waits for another's training hears nothing, so its
+        ClientApp gives up after its silence timeout rather than wait behind it."""
         stop = threading.Event()
 
         def beat():
@@ -313,48 +347,105 @@ class Worker:
             stop.set()
             t.join()
 
+    def stranger(self, pid: int) -> str | None:
+        """Why process `pid` is not one of this worker's node's ClientApps, or None."""
+        if not below(pid, self.node):
+            return f"this worker serves the ClientApps of its node (pid {self.node}); pid {pid} is not one"
+        return None
+
     def serve_one(self, conn: socket.socket) -> None:
         """One connection: its request whole within the deadline, then the reply; whatever fails, the
-        connection is closed and the worker goes on."""
+        connection is closed, the request's memory freed and the worker goes on."""
+        content, taken = None, 0
         try:
             with conn:
-                if peer_uid(conn) != os.getuid():   # the folder's mode already keeps others out
+                pid, uid = peer(conn)
+                if uid != os.getuid():   # the folder's mode already keeps others out
                     return
+                end = time.monotonic() + self.deadline
                 try:
-                    header, content = receive(conn, self.limit, time.monotonic() + self.deadline)
+                    header, sizes = receive_header(conn, end)
+                    why = self.stranger(pid) or self.refusal(header)
+                    if why:   # before a byte of its payload is read
+                        conn.settimeout(self.deadline)
+                        send(conn, {"refused": why})
+                        return
+                    self.budget.take(sum(sizes))
+                    taken = sum(sizes)
+                    content = receive_content(conn, header, sizes, end)
+                except Busy as e:
+                    conn.settimeout(self.deadline)
+                    send(conn, {"busy": str(e)})
+                    return
                 except BadFrame as e:
                     conn.settimeout(self.deadline)
                     send(conn, {"refused": f"a malformed request: {e}"})
                     raise
                 conn.settimeout(self.deadline)
-                with self.keepalive(conn):
-                    reply_header, reply = self.handle(header, content)
-                send(conn, reply_header, reply)
+                with self.training:
+                    if gone(conn):   # its ClientApp stopped waiting (and trains itself): not trained twice
+                        return
+                    with self.keepalive(conn):
+                        reply_header, reply = self.handle(header, content)
+                try:
+                    send(conn, reply_header, reply)
+                finally:
+                    discard(reply)
         except Closed:   # a probe (`listening`)
             pass
         except Exception as e:   # noqa: BLE001 -- MemoryError, a timeout, a reset: this request only
             _say(f"dropped a request: {type(e).__name__}: {e}")
         finally:
+            discard(content)
+            self.budget.give(taken)
             self.slots.release()
+
+    def turn_away(self, conn: socket.socket, why: str) -> None:
+        """Answer a connection that cannot be served now "busy" (its ClientApp tries again), without waiting."""
+        try:
+            conn.setblocking(False)
+            send(conn, {"busy": why})
+        except OSError:
+            pass
+        conn.close()
+        self.dropped.say(f"dropped a connection: {why}")
 
     def serve(self, srv: socket.socket) -> None:
         while True:
             try:
                 conn, _ = srv.accept()
             except OSError as e:   # out of descriptors for a moment
+                if srv.fileno() < 0:   # closed: the worker stops
+                    return
                 _say(f"cannot accept a connection: {e}")
                 time.sleep(0.1)
                 continue
             if not self.slots.acquire(blocking=False):
-                conn.close()
-                _say(f"dropped a connection: {MAX_CLIENTS} already in progress")
+                self.turn_away(conn, f"{MAX_CLIENTS} requests already in progress")
                 continue
             try:
                 threading.Thread(target=self.serve_one, args=(conn,), daemon=True, name="request").start()
             except Exception as e:   # noqa: BLE001 -- no thread or no memory to serve it: this one only
-                conn.close()
                 self.slots.release()
-                _say(f"dropped a connection: {type(e).__name__}: {e}")
+                self.turn_away(conn, f"{type(e).__name__}: {e}")
+
+
+def gone(conn: socket.socket) -> bool:
+    """Whether the peer of `conn` has closed it: a keepalive cannot be sent (a peer that only shut down its
+    sending half is still there)."""
+    try:
+        conn.sendall(KEEPALIVE)
+        return False
+    except OSError:
+        return True
+
+
+def warm() -> None:
+    """What the worker loads before its first message, so that no ClientApp pays it: torch and fedlase's
+    training code. Process-wide settings that must precede CUDA's start belong here, before torch."""
+    import torch  # noqa: F401
+
+    from . import client_app, codec, node_data  # noqa: F401
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -362,34 +453,41 @@ def main(argv: list[str] | None = None) -> int:
                                  description=__doc__.split("\n\n")[0])
     ap.add_argument("--dir", required=True, type=Path, help="the node's private worker directory (mode 0700)")
     ap.add_argument("--partition-id", required=True, type=int, help="the partition this node serves")
-    ap.add_argument("--watch-pid", type=int, default=None, help="exit when this process (the SuperNode) ends; "
-                                                                "default: the parent")
+    ap.add_argument("--watch-pid", required=True, type=int,
+                    help="the node's process (the SuperNode): the worker serves its ClientApps and exits when it ends")
     ap.add_argument("--deadline", type=float, default=DEADLINE,
                     help=f"seconds a request may take to arrive whole (default {DEADLINE:g})")
+    ap.add_argument("--max-bytes", type=int, default=UNBOUND_LIMIT,
+                    help=f"payload bytes in flight, all requests together (default {UNBOUND_LIMIT}); once a run is "
+                         f"bound, at most twice its largest message")
     a = ap.parse_args(argv)
-    parent = _PARENT if _PARENT is not None else os.getppid()
     folder = Path(os.path.abspath(a.dir.expanduser()))
     try:
-        if a.watch_pid is None and parent == 1:
-            raise WorkerError("its parent ended during start-up (or is init): nothing to watch; "
-                              "give the SuperNode's pid with --watch-pid")
-        watch(a.watch_pid if a.watch_pid is not None else parent)
+        if a.max_bytes <= 0 or not a.deadline > 0:
+            raise WorkerError("--max-bytes and --deadline must be positive")
+        watch(a.watch_pid)
         bound = bind(folder)
     except (WorkerError, OSError) as e:
         print(f"fedlase worker: error: {e}", file=sys.stderr)
         return 2
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    t = time.monotonic()
-    import torch  # noqa: F401  (warm: the ClientApp processes never pay this)
 
-    from . import client_app, codec, node_data  # noqa: F401
+    def stop(*_):   # a signal while torch's threads train: Python's shutdown would abort (and may dump a core)
+        bound.close()
+        os._exit(0)
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    t = time.monotonic()
+    warm()
     _say(f"partition {a.partition_id} at {folder / SOCKET} (ready in {time.monotonic() - t:.1f} s)")
     try:
-        Worker(a.partition_id, a.deadline).serve(bound.srv)
+        Worker(a.partition_id, a.watch_pid, a.deadline, a.max_bytes).serve(bound.srv)
     finally:
         bound.close()
     return 0
 
 
 if __name__ == "__main__":
+    if not sys.flags.safe_path:   # started some way fedlase/flower/worker_start.py does not know: not safely
+        print("fedlase worker: error: start it as `python -P -m fedlase.flower.worker`", file=sys.stderr)
+        sys.exit(2)
     sys.exit(main())

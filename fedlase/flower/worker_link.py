@@ -3,6 +3,7 @@ and peer checks, `ask` and `say_once`. It imports only Flower and the standard l
 hands its message to a worker never imports torch; the worker imports this module, never the other way."""
 from __future__ import annotations
 
+import io
 import json
 import os
 import re
@@ -18,12 +19,13 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, MetricRecord, RecordDict
 SOCKET = "worker.sock"
 MAX_HEADER = 8 << 20     # a header holds the config text and the array list: kilobytes
 MAX_DEPTH = 16           # a header's JSON nests 6 deep; deeper is refused before json.loads recurses
-UNBOUND_LIMIT = 4 << 30  # the payload of a message before a run is bound (a ResNet-18 submodel is 45 MB)
+UNBOUND_LIMIT = 4 << 30  # payload bytes in flight, all requests together, by default (a ResNet-18 submodel: 45 MB)
 MAX_BLOBS = 16 << 30     # the payload of a reply the worker sends a ClientApp
-CHUNK = 1 << 20          # bytes read at a time: memory grows with the bytes that arrived, never with a claim
 CONNECT_TIMEOUT = 5.0    # connecting to a listening Unix socket is immediate; a full backlog is not a worker
-HEARTBEAT = 1.0          # while a request waits for training or trains, the worker sends this often a keepalive
-REPLY_TIMEOUT = 20.0     # a worker silent this long (no keepalive) is stopped or hung: the ClientApp trains itself
+HEARTBEAT = 1.0          # while a request trains, the worker sends this often a keepalive
+REPLY_TIMEOUT = 20.0     # a worker silent this long (no keepalive) is stopped, hung or busy with another request
+ASK_DEADLINE = 600.0     # the longest `ask` waits for a reply in all, if the run's config has no reply_timeout
+BUSY_WAIT = 5.0          # how long `ask` tries again a worker that is busy (connections, bytes in flight) or full
 KEEPALIVE = bytes(8)     # a zero header length: "still training", never a frame
 
 
@@ -37,6 +39,10 @@ class Closed(WorkerError):
 
 class BadFrame(WorkerError):
     """A frame that is not a well-formed message (its header's shape, types, sizes or nesting); said to the peer."""
+
+
+class Busy(WorkerError):
+    """The worker has no room for the request now (connections or payload bytes in flight): `ask` tries again."""
 
 
 # ---- the wire --------------------------------------------------------------------------------------------------
@@ -128,60 +134,99 @@ _STRING = re.compile(rb'"[^"]*"')
 _NOT_BRACKETS = bytes(sorted(set(range(256)) - set(b"[]{}")))
 
 
-def _recv_exact(conn: socket.socket, n: int, deadline: float | None = None, first: bool = False) -> bytes:
-    """`n` bytes, read as they arrive (the buffer grows with them, so a claim costs nothing until it is sent),
-    all of them by `deadline` (time.monotonic()) if one is given, whatever the pace of each recv."""
-    buf = bytearray()
-    while len(buf) < n:
-        if deadline is not None:
-            left = deadline - time.monotonic()
+class _Until(io.RawIOBase):
+    """A socket as a raw stream whose every recv ends by `deadline` (time.monotonic()) and, if `idle` is given,
+    after at most `idle` seconds of silence."""
+
+    def __init__(self, conn: socket.socket, deadline: float | None, idle: float | None):
+        self.conn, self.deadline, self.idle = conn, deadline, idle
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buf) -> int:
+        wait = self.idle
+        if self.deadline is not None:
+            left = self.deadline - time.monotonic()
             if left <= 0:
-                raise WorkerError("the request missed its deadline")
-            conn.settimeout(left)
-        chunk = conn.recv(min(n - len(buf), CHUNK))
-        if not chunk:
-            if first and not buf:
-                raise Closed("the connection closed")
-            raise WorkerError("the connection closed mid-frame")
-        buf += chunk
-    return bytes(buf)
+                raise WorkerError("the deadline passed")
+            wait = left if wait is None else min(wait, left)
+        if wait is not None:
+            self.conn.settimeout(wait)
+        try:
+            return self.conn.recv_into(buf)
+        except TimeoutError:
+            if self.deadline is not None and time.monotonic() >= self.deadline:
+                raise WorkerError("the deadline passed") from None
+            raise
+
+
+def _recv_exact(conn: socket.socket, n: int, deadline: float | None = None, first: bool = False,
+                idle: float | None = None) -> bytes:
+    """`n` bytes, all of them by `deadline` whatever the pace of each recv. BufferedReader.read(n) makes the
+    bytes object once and has the socket fill it in place (with a 1-byte buffer it reads nothing ahead), so
+    there is no copy, and its pages become resident only as the bytes arrive: a claim costs address space, not
+    memory, until it is sent."""
+    data = io.BufferedReader(_Until(conn, deadline, idle), 1).read(n)
+    if len(data) < n:
+        if first and not data:
+            raise Closed("the connection closed")
+        raise WorkerError("the connection closed mid-frame")
+    return data
 
 
 def send(conn: socket.socket, header: dict, records: RecordDict | None = None) -> None:
     conn.sendall(b"".join(pack(header, records)))
 
 
-def receive(conn: socket.socket, limit: int = MAX_BLOBS, deadline: float | None = None,
-            keepalive: bool = False) -> tuple[dict, RecordDict]:
-    """One frame: its header, checked (`array_sizes`, at most MAX_HEADER bytes and MAX_DEPTH deep), and its
-    content, at most `limit` payload bytes, all by `deadline`. `keepalive`: skip the worker's keepalives."""
+def receive_header(conn: socket.socket, deadline: float | None = None, keepalive: bool = False,
+                   idle: float | None = None) -> tuple[dict, list[int]]:
+    """A frame's header, checked (`array_sizes`, at most MAX_HEADER bytes and MAX_DEPTH deep), and its payload's
+    array sizes; the payload is still to be read (`receive_content`). `keepalive`: skip the worker's keepalives."""
     while True:
-        (n,) = struct.unpack(">Q", _recv_exact(conn, 8, deadline, first=True))
+        (n,) = struct.unpack(">Q", _recv_exact(conn, 8, deadline, first=True, idle=idle))
         if not (keepalive and n == 0):
             break
     if n > MAX_HEADER:
         raise BadFrame(f"a header of {n} bytes is larger than {MAX_HEADER}")
-    raw = _recv_exact(conn, n, deadline)
+    raw = _recv_exact(conn, n, deadline, idle=idle)
     if _depth(raw) > MAX_DEPTH:
         raise BadFrame(f"a header nested deeper than {MAX_DEPTH}")
     try:
         header = json.loads(raw)
     except (ValueError, RecursionError) as e:   # UnicodeDecodeError too
         raise BadFrame(f"a header that is not JSON ({type(e).__name__})") from None
-    sizes = array_sizes(header)
-    if sum(sizes) > limit:
-        raise BadFrame(f"a payload of {sum(sizes)} bytes is larger than this run's messages can be ({limit})")
-    blobs = [_recv_exact(conn, s, deadline) for s in sizes]
+    return header, array_sizes(header)
+
+
+def too_large(size: int, limit: int) -> BadFrame:
+    return BadFrame(f"a payload of {size} bytes is larger than this run's messages can be ({limit})")
+
+
+def receive_content(conn: socket.socket, header: dict, sizes: list[int], deadline: float | None = None,
+                    idle: float | None = None) -> RecordDict:
+    """The records of a frame whose header `receive_header` read."""
+    blobs = [_recv_exact(conn, s, deadline, idle=idle) for s in sizes]
     try:
-        return header, unpack(header, blobs)
+        return unpack(header, blobs)
     except (TypeError, ValueError) as e:   # values Flower's records do not take
         raise BadFrame(f"records Flower cannot build ({e})") from None
 
 
-def peer_uid(conn: socket.socket) -> int:
-    """The uid of the process at the other end of a connected Unix socket (the kernel's word, SO_PEERCRED)."""
-    _, uid, _ = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
-    return uid
+def receive(conn: socket.socket, limit: int = MAX_BLOBS, deadline: float | None = None,
+            keepalive: bool = False, idle: float | None = None) -> tuple[dict, RecordDict]:
+    """One frame: its header and its content, at most `limit` payload bytes, all by `deadline`."""
+    header, sizes = receive_header(conn, deadline, keepalive, idle)
+    if sum(sizes) > limit:
+        raise too_large(sum(sizes), limit)
+    return header, receive_content(conn, header, sizes, deadline, idle)
+
+
+def peer(conn: socket.socket) -> tuple[int, int]:
+    """(pid, uid) of the process at the other end of a connected Unix socket (the kernel's word, SO_PEERCRED,
+    as of its connect)."""
+    pid, uid, _ = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
+    return pid, uid
 
 
 def private_problem(st: os.stat_result) -> str | None:
@@ -201,37 +246,78 @@ def check_private(folder: Path) -> None:
 
 
 # ---- the ClientApp's half (no torch) ---------------------------------------------------------------------------
-def ask(folder: str | Path, run_id: int, partition: int, config_text: str,
-        content: RecordDict, timeout: float | None = None) -> tuple[dict, RecordDict]:
+def run_deadline(config_text: str) -> float:
+    """The run's reply_timeout (the server waits no longer for a round's replies), else ASK_DEADLINE."""
+    try:
+        return float(json.loads(config_text)["reply_timeout"])
+    except (ValueError, TypeError, KeyError):
+        return ASK_DEADLINE
+
+
+def ask(folder: str | Path, run_id: int, partition: int, config_text: str, content: RecordDict,
+        timeout: float | None = None, deadline: float | None = None) -> tuple[dict, RecordDict]:
     """Hand a TRAIN message's content to the worker in `folder`; -> (the reply's header, its content). Raises
-    WorkerError if there is no usable worker (the caller then trains itself), among them one silent for `timeout`
-    seconds (default REPLY_TIMEOUT: a worker that trains sends a keepalive every HEARTBEAT s, so silence means it
-    is stopped or hung); a training error in the worker comes back as RuntimeError, as it would in-process."""
+    WorkerError if there is no usable worker (the caller then trains itself): none listens, it is another user's,
+    it refuses, it stays busy for BUSY_WAIT s (tried again meanwhile), it is silent for `timeout` s (default
+    REPLY_TIMEOUT: it sends a keepalive every HEARTBEAT s only while it trains this request, so silence means
+    it is stopped, hung or training another), or it has not replied `deadline` s after the call (default: the
+    run's reply_timeout). A training error in the worker comes back as RuntimeError, as it would in-process."""
     folder = Path(folder)
     try:
         check_private(folder)
-        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     except OSError as e:
         raise WorkerError(f"no worker directory at {folder} ({e.strerror or e})") from None
-    with conn:
+    start = time.monotonic()
+    end = start + (run_deadline(config_text) if deadline is None else deadline)
+    frame = b"".join(pack({"op": "train", "run": int(run_id), "partition": int(partition), "config": config_text},
+                          content))
+    pause = 0.05
+    while True:
         try:
-            conn.settimeout(CONNECT_TIMEOUT)
-            conn.connect(str(folder / SOCKET))
-            conn.settimeout(REPLY_TIMEOUT if timeout is None else timeout)
-            if peer_uid(conn) != os.getuid():
-                raise WorkerError(f"{folder / SOCKET} is served by another user; not handing it the model")
-            try:
-                send(conn, {"op": "train", "run": int(run_id), "partition": int(partition),
-                            "config": config_text}, content)
-            except (BrokenPipeError, ConnectionResetError):
-                pass   # refused before it read the whole request (e.g. too large): its reply says why
-            header, reply = receive(conn, keepalive=True)
-        except OSError as e:   # a timeout too
-            raise WorkerError(f"no worker answers at {folder / SOCKET} ({e.strerror or e})") from None
+            header, reply = _ask_once(folder / SOCKET, frame, end, REPLY_TIMEOUT if timeout is None else timeout)
+            break
+        except Busy as e:
+            if time.monotonic() + pause > min(end, start + BUSY_WAIT):
+                raise WorkerError(f"the worker is busy ({e})") from None
+            time.sleep(pause)
+            pause = min(2 * pause, 1.0)
     if "refused" in header:
         raise WorkerError(f"the worker refused: {header['refused']}")
     if "error" in header:
         raise RuntimeError(f"the node's worker failed to train: {header['error']}")
+    return header, reply
+
+
+def _ask_once(sock: Path, frame: bytes, end: float, idle: float) -> tuple[dict, RecordDict]:
+    """One try of `ask`: its frame sent to the worker at `sock` and the reply read, by `end`, with at most
+    `idle` seconds of silence. Busy if the worker has no room for it now."""
+    def left(most: float) -> float:
+        rest = end - time.monotonic()
+        if rest <= 0:
+            raise WorkerError(f"no worker answers at {sock} (the deadline passed)")
+        return min(most, rest)
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+        conn.settimeout(left(CONNECT_TIMEOUT))
+        try:
+            conn.connect(str(sock))
+        except BlockingIOError:   # a full listen backlog (a burst of connections) refuses at once
+            raise Busy("its listen backlog is full") from None
+        except OSError as e:
+            raise WorkerError(f"no worker answers at {sock} ({e.strerror or e})") from None
+        if peer(conn)[1] != os.getuid():
+            raise WorkerError(f"{sock} is served by another user; not handing it the model")
+        conn.settimeout(left(idle))
+        try:
+            try:
+                conn.sendall(frame)
+            except (BrokenPipeError, ConnectionResetError):
+                pass   # refused before it read the whole request (too large, busy): its reply says why
+            header, reply = receive(conn, deadline=end, keepalive=True, idle=idle)
+        except (OSError, WorkerError) as e:   # a timeout too
+            why = e.strerror if isinstance(e, OSError) and e.strerror else e
+            raise WorkerError(f"no worker answers at {sock} ({why})") from None
+    if "busy" in header:
+        raise Busy(header["busy"])
     return header, reply
 
 
