@@ -380,6 +380,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     t = time.monotonic()
+    from .. import determinism
+    determinism.cublas_workspace()   # before CUDA starts; the run's `deterministic` is applied by its first message
     import torch  # noqa: F401  (warm: the ClientApp processes never pay this)
 
     from . import client_app, codec, node_data  # noqa: F401
