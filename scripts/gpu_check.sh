@@ -54,7 +54,10 @@ if "$DEVICE" == "cuda" and not torch.cuda.is_available():
 EOF
 command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader \
   | sed 's/^/- nvidia-smi: /' | tee -a "$SUM"
-git -C "$ROOT" log -1 --format='- fedlase at %h (%s)' 2>/dev/null | tee -a "$SUM"
+if git -C "$ROOT" rev-parse --short HEAD >/dev/null 2>&1; then
+  say "- fedlase at $(git -C "$ROOT" rev-parse --short HEAD)$([ -n "$(git -C "$ROOT" status --porcelain)" ] \
+    && echo ' with local changes')"
+fi
 
 # ---- every method, 2 rounds (one sweep: one process start); RecipFL on its own config's settings ---------------
 SMALL=(dataset=digits model=cnn "system={1,1/4,1/16,1/64}_{5,5,5,5}" participation=0.5 local_steps=5
@@ -67,9 +70,9 @@ from fedlase.registry import METHODS
 load_builtins()
 base = dict(kv.split("=", 1) for kv in small)
 recipfl = yaml.safe_load(open(f"{root}/configs/recipfl-mnist.yaml"))
-runs = [{"name": m} if m != "recipfl" else
-        {"name": m, **{k: recipfl[k] for k in ("model", "bn", "method_args", "lr", "eval_finetune")}, "local_steps": 5}
-        for m in METHODS.names()]
+own = {"recipfl": {k: recipfl[k] for k in ("model", "bn", "method_args", "lr", "eval_finetune")},
+       "depthfl": {"method_args": {"heads": "linear"}}}   # bottleneck heads cannot go below 1/8 of the small CNN
+runs = [{"name": m, "method": m, **own.get(m, {})} for m in METHODS.names()]
 yaml.safe_dump({"base": base, "out": out, "runs": runs}, open(path, "w"))
 EOF
 step "every method, 2 rounds on $DEVICE" "${FL[@]}" sweep "$WORK/methods.yaml" --quiet
@@ -77,6 +80,8 @@ step "every method, 2 rounds on $DEVICE" "${FL[@]}" sweep "$WORK/methods.yaml" -
 import json, sys
 from pathlib import Path
 out = Path(sys.argv[1])
+if not (out / "sweep.jsonl").exists():
+    sys.exit("  no run was recorded (the sweep stopped before; see log.txt)")
 print("\n| method | status | s | global accuracy |\n|---|---|---|---|")
 for line in (out / "sweep.jsonl").read_text().splitlines():
     r = json.loads(line)
@@ -89,7 +94,7 @@ EOF
 
 # ---- determinism: two runs and a resume, parameters hashed ---------------------------------------------------
 DEMO=("$ROOT/configs/demo.yaml" dataset=digits method=fedlase "device=$DEVICE" threads=1 rounds=4 eval_every=4
-      checkpoint_every=2 --quiet)
+      checkpoint_every=2)
 hashes() {   # the sha256 of each run's final parameters (checkpoint.pt), and whether they agree
   "$PY" - "$@" <<'EOF'
 import hashlib, sys
@@ -106,24 +111,24 @@ print("  " + ", ".join(f"{k}: {v}" for k, v in seen.items()))
 print("  " + ("bit-identical" if len(set(seen.values())) == 1 else "DIFFERENT"))
 EOF
 }
-if step "determinism: run a" "${FL[@]}" run "${DEMO[@]}" "out=$WORK/det/a" \
-   && step "determinism: run b" "${FL[@]}" run "${DEMO[@]}" "out=$WORK/det/b" \
-   && step "determinism: run c, 2 rounds" "${FL[@]}" run "${DEMO[@]}" rounds=2 "out=$WORK/det/c" \
-   && step "determinism: run c resumed to 4" "${FL[@]}" run "${DEMO[@]}" "out=$WORK/det/c" --resume; then
+if step "determinism: run a" "${FL[@]}" run --quiet "${DEMO[@]}" "out=$WORK/det/a" \
+   && step "determinism: run b" "${FL[@]}" run --quiet "${DEMO[@]}" "out=$WORK/det/b" \
+   && step "determinism: run c, 2 rounds" "${FL[@]}" run --quiet "${DEMO[@]}" rounds=2 "out=$WORK/det/c" \
+   && step "determinism: run c resumed to 4" "${FL[@]}" run --quiet --resume "${DEMO[@]}" "out=$WORK/det/c"; then
   say "- deterministic=true (default), final parameters of a, b and c (resumed at round 2):"
   hashes "$WORK/det/a" "$WORK/det/b" "$WORK/det/c" | tee -a "$SUM"
 fi
-if step "deterministic=false: run d" "${FL[@]}" run "${DEMO[@]}" deterministic=false "out=$WORK/det/d" \
-   && step "deterministic=false: run e" "${FL[@]}" run "${DEMO[@]}" deterministic=false "out=$WORK/det/e"; then
+if step "deterministic=false: run d" "${FL[@]}" run --quiet "${DEMO[@]}" deterministic=false "out=$WORK/det/d" \
+   && step "deterministic=false: run e" "${FL[@]}" run --quiet "${DEMO[@]}" deterministic=false "out=$WORK/det/e"; then
   say "- deterministic=false (what it gives up; on a CPU identical anyway):"
   hashes "$WORK/det/d" "$WORK/det/e" | tee -a "$SUM"
 fi
 
 # ---- FedBuff with a population, and dp ------------------------------------------------------------------------
-step "fedbuff with a population on $DEVICE" "${FL[@]}" run "${DEMO[@]}" schedule=fedbuff population.speed_spread=0.5 \
+step "fedbuff with a population on $DEVICE" "${FL[@]}" run --quiet "${DEMO[@]}" schedule=fedbuff population.speed_spread=0.5 \
   "out=$WORK/fedbuff"
 if has dp_accounting; then
-  step "dp on $DEVICE" "${FL[@]}" run "${DEMO[@]}" dp.clip=1 dp.noise_multiplier=1 "out=$WORK/dp"
+  step "dp on $DEVICE" "${FL[@]}" run --quiet "${DEMO[@]}" dp.clip=1 dp.noise_multiplier=1 "out=$WORK/dp"
 else
   say "- dp: skipped: dp-accounting is not installed (carry its wheel and dm-tree's in wheels/)"
 fi
@@ -131,7 +136,7 @@ fi
 # ---- the bench ------------------------------------------------------------------------------------------------
 if [ "$DEVICE" = cuda ]; then
   step "bench: gpu section" "$PY" -m tools.bench --device cuda --only gpu --out "$OUT/bench-gpu.md"
-  # the engine's overhead and batched clients, as time allows (the older scripts/gpu_bench.sh)
+  # the engine's overhead and batched clients, as time allows
   step "bench: batched, overhead" "$PY" -m tools.bench --device cuda --quick --only batched,overhead \
     --out "$OUT/bench-engine.md"
 else
