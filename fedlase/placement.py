@@ -56,6 +56,9 @@ def visible_free() -> list[int]:
 
 def read_free() -> list[int]:
     """`visible_free` in a child process, so that the caller holds no CUDA context; [] when it cannot tell."""
+    import torch
+    if not torch.cuda.is_available():   # creates no context: no child needed on a machine without a GPU
+        return []
     code = "import json; from fedlase.placement import visible_free; print(json.dumps(visible_free()))"
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}

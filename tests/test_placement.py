@@ -53,3 +53,8 @@ def test_a_run_needs_more_with_a_bigger_model_and_batched_clients(tmp_path):
     # the dataset estimate (70,000 CIFAR-sized images: 0.8 GiB), 11.2M parameters x (5 updates + copies), a
     # batch's activations: about 2 GiB with the overhead, not tens
     assert 2 * GIB < full < 4 * GIB
+
+
+def test_the_sweep_reads_the_gpus_in_a_child_and_none_without_cuda(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert placement.read_free() == []
