@@ -2,10 +2,9 @@
 
 - `fedlase sweep FILE --ray ADDRESS`: every unfinished run of the sweep becomes one Ray task that asks for
   `threads` CPUs (and, with `device=cuda`, a quarter of a GPU: fedlase/placement.py); Ray places it on a node
-  with room. The task calls
-  `run_config`, as every other run path does. Runs write straight into the sweep's `out`, which must be a
-  folder every node shares (checked on every node before anything starts): the checkpoint a run writes is
-  what lets it resume when its worker or node dies, so it has to outlive that node.
+  with room. The task calls `run_config`, as every other run path does. Runs write straight into the sweep's
+  `out`, which must be a folder every node shares (checked on every node before anything starts): the
+  checkpoint a run writes is what lets it resume when its worker or node dies, so it has to outlive that node.
 - `engine=flower-sim ray_address=ADDRESS`: Flower's Simulation Engine joins the cluster instead of starting a
   private Ray (`simulation_join`); the cluster's resources decide how many ClientApps run at once.
 

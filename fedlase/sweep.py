@@ -225,7 +225,7 @@ def _run_in_subprocesses(out: Path, todo: list[PlannedRun], result: dict, bar, j
     queue, procs = list(todo), {}   # proc -> (run, start time, log file)
     # runs that use CUDA go to the GPUs by free memory, several to one where they fit (fedlase/placement.py)
     plan = GpuPlan(read_free() if any(wants_gpu(r.cfg) for r in todo) else [])
-    placed = {}   # proc -> (gpu, booked bytes)
+    placed, needs = {}, {}   # proc -> (gpu, booked bytes); run name -> its estimated need
     pace = [0.0, 0]   # seconds and rounds of the runs finished so far
 
     def show():
@@ -244,7 +244,7 @@ def _run_in_subprocesses(out: Path, todo: list[PlannedRun], result: dict, bar, j
             while queue and len(procs) < jobs:
                 gpu = need = None
                 if plan.free and wants_gpu(queue[0].cfg):
-                    need = gpu_need(queue[0].cfg)
+                    need = needs.setdefault(queue[0].name, gpu_need(queue[0].cfg))
                     if (gpu := plan.place(need)) is None:
                         break   # it fits on no GPU now: wait for a run to end
                 run = queue.pop(0)

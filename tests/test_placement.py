@@ -58,3 +58,39 @@ def test_a_run_needs_more_with_a_bigger_model_and_batched_clients(tmp_path):
 def test_the_sweep_reads_the_gpus_in_a_child_and_none_without_cuda(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert placement.read_free() == []
+
+
+def test_a_jobs_sweep_books_its_gpus_and_waits_when_they_are_full(tmp_path, monkeypatch):
+    """The sweep's loop with its children faked: each run's GPU, and no more runs at once than fit."""
+    import io
+
+    import yaml
+
+    from fedlase import sweep
+
+    class Child:   # a finished child process: it reported success
+        def __init__(self):
+            self.ticks, self.returncode, self.stdout = 3, 0, io.StringIO('{"error": null}\n')
+
+        def poll(self):
+            self.ticks -= 1
+            return 0 if self.ticks <= 0 else None
+    started, running, most = [], [], [0]
+
+    def start(run, threads, gpu=None):
+        started.append(gpu)
+        child = Child()
+        running.append(child)
+        most[0] = max(most[0], sum(c.ticks > 0 for c in running))
+        return child, io.StringIO()
+    monkeypatch.setattr(sweep, "_start", start)
+    monkeypatch.setattr(sweep, "read_free", lambda: [10 * GIB, 3 * GIB])
+    monkeypatch.setattr(sweep, "gpu_need", lambda cfg: 4 * GIB)
+    path = tmp_path / "sweep.yaml"
+    path.write_text(yaml.safe_dump({"base": {"dataset": "digits", "model": "cnn", "system": "{1,1/4}_{2,2}",
+                                             "rounds": 1, "device": "auto"},
+                                    "out": str(tmp_path / "out"), "grid": {"seed": [0, 1, 2, 3]}}))
+    res = sweep.run_sweep(path, progress=False, jobs=4)
+    assert len(res["done"]) == 4
+    # 10 GiB holds two runs of 4, the 3 GiB GPU none while another runs: two at once, all on GPU 0
+    assert started == [0, 0, 0, 0] and most[0] == 2
