@@ -29,9 +29,11 @@ def test_a_failing_method_fails_in_its_row_and_the_gpu_section_goes_on(monkeypat
         return 2.0 if "method=fiarse" in overrides else 1.0
     monkeypatch.setattr(bench, "timed_rounds", timed)
     monkeypatch.setattr(bench, "anchor_steps", lambda *a, **k: 0.01)
+    monkeypatch.setattr(bench, "deterministic_cost", lambda *a: (1.5, 1.0))
     args = argparse.Namespace(device="cpu", threads=1, width=None, steps=None, rounds=1)
     text = bench.section_gpu(args, {"cifar": ["dataset=cifar10"], "fmnist": ["dataset=fashion_mnist"]})
     assert "| fedlase | fp32, sequential | failed: KeyError: 'linear' |" in text
     assert "| fiarse | fp32, sequential | 2.000 | 10.00x |" in text   # 10 clients x 2 steps x 10 ms = 0.2 s
     hours = (2.0 + 1.0 + 1.0) / 3 * bench.TABLE_ROUNDS / 3600   # fiarse, heterofl, fedrolex: fedlase failed
     assert f"{hours:.1f} h at the sequential fp32 rounds" in text and "smaller than the papers' round" in text
+    assert "| resnet18 | 1.500 | 1.000 | 1.50x |" in text and "| cnn | 1.500 | 1.000 | 1.50x |" in text
