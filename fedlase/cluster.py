@@ -1,10 +1,10 @@
 """Running on a Ray cluster that someone else started (`ray start` on each machine; docs/cluster.md).
 
 - `fedlase sweep FILE --ray ADDRESS`: every unfinished run of the sweep becomes one Ray task that asks for
-  `threads` CPUs (and one GPU with `device=cuda`); Ray places it on a node with room. The task calls
-  `run_config`, as every other run path does. Runs write straight into the sweep's `out`, which must be a
-  folder every node shares (checked on every node before anything starts): the checkpoint a run writes is
-  what lets it resume when its worker or node dies, so it has to outlive that node.
+  `threads` CPUs (and, with `device=cuda`, a quarter of a GPU: fedlase/placement.py); Ray places it on a node
+  with room. The task calls `run_config`, as every other run path does. Runs write straight into the sweep's
+  `out`, which must be a folder every node shares (checked on every node before anything starts): the
+  checkpoint a run writes is what lets it resume when its worker or node dies, so it has to outlive that node.
 - `engine=flower-sim ray_address=ADDRESS`: Flower's Simulation Engine joins the cluster instead of starting a
   private Ray (`simulation_join`); the cluster's resources decide how many ClientApps run at once.
 
@@ -25,6 +25,7 @@ from pathlib import Path
 
 from .config import tagged
 from .errors import UserError
+from .placement import RAY_GPU_SHARE
 from .util import split_host_port
 
 log = logging.getLogger("fedlase")
@@ -110,7 +111,7 @@ def task_config(run) -> tuple[dict, dict]:
     config["threads"] = max(1, config["threads"]) if run.sets_threads else 1
     if config["device"] == "auto":
         config["device"] = "cpu"
-    return config, {"num_cpus": config["threads"], "num_gpus": 1 if config["device"] == "cuda" else 0}
+    return config, {"num_cpus": config["threads"], "num_gpus": RAY_GPU_SHARE if config["device"] == "cuda" else 0}
 
 
 def _check_fits(ray, runs: list) -> None:

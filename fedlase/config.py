@@ -149,6 +149,11 @@ class Config:
                               "metric is 1; 0: none (the global accuracy never fine-tunes)", kind=float, low=0,
                               tags=("eval",))
     seed: int = _f(0, "seed of model init, partition, sampling and local batches", low=0)
+    deterministic: bool = _f(True, "torch's deterministic algorithms, cuDNN without benchmarking and cuBLAS's "
+                             "reproducible workspace, in every process that trains: on a GPU, reruns and resumes "
+                             "are then bit-identical on the same GPU model, driver, torch and fedlase; false: "
+                             "faster convolutions, results that vary from run to run (a CPU run is identical "
+                             "either way; fedlase/determinism.py)", affects_result=False)
     device: str = _f("auto", "cpu, cuda or auto", choices=("cpu", "cuda", "auto"), affects_result=False,
                      tags=("eval",))
     threads: int = _f(0, "torch CPU threads, at most the CPUs this process may use (affinity and CPU quota); 0: "

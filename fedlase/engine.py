@@ -22,7 +22,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from . import checkpoint
+from . import checkpoint, determinism
 from .aggregate import channel_owners
 from .client import ClientSettings, ClientTrainer, build_model_for, client_splits, pick_device
 from .config import Config, check_analysis, config_from_dict, parse_override, set_dotted, tagged
@@ -139,6 +139,7 @@ class Parts:
 def build_parts(cfg: Config) -> Parts:
     """Data, client splits, model, method, client trainer, evaluation data and server step of a validated config
     (the order is part of the result: the model is built from the run's seed before the method)."""
+    determinism.apply(cfg.deterministic)   # before anything touches CUDA (fedlase/determinism.py)
     device = pick_device(cfg.device)
     apply_threads(cfg.threads)   # 0: the CPUs this process may use (fedlase/resources.py)
     d = DATASETS.get(cfg.dataset).load(cfg)

@@ -4,12 +4,13 @@ sweep.jsonl) and the others go on.
 
 `run_sweep(path, jobs=N)` (`fedlase sweep FILE --jobs N`) runs N runs at once, each in its own subprocess
 (its output in `<run folder>/sweep.log`), with torch's CPU threads split between them: a run gets
-`threads = max(1, cores // N)` unless the sweep sets `threads` itself. Results do not depend on N. On Ctrl-C
+`threads = max(1, cores // N)` unless the sweep sets `threads` itself, and a run that uses CUDA goes to a GPU by
+free memory, several to a GPU where they fit (fedlase/placement.py). Results do not depend on N. On Ctrl-C
 the children are stopped and nothing is recorded for them; rerunning the sweep resumes them.
 
 `run_sweep(path, ray=ADDRESS)` (`fedlase sweep FILE --ray ADDRESS`) runs each unfinished run as a Ray task on
-a running cluster, where it asks for its `threads` CPUs and, with device=cuda, a GPU (fedlase/cluster.py);
-each run's line in sweep.jsonl names the node that ran it."""
+a running cluster, where it asks for its `threads` CPUs and, with device=cuda, a quarter of a GPU
+(fedlase/cluster.py); each run's line in sweep.jsonl names the node that ran it."""
 from __future__ import annotations
 
 import contextlib
@@ -27,6 +28,7 @@ from pathlib import Path
 from .config import config_from_dict
 from .errors import UserError
 from .machine import passive_openmp, usable_cpus
+from .placement import GpuPlan, gpu_env, gpu_need, read_free, wants_gpu
 from .sweep_plan import PlannedRun, plan_sweep
 
 log = logging.getLogger("fedlase")
@@ -168,7 +170,7 @@ def _child_main() -> int:
     return 0 if error is None else 1
 
 
-def _start(run: PlannedRun, threads: int) -> tuple[subprocess.Popen, object]:
+def _start(run: PlannedRun, threads: int, gpu: int | None = None) -> tuple[subprocess.Popen, object]:
     config = run.cfg.to_dict()
     if not run.sets_threads:
         config["threads"] = threads
@@ -177,7 +179,8 @@ def _start(run: PlannedRun, threads: int) -> tuple[subprocess.Popen, object]:
     root = str(Path(__file__).resolve().parents[1])   # the child imports this very package
     passive_openmp()   # the child's OpenMP waits without spinning unless the user chose otherwise (inherited)
     env = {**os.environ, "FEDLASE_SWEEP_PARENT": str(os.getpid()),
-           "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}
+           "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p),
+           **(gpu_env(gpu) if gpu is not None else {})}
     # its own session: a Ctrl-C at the terminal reaches only the sweep, which then stops the children itself
     proc = subprocess.Popen([sys.executable, "-c", _CHILD], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                             stderr=logf, env=env, start_new_session=True, text=True)
@@ -220,6 +223,9 @@ def _stop(procs: dict) -> None:
 def _run_in_subprocesses(out: Path, todo: list[PlannedRun], result: dict, bar, jobs: int) -> None:
     threads = max(1, usable_cpus() // jobs)
     queue, procs = list(todo), {}   # proc -> (run, start time, log file)
+    # runs that use CUDA go to the GPUs by free memory, several to one where they fit (fedlase/placement.py)
+    plan = GpuPlan(read_free() if any(wants_gpu(r.cfg) for r in todo) else [])
+    placed, needs = {}, {}   # proc -> (gpu, booked bytes); run name -> its estimated need
     pace = [0.0, 0]   # seconds and rounds of the runs finished so far
 
     def show():
@@ -236,14 +242,24 @@ def _run_in_subprocesses(out: Path, todo: list[PlannedRun], result: dict, bar, j
     try:
         while queue or procs:
             while queue and len(procs) < jobs:
+                gpu = need = None
+                if plan.free and wants_gpu(queue[0].cfg):
+                    need = needs.setdefault(queue[0].name, gpu_need(queue[0].cfg))
+                    if (gpu := plan.place(need)) is None:
+                        break   # it fits on no GPU now: wait for a run to end
                 run = queue.pop(0)
-                proc, logf = _start(run, threads)
+                proc, logf = _start(run, threads, gpu)
                 procs[proc] = (run, time.perf_counter(), logf)
+                if gpu is not None:
+                    placed[proc] = (gpu, need)
+                    log.info("sweep: run %s on GPU %d (about %.1f GiB)", run.name, gpu, need / 2**30)
                 show()
             time.sleep(0.1)
             for proc in [p for p in procs if p.poll() is not None]:
                 run, t0, logf = procs.pop(proc)
                 logf.close()
+                if proc in placed:
+                    plan.release(*placed.pop(proc))
                 _account(out, run, result, time.perf_counter() - t0, _child_error(run, proc), pace, bar)
                 show()
     except BaseException:   # Ctrl-C (or any error here): no run goes on without the sweep

@@ -21,6 +21,12 @@ Sections (each prints one Markdown table; `--only` picks some):
             the clients' training; peak RSS. Limit: loop + server step <= 5% of the training time.
   text      (with the text extras) BBC News tokenization, uncached and cached, and MiniLM's local AdamW step
             (batch 20), dense and FIARSE at 1/64, at max_length 128 and 256 under 1 and 2 torch threads.
+  gpu       the papers' round (ResNet-18 at width 1, CIFAR-shaped random data, 10 of 100 clients, 20 local steps
+            of batch 32, the skewed system) per method, fp32 sequential and `precision=bf16 batched_clients=true`,
+            beside a plain-PyTorch anchor on the same device (one fp32 SGD step of batch 32 x the round's 200
+            client-steps; on CUDA also one bf16 channels-last step of batch 320 x 20), with the projection of the
+            papers' tables in hours, and `deterministic` on against off per model. Runs on any device; on a CPU
+            at a smaller width and fewer steps unless --width/--steps say otherwise (its output says so).
   contention `fedlase run configs/demo.yaml` (a few rounds) as a user runs it, wall time of the whole process,
             under each thread setting: on the machine as it is, and beside two CPU-bound processes. The
             default (`threads=0`: the usable CPUs, OpenMP waiting passively) against fixed counts and
@@ -59,7 +65,7 @@ from fedlase.levels import System
 from fedlase.report_tables import markdown_table
 
 CHECKOUT = Path(__file__).resolve().parents[1]   # the folder holding fedlase/ and tools/
-SECTIONS = ("overhead", "sliced", "masks", "memory", "async", "comm", "batched", "text", "contention")
+SECTIONS = ("overhead", "sliced", "masks", "memory", "async", "comm", "batched", "text", "gpu", "contention")
 # run when no --only is given: contention takes minutes of wall time and loads the machine on purpose
 DEFAULT_SECTIONS = tuple(s for s in SECTIONS if s != "contention")
 MEMORY_CLIENTS = (100, 1000, 10000)
@@ -145,6 +151,25 @@ def _main(t: np.ndarray, device: torch.device) -> float:
 
 def _max_diff(a: dict, b: dict) -> float:
     return max(float((a[n] - b[n]).abs().max()) for n in a)
+
+
+def row_error(e: BaseException, where: str) -> str:
+    """A row's failure as its table shows it: one method failing on one model must not stop the bench."""
+    from fedlase.errors import UserError
+    first = str(e).splitlines()[0] if str(e) else ""
+    text = f"not run: {first}" if isinstance(e, UserError) else f"failed: {type(e).__name__}: {first}"
+    print(f"  {where}: {text}", file=sys.stderr)
+    return text
+
+
+def guarded(head: list[str], width: int, rows, where: str) -> list[list[str]]:
+    """`head` + each row `rows()` returns (lists of `width` cells), or one row saying why it failed."""
+    try:
+        out = [[*head, *r] for r in rows()]
+    except Exception as e:   # noqa: BLE001 -- the failure goes in its row and the bench goes on
+        return [[*head, row_error(e, f"{where} {' '.join(head)}"), *[""] * (width - 1)]]
+    print(f"  {where} {' '.join(head)}: {' '.join(out[-1][len(head):])}", file=sys.stderr)
+    return out
 
 
 
@@ -256,15 +281,14 @@ def measure_overhead(overrides: list[str], method: str, rounds: int, repeats: in
 
 
 def section_overhead(args, scen: dict) -> str:
-    from fedlase.errors import UserError
     from fedlase.registry import METHODS
     rows, evals = [], []
     for name, overrides in scen.items():
         for method in METHODS:
             try:
                 r = measure_overhead(overrides, method, args.rounds, args.repeats, evaluate=method == "fiarse")
-            except UserError as e:   # a method that refuses this model (e.g. budget too small): say so
-                rows.append([name, method, f"not run: {e}"] + [""] * 6)
+            except Exception as e:   # noqa: BLE001 -- a method that refuses this model, or fails on it: its row
+                rows.append([name, method, row_error(e, f"overhead {name} {method}")] + [""] * 6)
                 continue
             if "skipped" in r:
                 rows.append([name, method, f"not compared: {r['skipped']}"] + [""] * 6)
@@ -308,19 +332,14 @@ def _full_models(args):
 
 
 def section_masks(args) -> str:
-    from fedlase.errors import UserError
     from fedlase.methods import METHODS, build_method
     rows = []
     for mname, model in _full_models(args).items():
         model = model.to(args.device)
-        params = {n: p.detach() for n, p in model.named_parameters()}
-        size = sum(p.numel() for p in params.values())
-        for method in METHODS:
-            try:
-                m = build_method(method, deepcopy(model), {}, SYSTEM_LEVELS)
-            except UserError as e:   # a method that refuses this model or system: say so
-                rows.append([f"{mname}, {size / 1e6:.2f}M", method, f"not run: {e}"] + [""] * 4)
-                continue
+        size = sum(p.numel() for p in model.parameters())
+
+        def row(method):
+            m = build_method(method, deepcopy(model), {}, SYSTEM_LEVELS)
             params = {n: p.detach() for n, p in m.model.named_parameters()}   # with any parts it adds
             m.submodel(params, SYSTEM_LEVELS.smallest, 1)   # warm-up
             per, dev = [], torch.device(args.device)
@@ -328,7 +347,9 @@ def section_masks(args) -> str:
                 t0 = _now(dev)
                 m.submodel(params, lvl, 1)
                 per.append(_main(_now(dev) - t0, dev))
-            rows.append([f"{mname}, {size / 1e6:.2f}M", method, f"{sum(per):.3f}"] + [f"{s * 1e3:.1f}" for s in per])
+            return [[f"{sum(per):.3f}"] + [f"{s * 1e3:.1f}" for s in per]]
+        for method in METHODS:
+            rows += guarded([f"{mname}, {size / 1e6:.2f}M", method], 5, lambda: row(method), f"masks {mname}")
     what = "wall" if args.device == "cuda" else "CPU"
     return (f"### Mask extraction at full size ({what} time; all four levels of one round, no training)\n\n" +
             markdown_table(["model", "method", "s per round", "ms at 1", "ms at 1/4", "ms at 1/16", "ms at 1/64"],
@@ -543,24 +564,23 @@ def submodel_bytes(sub, params: dict, value_bytes: int = 4) -> tuple[int, int, i
 
 
 def section_comm(args) -> str:
-    from fedlase.errors import UserError
     from fedlase.methods import METHODS, build_method
     rows = []
     for mname, model in _full_models(args).items():
-        params = {n: p.detach() for n, p in model.named_parameters()}
-        for method in METHODS:
-            try:
-                m = build_method(method, deepcopy(model), {}, SYSTEM_LEVELS)
-            except UserError as e:   # a method that refuses this model or system: say so
-                rows.append([mname, method, f"not run: {e}"] + [""] * 5)
-                continue
+
+        def row(method):
+            m = build_method(method, deepcopy(model), {}, SYSTEM_LEVELS)
             params = {n: p.detach() for n, p in m.model.named_parameters()}   # with any parts it adds
+            out = []
             for lvl in SYSTEM_LEVELS:
                 sub = m.submodel(params, lvl, 1)
                 dense, sparse, values = submodel_bytes(sub, params)
                 kept = sub.kept(m.maskable, params) / sum(params[n].numel() for n in m.maskable)
-                rows.append([mname, method, lvl.name, f"{100 * kept:.1f}%", f"{dense / 2**20:.2f}",
-                             f"{sparse / 2**20:.3f}", f"{values / 2**20:.3f}", f"{sparse / dense:.3f}"])
+                out.append([lvl.name, f"{100 * kept:.1f}%", f"{dense / 2**20:.2f}", f"{sparse / 2**20:.3f}",
+                            f"{values / 2**20:.3f}", f"{sparse / dense:.3f}"])
+            return out
+        for method in METHODS:
+            rows += guarded([mname, method], 6, lambda: row(method), f"comm {mname}")
     return ("### Bytes a client receives (and sends) per round, float32, MiB\n\n" +
             markdown_table(["model", "method", "level", "kept (budgeted params)", "dense", "values + bit mask",
                    "values only", "sparse / dense"], rows))
@@ -596,14 +616,20 @@ def paired_rounds(opts, overrides: list[str], key: str, values: tuple[str, str])
     return float(best[:, 0].mean()), float(best[:, 1].mean()), diff
 
 
+def paired_row(args, overrides: list[str], key: str, values: tuple[str, str]) -> list[str]:
+    """A table row of `paired_rounds`: seconds per round of each, the speedup, the difference."""
+    a, b, diff = paired_rounds(args, overrides, key, values)
+    return [f"{a:.3f}", f"{b:.3f}", f"{a / b:.2f}x", f"{diff:.1e}"]
+
+
 def section_batched(args, scen: dict) -> str:
     rows = []
     names = list(scen) if args.device == "cuda" else [n for n in scen if n.startswith("cnn")]
     for name in names:
         for method in ("fiarse", "fedavg"):
-            a, b, diff = paired_rounds(args, [*scen[name], f"method={method}"], "batched_clients", ("false", "true"))
-            rows.append([name, method, f"{a:.3f}", f"{b:.3f}", f"{a / b:.2f}x", f"{diff:.1e}"])
-            print(f"  batched {name} {method}: {rows[-1][4]}", file=sys.stderr)
+            rows += guarded([name, method], 4, lambda: [paired_row(args, [*scen[name], f"method={method}"],
+                                                                   "batched_clients", ("false", "true"))],
+                            "batched")
     what = "wall" if args.device == "cuda" else "CPU"
     return (f"### Batched clients against the sequential engine ({what} s per round)\n\n" +
             markdown_table(["scenario", "method", "sequential", "batched", "speedup",
@@ -616,13 +642,157 @@ def section_sliced(args, scen: dict) -> str:
     rows = []
     for name in [n for n in scen if "digits" not in n]:
         for method in ("heterofl", "fedrolex", "fedavg_small"):
-            a, b, diff = paired_rounds(args, [*scen[name], f"method={method}"], "sliced", ("false", "true"))
-            rows.append([name, method, f"{a:.3f}", f"{b:.3f}", f"{a / b:.2f}x", f"{diff:.1e}"])
-            print(f"  sliced {name} {method}: {rows[-1][4]}", file=sys.stderr)
+            rows += guarded([name, method], 4, lambda: [paired_row(args, [*scen[name], f"method={method}"], "sliced",
+                                                                   ("false", "true"))], "sliced")
     what = "wall" if args.device == "cuda" else "CPU"
     return (f"### Width slices: sliced training against the masked full-size path ({what} s per round)\n\n" +
             markdown_table(["scenario", "method", "masked (sliced=false)", "sliced", "speedup",
                             "max param diff after a round"], rows))
+
+
+# ---- gpu: the papers' round against what the device can do ---------------------------------------------------
+GPU_METHODS = ("fedlase", "fiarse", "heterofl", "fedrolex", "fedavg")
+TABLE_METHODS = ("fedlase", "fiarse", "heterofl", "fedrolex")   # the papers' tables: these x 2 datasets x 3 seeds
+TABLE_ROUNDS = len(TABLE_METHODS) * 2 * 3 * 800
+
+
+def papers_round(args, data: dict) -> tuple[list[str], float, int]:
+    """The papers' round (ResNet-18, CIFAR-shaped data, 10 of 100 clients, `steps` local steps of batch 32, the
+    skewed system) as overrides, with its width and steps: the papers' own on CUDA, smaller on a CPU unless
+    --width/--steps say otherwise."""
+    full = args.device == "cuda"
+    width = args.width if args.width is not None else (1.0 if full else 0.125)
+    steps = args.steps if args.steps is not None else (20 if full else 2)
+    return ([f"device={args.device}", f"threads={args.threads}", "system=" + SYSTEM % (10, 20, 30, 40),
+             "participation=0.1", "checkpoint_every=0", "seed=0", *data["cifar"], "model=resnet18",
+             f"width={width}", f"local_steps={steps}", "batch_size=32"], width, steps)
+
+
+def timed_rounds(overrides: list[str], rounds: int) -> float:
+    """Seconds per round of a run of `overrides` (the fastest of `rounds` after a warm-up round)."""
+    from fedlase.config import load_config
+    from fedlase.engine import Experiment
+    exp = Experiment(load_config(None, overrides))
+    exp.run_round(1)   # warm-up: allocator, cuDNN's choices, lazy initialisation
+    best = math.inf
+    for rnd in range(2, 2 + rounds):
+        t0 = _now(exp.device)
+        exp.run_round(rnd)
+        best = min(best, _main(_now(exp.device) - t0, exp.device))
+    return best
+
+
+def deterministic_cost(overrides: list[str], rounds: int, repeats: int) -> tuple[float, float]:
+    """Seconds per round with `deterministic` on and off: after a warm-up round each replays the measured rounds
+    `repeats` times from its state after it, the two alternating round by round (the setting is the process's,
+    so it is applied before each), the fastest of each round kept."""
+    from fedlase import determinism
+    from fedlase.config import load_config
+    from fedlase.engine import Experiment
+    exps = {v: Experiment(load_config(None, [*overrides, f"deterministic={str(v).lower()}"])) for v in (True, False)}
+    warm = {}
+    for v, e in exps.items():
+        determinism.apply(v)
+        e.run_round(1)
+        e.state.round = 1
+        warm[v] = e.state_dict()
+    best = {v: np.full(rounds, math.inf) for v in exps}
+    for _ in range(repeats):
+        for v, e in exps.items():
+            e.load_state_dict(warm[v])
+        for i, rnd in enumerate(range(2, 2 + rounds)):
+            for v, e in exps.items():
+                determinism.apply(v)
+                t0 = _now(e.device)
+                e.run_round(rnd)
+                best[v][i] = min(best[v][i], _main(_now(e.device) - t0, e.device))
+                e.state.round = rnd
+    return float(best[True].mean()), float(best[False].mean())
+
+
+def anchor_steps(device: torch.device, width: float, batch: int, bf16: bool, steps: int = 10) -> float:
+    """Seconds of one plain-PyTorch SGD step of ResNet-18 (`width`) on a random batch: fp32, or bf16 autocast
+    with channels-last tensors. The fastest of `steps` after three warm-up steps."""
+    from fedlase.models import build_model
+    torch.manual_seed(0)
+    model = build_model("resnet18", 3, 10, width, "batch", 32).to(device)
+    x, y = torch.randn(batch, 3, 32, 32, device=device), torch.randint(0, 10, (batch,), device=device)
+    if bf16:
+        model, x = model.to(memory_format=torch.channels_last), x.to(memory_format=torch.channels_last)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    best = math.inf
+    for i in range(3 + steps):
+        t0 = _now(device)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+            loss = F.cross_entropy(model(x), y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        if i >= 3:
+            best = min(best, _main(_now(device) - t0, device))
+    return best
+
+
+def section_gpu(args, data: dict) -> str:
+    """Per method, the papers' round beside the plain-PyTorch limit (one fp32 step of batch 32 x the round's
+    client-steps; on CUDA also ten clients' batches as one bf16 channels-last batch of 320 x the steps), the
+    projection of the papers' tables in hours, and `deterministic` on against off per model. Rows with
+    `precision=bf16 batched_clients=true` fail in their row where the engine has no such keys."""
+    from fedlase import determinism
+    base, width, steps = papers_round(args, data)
+    dev = torch.device(args.device)
+    clients = 10
+    fp32 = anchor_steps(dev, width, 32, bf16=False)
+    bf16 = anchor_steps(dev, width, 32 * clients, bf16=True) if dev.type == "cuda" else None
+    limit = clients * steps * fp32                         # the round's client-steps, one after another
+    batched_limit = steps * bf16 if bf16 is not None else None
+    what = "wall" if dev.type == "cuda" else "CPU"
+    variants = [("fp32, sequential", []), ("bf16, batched", ["precision=bf16", "batched_clients=true"])]
+    rows, per = [], {}
+
+    def row(method, extra):
+        t = timed_rounds([*base, f"method={method}", *extra], args.rounds)
+        if not extra:
+            per[method] = t
+        ratio = f"{t / batched_limit:.1f}x" if batched_limit else "n/a (CUDA only)"
+        return [[f"{t:.3f}", f"{t / limit:.2f}x", ratio, f"{t * TABLE_ROUNDS / 3600:.1f}"]]
+    for method in GPU_METHODS:
+        for name, extra in variants:
+            rows += guarded([method, name], 4, lambda: row(method, extra), "gpu")
+    det_rows = []
+    for model, overrides in (("resnet18", [*base, "method=fiarse"]),
+                             ("cnn", [f"device={args.device}", f"threads={args.threads}", *data["fmnist"],
+                                      "model=cnn", "system=" + SYSTEM % (10, 20, 30, 40), "participation=0.1",
+                                      "checkpoint_every=0", "seed=0", f"local_steps={steps}",
+                                      "batch_size=32", "method=fiarse"])):
+        def det_row():
+            on, off = deterministic_cost(overrides, args.rounds, 3)
+            return [[f"{on:.3f}", f"{off:.3f}", f"{on / off:.2f}x"]]
+        det_rows += guarded([model], 3, det_row, "gpu deterministic")
+    determinism.apply(True)   # the default again, for what runs after this section
+    size = "the papers' round" if (width, steps) == (1.0, 20) else (
+        f"**smaller than the papers' round** (width {width:g}, {steps} local steps; --width 1 --steps 20 for theirs)")
+    tables = (f"{len(TABLE_METHODS)} methods x CIFAR-10 and CIFAR-100 x 3 seeds x 800 rounds = {TABLE_ROUNDS:,} "
+              "rounds, training only (evaluation not counted)")
+    anchors = f"one fp32 SGD step of batch 32: {fp32 * 1e3:.1f} ms, so {clients} clients x {steps} steps: " \
+              f"{limit:.3f} s"
+    if bf16 is not None:
+        anchors += f"; one bf16 channels-last step of batch {32 * clients}: {bf16 * 1e3:.1f} ms, x {steps} " \
+                   f"steps: {batched_limit:.3f} s"
+    mean = sum(per[m] for m in TABLE_METHODS if m in per) / max(1, sum(m in per for m in TABLE_METHODS))
+    projection = (f"Projection of the papers' tables ({tables}): {mean * TABLE_ROUNDS / 3600:.1f} h at the "
+                  f"sequential fp32 rounds measured here (mean of {', '.join(m for m in TABLE_METHODS if m in per)}"
+                  f"), {limit * TABLE_ROUNDS / 3600:.1f} h at the fp32 limit"
+                  + (f", {batched_limit * TABLE_ROUNDS / 3600:.2f} h at the bf16 batch-{32 * clients} limit"
+                     if batched_limit else "") + "." if per else "Projection: no round was measured.")
+    return (f"### The papers' round on {args.device}: ResNet-18, CIFAR-shaped random data, {clients} of 100 clients, "
+            f"local steps of batch 32, system {SYSTEM % (10, 20, 30, 40)} ({what} s per round; {size})\n\n"
+            f"Plain-PyTorch anchor, same model and device: {anchors}.\n\n"
+            + markdown_table(["method", "engine", "s per round", "vs fp32 limit", "vs bf16 batch limit",
+                              "h for the tables"], rows)
+            + f"\n\n{projection}\n\n"
+            + f"#### `deterministic` on against off (fiarse, {what} s per round)\n\n"
+            + markdown_table(["model", "on (default)", "off", "cost"], det_rows))
 
 
 # ---- a shared CPU ---------------------------------------------------------------------------------------------
@@ -717,6 +887,8 @@ def run(args) -> str:
             *([f"--device {args.device}"] if args.device != "cpu" else []),
             *([f"--threads {args.threads}"] if args.threads != 1 else []),
             *([f"--models {args.models}"] if args.models else []),
+            *([f"--width {args.width:g}"] if args.width is not None else []),
+            *([f"--steps {args.steps}"] if args.steps is not None else []),
             *([f"--out {args.out}"] if args.out else [])]
     parts = [f"Machine: {machine()}", f"Command: `{' '.join(['python -m tools.bench', *opts])}`",
              f"Torch threads: {args.threads}; device: {args.device}; load average at start: "
@@ -745,6 +917,8 @@ def run(args) -> str:
                 parts.append(section_batched(args, scen))
             elif section == "text":
                 parts.append(section_text(args))
+            elif section == "gpu":
+                parts.append(section_gpu(args, data))
             elif section == "contention":
                 parts.append(section_contention(args, data))
     load = os.getloadavg()
@@ -762,6 +936,10 @@ def check_arguments(args) -> None:
     known = ("cnn", "resnet18", "minilm")
     if args.models and any(m not in known for m in wanted_models(args)):
         raise UserError(f"--models: choose from {', '.join(known)} (comma-separated), got {args.models!r}")
+    if args.width is not None and not 0 < args.width <= 1:
+        raise UserError(f"--width: must be in (0, 1], got {args.width:g}")
+    if args.steps is not None and args.steps < 1:
+        raise UserError(f"--steps: must be >= 1, got {args.steps}")
     if args.threads < 1:
         raise UserError(f"--threads: must be >= 1, got {args.threads}")
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -784,6 +962,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--models", metavar="MODELS", help="comma-separated subset of the scenarios' models: cnn, "
                    "resnet18, minilm (minilm needs the text extras) [default: all]")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="[default: cpu]")
+    p.add_argument("--width", type=float, default=None, help="gpu section: ResNet-18's width [default: 1 on cuda, "
+                   "0.125 on cpu, so that it ends in a minute or two]")
+    p.add_argument("--steps", type=int, default=None, help="gpu section: local steps per client [default: 20 on "
+                   "cuda, 2 on cpu]")
     p.add_argument("--threads", type=int, default=1,
                    help="torch CPU threads; 1 keeps figures steadier on a shared machine [default: 1]")
     return p

@@ -68,7 +68,9 @@ def trainer_for(cfg, pid: int):
     """Partition `pid`'s trainer, built once per process (its samples from the node cache, the model)."""
     trainers = _CACHE["trainers"]
     if pid not in trainers:
+        from .. import determinism
         from ..client import pick_device
+        determinism.apply(cfg.deterministic)   # as the embedded engine does, before this process touches CUDA
         from .node_data import client_dataset, client_trainer
         trainers[pid] = client_trainer(cfg, pid, pick_device(cfg.device), data=client_dataset(cfg, pid))
     return trainers[pid]

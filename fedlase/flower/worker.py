@@ -443,6 +443,8 @@ def gone(conn: socket.socket) -> bool:
 def warm() -> None:
     """What the worker loads before its first message, so that no ClientApp pays it: torch and fedlase's
     training code. Process-wide settings that must precede CUDA's start belong here, before torch."""
+    from .. import determinism
+    determinism.cublas_workspace()   # before CUDA starts; the run's `deterministic` is applied by its first message
     import torch  # noqa: F401
 
     from . import client_app, codec, node_data  # noqa: F401
