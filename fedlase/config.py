@@ -381,9 +381,10 @@ def validate(cfg: Config) -> Config:
         raise ConfigError("classes_per_client", f"must be between 1 and the {data.num_classes} classes of "
                           f"{cfg.dataset}, got {cfg.classes_per_client}")
     check_analysis(cfg.analysis)
-    from .robust_config import check_attack, check_dp, check_robust
+    from .robust_config import check_attack, check_dp, check_robust, check_stages
     check_robust(cfg.robust, cfg.robust_args)
     check_attack(cfg.attack, cfg.attack_args, cfg.levels)
+    check_stages(cfg)
     if not isinstance(cfg.dp, dict):
         raise ConfigError("dp", f"expected a mapping such as {{clip: 1, noise_multiplier: 1}}, got {cfg.dp!r}")
     cfg = dataclasses.replace(cfg, dp=check_dp(cfg))

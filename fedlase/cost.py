@@ -97,7 +97,7 @@ def _payload(params: dict, buffers: dict, sub) -> tuple[int, int]:
     swaps the client's own values into the submodel's tensors, at their sizes: it is charged the submodel
     without it, i.e. the level's model each way (the authors' server keeps the parts and sends them)."""
     from .errors import UserError
-    if getattr(sub.local, "personal", False):
+    if sub.local is not None and sub.local.personal:
         sub = dataclasses.replace(sub, local=None)
     try:
         from .flower.codec import encode_delta, encode_submodel, record_bytes

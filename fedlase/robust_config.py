@@ -32,6 +32,21 @@ def check_attack(kind: str, args, system) -> dict:
     return ATTACKS.get(kind).check_args(args or {}, system)
 
 
+def check_stages(cfg) -> None:
+    """A method whose training some server stage does not reach (its `server_stages`: RecipFL's hypernetwork steps
+    on the uploads, not on the zero updates a rule, attack or dp would act on) is refused that stage in one line."""
+    from .config import Config
+    from .registry import METHODS
+    stages = METHODS.get(cfg.method).server_stages
+    default = Config.__dataclass_fields__["robust"].default
+    for key, stage, used, value in (("robust", "rule", cfg.robust != default, f"robust={cfg.robust}"),
+                                    ("attack", "attack", cfg.attack != "none", f"attack={cfg.attack}"),
+                                    ("dp", "dp", bool(cfg.dp), "dp")):
+        if used and stage not in stages:
+            raise ConfigError(key, f"method {cfg.method} trains outside the updates the server step aggregates (its "
+                              f"server_stages), so {value} would act on zeros; drop it")
+
+
 # ---- differential privacy (fedlase/privacy.py; docs/methods.md, "Differential privacy") ------------------------
 DP = {
     "clip": Option(None, "the L2 bound C each client's update is clipped to, at the global shapes (setting any dp "
