@@ -141,14 +141,30 @@ def test_a_resumed_dp_run_is_bit_identical(tiny_cfg, tmp_path):
         [(x["epsilon"], x["dp"]["clip"]) for x in lines["part"]]
 
 
+def _round_seen_by_dp(cfg) -> tuple[dict, list]:
+    """(round 1's metrics fields, the updates dp's stage received: after the attack, before its clip)."""
+    exp = Experiment(cfg)
+    stage, seen = exp.server.stages[0], []
+    clip = stage.updates
+    stage.updates = lambda updates, *rest: seen.extend(updates) or clip(updates, *rest)
+    stats = exp.run_round(1)
+    assert all(bool(torch.isfinite(p).all()) for p in exp.params.values())
+    return stats, seen
+
+
 def test_attacks_apply_and_dp_clips_them(tiny_cfg):
-    """A scaled attacker is clipped, not rejected (the screen keeps only its per-update checks under dp); a NaN
-    attacker under robust=none adds nothing; the model stays finite."""
+    """A scaled attacker reaches dp's stage scaled and is clipped, not rejected (the screen keeps only its
+    per-update checks under dp); a NaN attacker under robust=none reaches it as NaN and adds nothing (a
+    non-finite update counts as clipped, to zero); the model stays finite."""
+    _, honest = _round_seen_by_dp(tiny_cfg(*DP))
     for attack in (["attack=scale", "attack_args.factor=1e6"], ["attack=nan", "robust=none"]):
-        exp = Experiment(tiny_cfg(*DP, *attack, "attack_args.clients=[0,1,2,3]"))
-        stats = exp.run_round(1)
-        assert stats["clients"] == len(exp.sample(1)) and "rejected" not in stats, stats
-        assert all(bool(torch.isfinite(p).all()) for p in exp.params.values())
+        stats, seen = _round_seen_by_dp(tiny_cfg(*DP, *attack, "attack_args.clients=[0,1,2,3]"))
+        assert stats["clients"] == len(seen) == len(honest) and "rejected" not in stats, stats
+        assert stats["dp"]["clipped"] == len(seen)   # every attacker was clipped
+        for u, h in zip(seen, honest):   # the attack ran: what the server received is the corrupted delta
+            assert u.client == h.client and any(d.any() for d in h.delta.values())
+            for n, d in u.delta.items():
+                assert torch.equal(d, h.delta[n] * 1e6) if attack[0] == "attack=scale" else bool(d.isnan().all())
 
 
 REFUSED = [(["robust=median"], "robust"), (["robust=trimmed_mean"], "robust"), (["robust=multikrum"], "robust"),
