@@ -384,7 +384,7 @@ def validate(cfg: Config) -> Config:
     from .robust_config import check_attack, check_dp, check_robust, check_stages
     check_robust(cfg.robust, cfg.robust_args)
     check_attack(cfg.attack, cfg.attack_args, cfg.levels)
-    check_stages(cfg)
+    check_stages(cfg, options()["robust"].default)
     if not isinstance(cfg.dp, dict):
         raise ConfigError("dp", f"expected a mapping such as {{clip: 1, noise_multiplier: 1}}, got {cfg.dp!r}")
     cfg = dataclasses.replace(cfg, dp=check_dp(cfg))

@@ -32,14 +32,13 @@ def check_attack(kind: str, args, system) -> dict:
     return ATTACKS.get(kind).check_args(args or {}, system)
 
 
-def check_stages(cfg) -> None:
+def check_stages(cfg, default_rule: str) -> None:
     """A method whose training some server stage does not reach (its `server_stages`: RecipFL's hypernetwork steps
-    on the uploads, not on the zero updates a rule, attack or dp would act on) is refused that stage in one line."""
-    from .config import Config
+    on the uploads, not on the zero updates a rule, attack or dp would act on) is refused that stage in one line;
+    under the default rule (`default_rule`) its screen's per-update checks still apply."""
     from .registry import METHODS
     stages = METHODS.get(cfg.method).server_stages
-    default = Config.__dataclass_fields__["robust"].default
-    for key, stage, used, value in (("robust", "rule", cfg.robust != default, f"robust={cfg.robust}"),
+    for key, stage, used, value in (("robust", "rule", cfg.robust != default_rule, f"robust={cfg.robust}"),
                                     ("attack", "attack", cfg.attack != "none", f"attack={cfg.attack}"),
                                     ("dp", "dp", bool(cfg.dp), "dp")):
         if used and stage not in stages:
