@@ -9,6 +9,8 @@ from .errors import ConfigError
 from .options import Option, check_options
 from .registry import ATTACKS, RULES
 
+COVERAGES = ("mask", "nonzero", "kept")   # the `coverage` key's choices (fedlase/aggregate.py computes them)
+
 SCREEN = Option(100.0, "reject an update whose norm per coordinate held exceeds this multiple of the round's "
                 "median (every rule but none); non-finite updates and losses are always rejected", low=1)
 

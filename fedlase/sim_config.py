@@ -23,6 +23,8 @@ from pathlib import Path
 from .errors import ConfigError
 from .options import Option, check_options
 
+CHARGES = ("dense", "sparse")   # `sim_charge`: what a masked method's client is charged (fedlase/simtime.py)
+
 STALENESS = ("constant", "poly", "hinge")
 
 POPULATION = {

@@ -29,7 +29,6 @@ from .config import DEVICE_KEYS
 from .population import Population
 
 DEFAULTS = dict(zip(DEVICE_KEYS, (1e10, 1.25e6, None)))   # speed, bandwidth, memory of a level-1 device
-CHARGES = ("dense", "sparse")
 
 
 @dataclass(frozen=True)

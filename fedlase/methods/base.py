@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..config import ENGINES
 from ..levels import System, as_system
 from ..masks import Submodel, kth_largest, maskable_names
 from ..options import Option, check_options
@@ -61,7 +62,7 @@ class LocalObjective:
         return delta
 
 
-RUNNERS = ("embedded", "batched", "flower-sim", "flower-deploy")   # what a method's `runs_on` may list
+RUNNERS = (ENGINES[0], "batched", *ENGINES[1:])   # what a method's `runs_on` may list: the engines, and batched
 
 
 class Method:
