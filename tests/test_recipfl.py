@@ -140,6 +140,21 @@ def test_the_hypernetwork_steps_in_the_server_step_on_the_accepted_uploads(tiny_
     assert any(not torch.equal(p, before[n]) for n, p in method.ghn.named_parameters())
 
 
+def test_a_resumed_run_is_bit_identical(tiny_cfg, tmp_path):
+    """The hypernetwork, its Adam moments and the clients' last uploads are checkpointed after the server step:
+    one round and a resume to two ends where two rounds at once do."""
+    fast = [*RECIP, "eval_finetune=0"]
+    whole = run_experiment(tiny_cfg(*fast, out=str(tmp_path / "whole")), progress=False)
+    run_experiment(tiny_cfg(*fast, "rounds=1", out=str(tmp_path / "cut")), progress=False)
+    resumed = run_experiment(tiny_cfg(*fast, out=str(tmp_path / "cut")), resume=True, progress=False)
+    a, b = (torch.load(tmp_path / d / "checkpoint.pt", weights_only=True)["method"] for d in ("whole", "cut"))
+    assert a["opt"]["step"] == b["opt"]["step"] == 2
+    assert all(torch.equal(a["ghn"][n], b["ghn"][n]) for n in a["ghn"])
+    assert all(torch.equal(x, y) for x, y in zip(a["opt"]["v"], b["opt"]["v"]))
+    assert {k: v for k, v in whole["final"].items() if not k.endswith("_time")} == \
+        {k: v for k, v in resumed["final"].items() if not k.endswith("_time")}
+
+
 def test_lenet_width_slices_and_the_fine_tuned_metric(tiny_cfg, tmp_path):
     """The other methods of RecipFL's comparison on LeNet-5: HeteroFL's width slice trains as the smaller
     tensors (its flatten cut in whole channels) exactly as the masks over the full model do; and
