@@ -176,10 +176,10 @@ def evaluate_levels(model: nn.Module, method, params: dict, buffers: dict, level
         sub = method.eval_submodel(params, lvl, rnd).to(data.x_test.device)
         with torch.no_grad():   # a width slice is evaluated as the smaller model (unless sliced=false)
             weights, bufs = sub.model(params, buffers, sliced=settings.sliced)
-        own = method.personalized   # a personalized method (pFedLMT, RecipFL): each client's own model
+        personal = method.personalized   # a personalized method (pFedLMT, RecipFL): each client's own model
         # the module a level runs on: the run's model, unless the method's levels are models of their own (RecipFL)
         net = method.module_for(lvl)
-        if not own:
+        if not personal:
             bufs = recompute_bn_stats(model, weights, bufs, bn_x, bs)
             glob = accuracy(predict(model, weights, bufs, x_glob, bs), y_glob)
             models = {c: (weights, bufs) for c in clients}
@@ -192,9 +192,9 @@ def evaluate_levels(model: nn.Module, method, params: dict, buffers: dict, level
         if settings.finetune:   # each client's model after local training on its own data (then its BN statistics)
             tuned = {}
             for c in clients:
-                if not own:   # the level's submodel of the global model, trained as the client trains it
+                if not personal:   # the level's submodel of the global model, trained as the client trains it
                     w = finetune(model, sub, params, buffers, data, settings, c, rnd)
-                else:             # the client's own model, trained whole
+                else:                  # the client's own model, trained whole
                     w = finetune(net, Submodel(), models[c][0], models[c][1], data, settings, c, rnd)
                 tuned[c] = (w, recompute_bn_stats(net, w, models[c][1], bn_x, bs))
             models = tuned
