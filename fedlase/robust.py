@@ -51,6 +51,13 @@ class Rule:
     weighted: ClassVar[bool] = False
     # the rule this one runs as under a stage whose screen_by_others is False (dp), or None: itself
     privately: ClassVar[type[Rule] | None] = None
+    # whether its result (as `privately`, if set) moves by at most one clipped update when one client changes, so
+    # dp may run with it (fedlase/robust_config.py, check_dp); never inherited: a subclass says so itself
+    dp_safe: ClassVar[bool] = False
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        cls.dp_safe = bool(vars(cls).get("dp_safe", False))
 
     def __init__(self, **args):
         self.args = self.check_args(args)

@@ -68,11 +68,6 @@ DP = {
     "count_noise": Option(None, "dp.adaptive: standard deviation of the noise on the unclipped count; unset: the "
                           "expected clients per round / 20", kind=float, low=0, low_open=True),
 }
-# the rules whose result moves by at most one clipped update when one client changes (docs/methods.md)
-# bounded: the default; under dp its median-relative screen and clip give way to dp's clip (fedlase/rules.py)
-DP_RULES = ("none", "screen", "clip", "bounded")
-
-
 def check_dp(cfg) -> dict:
     """The `dp` mapping checked against the run (one-line ConfigError naming the key), defaults filled; {}: off.
     `cfg.participation` is the parsed list."""
@@ -88,9 +83,10 @@ def check_dp(cfg) -> dict:
         raise ConfigError("dp.clip", "must be set: the L2 bound of each client's update (any dp key turns DP on)")
     if (out["noise_multiplier"] is None) == (out["target_epsilon"] is None):
         raise ConfigError("dp.noise_multiplier", "set exactly one of dp.noise_multiplier and dp.target_epsilon")
-    if cfg.robust not in DP_RULES:
+    if not RULES.get(cfg.robust).dp_safe:   # declared by the rule (Rule.dp_safe)
+        safe = ", ".join(name for name, rule in RULES.items() if rule.dp_safe)
         raise ConfigError("robust", f"robust={cfg.robust} does not keep the clipped sum's sensitivity under dp "
-                          f"(one client may move it by more than C); use {', '.join(DP_RULES)}")
+                          f"(one client may move it by more than C); use {safe}")
     if METHODS.get(cfg.method).masks_from_data:
         raise ConfigError("method", f"{cfg.method} chooses a client's mask from its data, so which coordinates it "
                           "sent is private too; dp does not cover it")

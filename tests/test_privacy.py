@@ -179,6 +179,24 @@ def test_what_dp_does_not_cover_is_refused_in_one_line(tmp_path, extra, key):
     assert str(e.value).startswith(key) and "\n" not in str(e.value), str(e.value)
 
 
+def test_a_rule_says_itself_whether_dp_may_run_with_it():
+    """`dp_safe` is declared by each rule and never inherited: a rule built on `screen` that aggregates otherwise
+    is refused under dp until it says it is safe."""
+    from fedlase.registry import RULES
+    from fedlase.rules import Screened
+    assert {n for n, r in RULES.items() if r.dp_safe} >= {"none", "screen", "clip", "bounded"}
+    assert not any(RULES.get(n).dp_safe for n in ("median", "trimmed_mean", "multikrum", "adaptive_clip"))
+
+    class Mine(Screened):
+        name = "mine"
+
+    class Safe(Screened):
+        name = "safe"
+        dp_safe = True
+
+    assert Screened.dp_safe and not Mine.dp_safe and Safe.dp_safe
+
+
 def test_clip_alone_and_both_noise_settings_are_refused(tmp_path):
     for extra, key in ((["dp.clip=1"], "dp.noise_multiplier"), (["dp.noise_multiplier=1"], "dp.clip"),
                        ([*DP, "dp.target_epsilon=3"], "dp.noise_multiplier")):
