@@ -29,9 +29,9 @@ from torch import nn
 
 from .layers import BatchNorm
 from .masks import Submodel, slice_block
+from .robust_config import COVERAGES
 
 AGGREGATIONS = ("coverage", "mean")
-COVERAGES = ("mask", "nonzero", "kept")
 
 
 def channel_owners(model: nn.Module) -> dict[str, list[str]]:

@@ -110,15 +110,15 @@ class ClientTrainer:
         `scatter`) and mean training loss for this round."""
         batches, augment = self.job(client, rnd)
         devices = [self.x.device] if self.x.device.type == "cuda" else []
-        personal = getattr(sub.local, "personal", False)   # pFedLMT: the client trains its own part, kept by it
-        if personal:
-            params = sub.local.params_for(client, params, sub)
+        local = sub.local   # its own objective's hooks (methods/base.py, LocalObjective): pFedLMT's own part
+        if local is not None:
+            params = local.params_for(client, params, sub)
         with torch.random.fork_rng(devices=devices):   # dropout draws from the client's own stream
             seed_global_stream(dropout_seed(self.settings.seed, rnd, client), self.x.device)
             delta, loss = local_train(self.model, params, buffers, self.trained(sub), self.x, self.y, batches,
                                       self.work, augment, self.classes[client] if self.classes is not None else None,
                                       scatter)
-        return (sub.local.finish(client, params, sub, delta) if personal else delta), loss
+        return (delta if local is None else local.finish(client, params, sub, delta)), loss
 
     def trained(self, sub: Submodel) -> Submodel:
         """The submodel as this client trains it: a width slice as masks over the full model under

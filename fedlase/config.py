@@ -26,6 +26,11 @@ from .machine import sim_actors_rule, threads_rule, writable_folder
 from .options import Option, check_value
 from .registry import ATTACKS, DATASETS, METHODS, MODELS, PARTITIONS, RULES, TRACKERS
 from .resources import check_run
+from .robust_config import COVERAGES
+from .sim_config import CHARGES
+
+ENGINES = ("embedded", "flower-sim", "flower-deploy")   # `engine`; a method's runs_on adds "batched" (methods/base.py)
+BN_MODES = ("batch", "static")   # `bn`: how a model's BatchNorm layers keep statistics (fedlase/models/resnet.py)
 
 
 def _f(default, help: str, **kw):
@@ -60,7 +65,7 @@ class Config:
                               choices=("budget", "whole"))
     width: float = _f(1.0, "width multiplier of the model's channels, > 0", **_positive())
     bn: str = _f("batch", "batch: batch statistics (FIARSE); static: stats recomputed before evaluation (HeteroFL)",
-                 choices=("batch", "static"))
+                 choices=BN_MODES)
     system: str = _f("{1,1/4,1/16,1/64}_{10,20,30,40}",
                      "resource levels and client counts, {levels}_{counts}; {1}_{100} is homogeneous",
                      tags=("parsed",))
@@ -97,7 +102,7 @@ class Config:
                               "mask holds it), nonzero (those whose delta is nonzero: the official FIARSE server), "
                               "kept (mask, but a BN or bias channel only where the client kept a weight of that "
                               "channel); unset: the method's own (`fedlase methods` lists each one's); see "
-                              "docs/methods.md", kind=str, choices=("mask", "nonzero", "kept"))
+                              "docs/methods.md", kind=str, choices=COVERAGES)
     robust: str = _f("bounded", "the server's rule (docs/methods.md, Robust aggregation; a plug-in may register "
                      "more): bounded clips every update to the round's median norm per coordinate held after "
                      "rejecting non-finite updates or losses and norms over 3x that median; screen is the plain "
@@ -124,7 +129,7 @@ class Config:
                                    "the result",
                                    kind=dict)
     sim_charge: str = _f("dense", "simulated time of masked methods: dense (the FLOPs fedlase computes) or sparse "
-                         "(the FLOPs if their sparsity were exploited)", choices=("dense", "sparse"))
+                         "(the FLOPs if their sparsity were exploited)", choices=CHARGES)
     deadline: float | None = _f(None, "simulated seconds a round waits: clients whose simulated time exceeds it are "
                                 "dropped before training (metrics: missed_deadline); unset: none", kind=float,
                                 low=0, low_open=True)
@@ -166,7 +171,7 @@ class Config:
                       "rounding, for checking)")
     engine: str = _f("embedded", "embedded (one process), flower-sim (Flower's Simulation Engine) or flower-deploy "
                      "(a running Flower SuperLink; see docs/flower.md)",
-                     choices=("embedded", "flower-sim", "flower-deploy"), affects_result=False)
+                     choices=ENGINES, affects_result=False)
     min_replies: int = _f(1, "Flower: good replies a round needs to update the model (else it is left unchanged)",
                           low=1, affects_result=False)
     reply_timeout: float = _f(600.0, "Flower: seconds the server waits for a round's replies, > 0",
@@ -311,9 +316,10 @@ def validate(cfg: Config) -> Config:
         raise ConfigError("classes_per_client", f"must be between 1 and the {data.num_classes} classes of "
                           f"{cfg.dataset}, got {cfg.classes_per_client}")
     check_analysis(cfg.analysis)
-    from .robust_config import check_attack, check_dp, check_robust
+    from .robust_config import check_attack, check_dp, check_robust, check_stages
     check_robust(cfg.robust, cfg.robust_args)
     check_attack(cfg.attack, cfg.attack_args, cfg.levels)
+    check_stages(cfg, options()["robust"].default)
     if not isinstance(cfg.dp, dict):
         raise ConfigError("dp", f"expected a mapping such as {{clip: 1, noise_multiplier: 1}}, got {cfg.dp!r}")
     cfg = dataclasses.replace(cfg, dp=check_dp(cfg))

@@ -14,7 +14,7 @@ Per level, on the submodel of round 1 of the initial model (or of the model a ch
   sparse      the FLOPs of that step if the submodel's sparsity were exploited: each conv or linear layer's
               counted FLOPs (forward, weight gradient and input gradient) times the kept fraction of its weight;
               equal to step_flops for a slice, which already computes only what it keeps;
-  down / up   payload bytes each way as the Flower codec sends them (fedlase/flower/codec.py: kept values, mask
+  down / up   payload bytes each way as the Flower codec sends them (fedlase/payload.py: kept values, mask
               bits, slice indices, buffers; up: the delta on the credited mask);
   peak        peak resident memory of one client's local training (all its steps), MEASURED in a fresh child
               process per level: after the process has loaded the data and built the model, its high-water mark
@@ -94,21 +94,21 @@ def _step_flops(model, trainer, params: dict, buffers: dict, client: int, traine
 
 
 def _payload(params: dict, buffers: dict, sub) -> tuple[int, int]:
-    """Bytes down and up as the Flower codec encodes them; a method whose local objective the codec cannot
-    send (FjORD, DepthFL, FedDSE) is charged the dense model each way. A personal objective (pFedLMT's) only
-    swaps the client's own values into the submodel's tensors, at their sizes: it is charged the submodel
-    without it, i.e. the level's model each way (the authors' server keeps the parts and sends them)."""
+    """Bytes down and up as the Flower codec sends them (fedlase/payload.py, torch alone: the same with or without
+    the `flower` extra); a method whose local objective the codec cannot send (FjORD, DepthFL, FedDSE) is charged
+    the dense model each way. A personal objective (pFedLMT's) only swaps the client's own values into the
+    submodel's tensors, at their sizes: it is charged the submodel without it, i.e. the level's model each way
+    (the authors' server keeps the parts and sends them)."""
     from .errors import UserError
-    if getattr(sub.local, "personal", False):
+    from .payload import delta_arrays, payload_bytes, submodel_arrays
+    if sub.local is not None and sub.local.personal:
         sub = dataclasses.replace(sub, local=None)
     try:
-        from .flower.codec import encode_delta, encode_submodel, record_bytes
-        down = encode_submodel(params, buffers, sub)
-    except (UserError, ImportError):
+        down = payload_bytes(submodel_arrays(params, buffers, sub))
+    except UserError:
         dense = sum(p.numel() * p.element_size() for p in params.values())
         return dense, dense
-    zeros = {n: torch.zeros_like(p) for n, p in params.items()}
-    return record_bytes(*down.array_records.values()), record_bytes(encode_delta(zeros, sub))
+    return down, payload_bytes(delta_arrays({n: torch.zeros_like(p) for n, p in params.items()}, sub))
 
 
 def level_costs(model, method, trainer, levels, level_clients: dict, params: dict | None = None,

@@ -78,6 +78,8 @@ class RoundRunner(Protocol):
     def train(self, exp: Experiment, rnd: int, picked: list[tuple[int, Level]],
               subs: dict[Level, Submodel]) -> RoundResult: ...
 
+    def async_schedule(self, cfg: Config): ...
+
     def state_dict(self) -> dict: ...
 
     def load_state_dict(self, state: dict) -> None: ...
@@ -85,6 +87,12 @@ class RoundRunner(Protocol):
 
 class SequentialRounds:
     """The plain runner: the round's clients train one after another."""
+
+    def async_schedule(self, cfg: Config):
+        """The event loop of schedule=fedbuff/fedasync on the clock (fedlase/asynchronous.py); a runner whose
+        clients reply on their own (Flower's nodes: fedlase/flower/buffered.py) returns its own."""
+        from .asynchronous import AsyncSchedule
+        return AsyncSchedule(cfg)
 
     def train(self, exp, rnd, picked, subs):
         updates = []
@@ -167,7 +175,7 @@ def build_parts(cfg: Config) -> Parts:
     plan = Sampling.from_config(cfg)
     stages = stages_for(cfg, method, plan, method.aggregation, coverage, owners, device)   # dp (fedlase/privacy.py)
     server = ServerStep.of(cfg.robust, cfg.robust_args, cfg.attack, cfg.attack_args, system, cfg.seed,
-                           method.aggregation, coverage, owners, stages)
+                           method.aggregation, coverage, owners, stages, method)
     return Parts(device, d, x_train, y_train, x_test, y_test, client_train, client_test, model, method, trainer,
                  system.levels, level_clients, plan, eval_data, EvalSettings.from_config(cfg), server)
 
@@ -208,8 +216,7 @@ class Experiment:
         # steps on its nodes' replies: fedlase/flower/buffered.py); sync: run_round
         self.schedule = None
         if cfg.schedule != "sync":
-            from .asynchronous import AsyncSchedule
-            self.schedule = getattr(self.runner, "async_schedule", AsyncSchedule)(cfg)
+            self.schedule = self.runner.async_schedule(cfg)
 
     # the global model, as trackers and runners read it
     @property

@@ -176,25 +176,25 @@ def evaluate_levels(model: nn.Module, method, params: dict, buffers: dict, level
         sub = method.eval_submodel(params, lvl, rnd).to(data.x_test.device)
         with torch.no_grad():   # a width slice is evaluated as the smaller model (unless sliced=false)
             weights, bufs = sub.model(params, buffers, sliced=settings.sliced)
-        own = getattr(method, "personal_weights", None)   # a personalized method (pFedLMT): each client's own model
+        personal = method.personalized   # a personalized method (pFedLMT, RecipFL): each client's own model
         # the module a level runs on: the run's model, unless the method's levels are models of their own (RecipFL)
-        net = method.module_for(lvl) if hasattr(method, "module_for") else model
-        if own is None:
+        net = method.module_for(lvl)
+        if not personal:
             bufs = recompute_bn_stats(model, weights, bufs, bn_x, bs)
             glob = accuracy(predict(model, weights, bufs, x_glob, bs), y_glob)
             models = {c: (weights, bufs) for c in clients}
         else:   # its global accuracy: the mean over the level's clients of their own models' on the global set
             bufs = bufs if net is model else dict(net.named_buffers())
             models = {c: (w, recompute_bn_stats(net, w, bufs, bn_x, bs))
-                      for c in clients for w in [own(c, lvl, weights, sub)]}
+                      for c in clients for w in [method.personal_weights(c, lvl, weights, sub)]}
             glob = float(np.mean([accuracy(predict(net, *models[c], x_glob, bs), y_glob) for c in clients])) \
-                if clients and getattr(method, "global_eval", True) else float("nan")
+                if clients and method.global_eval else float("nan")
         if settings.finetune:   # each client's model after local training on its own data (then its BN statistics)
             tuned = {}
             for c in clients:
-                if own is None:   # the level's submodel of the global model, trained as the client trains it
+                if not personal:   # the level's submodel of the global model, trained as the client trains it
                     w = finetune(model, sub, params, buffers, data, settings, c, rnd)
-                else:             # the client's own model, trained whole
+                else:                  # the client's own model, trained whole
                     w = finetune(net, Submodel(), models[c][0], models[c][1], data, settings, c, rnd)
                 tuned[c] = (w, recompute_bn_stats(net, w, models[c][1], bn_x, bs))
             models = tuned
@@ -202,7 +202,7 @@ def evaluate_levels(model: nn.Module, method, params: dict, buffers: dict, level
                           data.y_test[data.client_test[c]]) for c in clients]
         all_local += local
         fair = fairness(local)
-        held = method.held_params(lvl) if hasattr(method, "held_params") else sub.kept(method.maskable, params)
+        held = method.held_params(lvl, sub, params)
         out["levels"][lvl.name] = {"clients": len(clients), "global_acc": glob, "local_acc": fair["mean"],
                                    "local_std": fair["std"], "local_worst10": fair["worst10"], "kept": held}
     fair = fairness(all_local)

@@ -11,11 +11,11 @@ import numpy as np
 
 from .report_runs import Group, Run
 from .report_tables import mean_cell
+from .sim_config import CHARGES
 
 log = logging.getLogger("fedlase")
 
 
-CHARGES = ("dense", "sparse")
 
 
 def run_clocks(groups: list[Group]) -> tuple[dict, dict]:

@@ -15,6 +15,8 @@ options, registered in fedlase/registry.py and named by the config):
 4. the rule (`robust`) turns the accepted updates into the new global model, per coordinate, under the run's
    `coverage` and aggregation mode (fedlase/aggregate.py). The built-in rules and attacks are in
    fedlase/rules.py; a plug-in module registers its own the same way (docs/library.md, "Adding a rule").
+5. the method's own step on the accepted updates (`Method.server_update`: RecipFL's hypernetwork; nothing for the
+   others).
 
 Everything here is deterministic: a client's attack noise is seeded from (run seed, round, client) and the
 attacked set from the run seed, so a resumed run equals an uninterrupted one.
@@ -25,7 +27,7 @@ import dataclasses
 import logging
 import math
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -49,6 +51,13 @@ class Rule:
     weighted: ClassVar[bool] = False
     # the rule this one runs as under a stage whose screen_by_others is False (dp), or None: itself
     privately: ClassVar[type[Rule] | None] = None
+    # whether its result (as `privately`, if set) moves by at most one clipped update when one client changes, so
+    # dp may run with it (fedlase/robust_config.py, check_dp); never inherited: a subclass says so itself
+    dp_safe: ClassVar[bool] = False
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        cls.dp_safe = bool(vars(cls).get("dp_safe", False))
 
     def __init__(self, **args):
         self.args = self.check_args(args)
@@ -227,10 +236,11 @@ class ServerStep:
     coverage: str
     owners: dict | None    # per-channel credit under coverage=kept
     stages: tuple[Stage, ...] = ()
+    method: Any = None     # its `server_update` follows the rule (fedlase/methods/base.py; RecipFL's hypernetwork)
 
     @classmethod
     def of(cls, robust: str, robust_args: dict, attack: str, attack_args: dict, system, seed: int, mode: str,
-           coverage: str, owners, stages: tuple[Stage, ...] = ()) -> ServerStep:
+           coverage: str, owners, stages: tuple[Stage, ...] = (), method=None) -> ServerStep:
         """The registered rule and attack by name, their options checked (the attackers drawn from `seed`). Under
         a stage that may not treat one update by what the others are (dp), a rule that names its `privately` form
         runs as that form, with the options it declares."""
@@ -238,7 +248,8 @@ class ServerStep:
         rule = RULES.get(robust)(**robust_args)
         if rule.privately is not None and not all(s.screen_by_others for s in stages):
             rule = rule.privately(**{k: v for k, v in rule.args.items() if k in rule.privately.options})
-        return cls(rule, kind(kind.check_args(attack_args, system), system, seed), mode, coverage, owners, stages)
+        return cls(rule, kind(kind.check_args(attack_args, system), system, seed), mode, coverage, owners, stages,
+                   method)
 
     def receive(self, u, subs: dict, params: dict, rnd: int):
         """An update as the server receives it: an attacking client's corrupted (simulation only)."""
@@ -265,6 +276,8 @@ class ServerStep:
         new, info = self.rule.aggregate(params, updates, subs, rms, self.mode, self.coverage, self.owners)
         for stage in self.stages:
             new = stage.model(params, new, rnd)
+        if self.method is not None:
+            self.method.server_update(rnd, updates)
         return new, info
 
     def info(self, rnd: int) -> dict:

@@ -9,6 +9,8 @@ from .errors import ConfigError
 from .options import Option, check_options
 from .registry import ATTACKS, RULES
 
+COVERAGES = ("mask", "nonzero", "kept")   # the `coverage` key's choices (fedlase/aggregate.py computes them)
+
 SCREEN = Option(100.0, "reject an update whose norm per coordinate held exceeds this multiple of the round's "
                 "median (every rule but none); non-finite updates and losses are always rejected", low=1)
 
@@ -32,6 +34,20 @@ def check_attack(kind: str, args, system) -> dict:
     return ATTACKS.get(kind).check_args(args or {}, system)
 
 
+def check_stages(cfg, default_rule: str) -> None:
+    """A method whose training some server stage does not reach (its `server_stages`: RecipFL's hypernetwork steps
+    on the uploads, not on the zero updates a rule, attack or dp would act on) is refused that stage in one line;
+    under the default rule (`default_rule`) its screen's per-update checks still apply."""
+    from .registry import METHODS
+    stages = METHODS.get(cfg.method).server_stages
+    for key, stage, used, value in (("robust", "rule", cfg.robust != default_rule, f"robust={cfg.robust}"),
+                                    ("attack", "attack", cfg.attack != "none", f"attack={cfg.attack}"),
+                                    ("dp", "dp", bool(cfg.dp), "dp")):
+        if used and stage not in stages:
+            raise ConfigError(key, f"method {cfg.method} trains outside the updates the server step aggregates (its "
+                              f"server_stages), so {value} would act on zeros; drop it")
+
+
 # ---- differential privacy (fedlase/privacy.py; docs/methods.md, "Differential privacy") ------------------------
 DP = {
     "clip": Option(None, "the L2 bound C each client's update is clipped to, at the global shapes (setting any dp "
@@ -52,11 +68,6 @@ DP = {
     "count_noise": Option(None, "dp.adaptive: standard deviation of the noise on the unclipped count; unset: the "
                           "expected clients per round / 20", kind=float, low=0, low_open=True),
 }
-# the rules whose result moves by at most one clipped update when one client changes (docs/methods.md)
-# bounded: the default; under dp its median-relative screen and clip give way to dp's clip (fedlase/rules.py)
-DP_RULES = ("none", "screen", "clip", "bounded")
-
-
 def check_dp(cfg) -> dict:
     """The `dp` mapping checked against the run (one-line ConfigError naming the key), defaults filled; {}: off.
     `cfg.participation` is the parsed list."""
@@ -72,9 +83,10 @@ def check_dp(cfg) -> dict:
         raise ConfigError("dp.clip", "must be set: the L2 bound of each client's update (any dp key turns DP on)")
     if (out["noise_multiplier"] is None) == (out["target_epsilon"] is None):
         raise ConfigError("dp.noise_multiplier", "set exactly one of dp.noise_multiplier and dp.target_epsilon")
-    if cfg.robust not in DP_RULES:
+    if not RULES.get(cfg.robust).dp_safe:   # declared by the rule (Rule.dp_safe)
+        safe = ", ".join(name for name, rule in RULES.items() if rule.dp_safe)
         raise ConfigError("robust", f"robust={cfg.robust} does not keep the clipped sum's sensitivity under dp "
-                          f"(one client may move it by more than C); use {', '.join(DP_RULES)}")
+                          f"(one client may move it by more than C); use {safe}")
     if METHODS.get(cfg.method).masks_from_data:
         raise ConfigError("method", f"{cfg.method} chooses a client's mask from its data, so which coordinates it "
                           "sent is private too; dp does not cover it")

@@ -92,6 +92,7 @@ class Mean(Rule):
     update's `weight` (a staleness weight under schedule=fedbuff)."""
     name = "none"
     weighted = True
+    dp_safe = True
 
     def aggregate(self, params, updates, subs, rms, mode, coverage, owners):
         return aggregate(params, _pairs(updates, subs), mode, coverage, owners, [u.weight for u in updates]), {}
@@ -102,6 +103,7 @@ class Screened(Mean):
     """The streaming mean of the updates the screen accepts (the default)."""
     name = "screen"
     options = {"screen": SCREEN}
+    dp_safe = True
 
 
 @register_rule
@@ -109,6 +111,7 @@ class Clip(Screened):
     """Each update clipped to the L2 norm `bound`, then the streaming mean."""
     name = "clip"
     weighted = True   # clipped first, then each update weighted (a staleness weight under schedule=fedbuff)
+    dp_safe = True
     options = {"screen": SCREEN, "bound": Option(
         1.0, "clip: the L2 norm each update is clipped to (the scale of the model's updates: see a run's norms in "
         "its rejections' reasons or use adaptive_clip)", low=0, low_open=True)}
@@ -152,6 +155,7 @@ class Bounded(AdaptiveClip):
     name = "bounded"
     options = {"screen": Option(3.0, SCREEN.help, low=1), "factor": AdaptiveClip.options["factor"]}
     privately = Screened   # under dp: the per-update checks, then the mean (fedlase/robust.py, ServerStep.of)
+    dp_safe = True
 
 
 @register_rule

@@ -53,6 +53,7 @@ def _positive_number(x) -> bool:
     except (TypeError, ValueError):
         return False
 
+CHARGES = ("dense", "sparse")   # `sim_charge`: what a masked method's client is charged (fedlase/simtime.py)
 
 STALENESS = ("constant", "poly", "hinge")
 

@@ -29,7 +29,6 @@ from .population import Population
 from .sim_config import DEVICE_KEYS
 
 DEFAULTS = dict(zip(DEVICE_KEYS, (1e10, 1.25e6, None)))   # speed, bandwidth, memory of a level-1 device
-CHARGES = ("dense", "sparse")
 
 
 @dataclass(frozen=True)

@@ -502,7 +502,7 @@ def test_end_to_end_each_method(tmp_path, tiny_cfg, method):
     assert [v["clients"] for v in final["levels"].values()] == [2, 2]
     assert all(math.isfinite(v["local_acc"]) for v in [final, *final["levels"].values()])
     # a personalized method (pFedLMT) counts each of the level's clients' own models over the whole test set
-    per = [v["clients"] if hasattr(METHODS.get(method), "personal_weights") else 1 for v in final["levels"].values()]
+    per = [v["clients"] if METHODS.get(method).personalized else 1 for v in final["levels"].values()]
     assert all(counted_over(v["global_acc"], digits_test_size() * k) for v, k in zip(final["levels"].values(), per))
     assert final["global_acc"] == pytest.approx(sum(v["global_acc"] for v in final["levels"].values()) / 2)
     assert math.isfinite(final["train_loss"])

@@ -141,14 +141,30 @@ def test_a_resumed_dp_run_is_bit_identical(tiny_cfg, tmp_path):
         [(x["epsilon"], x["dp"]["clip"]) for x in lines["part"]]
 
 
+def _round_seen_by_dp(cfg) -> tuple[dict, list]:
+    """(round 1's metrics fields, the updates dp's stage received: after the attack, before its clip)."""
+    exp = Experiment(cfg)
+    stage, seen = exp.server.stages[0], []
+    clip = stage.updates
+    stage.updates = lambda updates, *rest: seen.extend(updates) or clip(updates, *rest)
+    stats = exp.run_round(1)
+    assert all(bool(torch.isfinite(p).all()) for p in exp.params.values())
+    return stats, seen
+
+
 def test_attacks_apply_and_dp_clips_them(tiny_cfg):
-    """A scaled attacker is clipped, not rejected (the screen keeps only its per-update checks under dp); a NaN
-    attacker under robust=none adds nothing; the model stays finite."""
+    """A scaled attacker reaches dp's stage scaled and is clipped, not rejected (the screen keeps only its
+    per-update checks under dp); a NaN attacker under robust=none reaches it as NaN and adds nothing (a
+    non-finite update counts as clipped, to zero); the model stays finite."""
+    _, honest = _round_seen_by_dp(tiny_cfg(*DP))
     for attack in (["attack=scale", "attack_args.factor=1e6"], ["attack=nan", "robust=none"]):
-        exp = Experiment(tiny_cfg(*DP, *attack, "attack_args.clients=[0,1,2,3]"))
-        stats = exp.run_round(1)
-        assert stats["clients"] == len(exp.sample(1)) and "rejected" not in stats, stats
-        assert all(bool(torch.isfinite(p).all()) for p in exp.params.values())
+        stats, seen = _round_seen_by_dp(tiny_cfg(*DP, *attack, "attack_args.clients=[0,1,2,3]"))
+        assert stats["clients"] == len(seen) == len(honest) and "rejected" not in stats, stats
+        assert stats["dp"]["clipped"] == len(seen)   # every attacker was clipped
+        for u, h in zip(seen, honest):   # the attack ran: what the server received is the corrupted delta
+            assert u.client == h.client and any(d.any() for d in h.delta.values())
+            for n, d in u.delta.items():
+                assert torch.equal(d, h.delta[n] * 1e6) if attack[0] == "attack=scale" else bool(d.isnan().all())
 
 
 REFUSED = [(["robust=median"], "robust"), (["robust=trimmed_mean"], "robust"), (["robust=multikrum"], "robust"),
@@ -161,6 +177,24 @@ def test_what_dp_does_not_cover_is_refused_in_one_line(tmp_path, extra, key):
     with pytest.raises(ConfigError) as e:
         load_config(None, [*TINY, f"out={tmp_path}", *DP, *extra])
     assert str(e.value).startswith(key) and "\n" not in str(e.value), str(e.value)
+
+
+def test_a_rule_says_itself_whether_dp_may_run_with_it():
+    """`dp_safe` is declared by each rule and never inherited: a rule built on `screen` that aggregates otherwise
+    is refused under dp until it says it is safe."""
+    from fedlase.registry import RULES
+    from fedlase.rules import Screened
+    assert {n for n, r in RULES.items() if r.dp_safe} >= {"none", "screen", "clip", "bounded"}
+    assert not any(RULES.get(n).dp_safe for n in ("median", "trimmed_mean", "multikrum", "adaptive_clip"))
+
+    class Mine(Screened):
+        name = "mine"
+
+    class Safe(Screened):
+        name = "safe"
+        dp_safe = True
+
+    assert Screened.dp_safe and not Mine.dp_safe and Safe.dp_safe
 
 
 def test_clip_alone_and_both_noise_settings_are_refused(tmp_path):

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from fedlase.data.partition import goliath_split
-from fedlase.engine import evaluate_run, run_experiment
+from fedlase.engine import Experiment, evaluate_run, run_experiment
 from fedlase.errors import ConfigError, UserError
 from fedlase.masks import maskable_names
 from fedlase.measure import cost_table
@@ -111,11 +111,48 @@ def test_recipfl_runs_two_rounds_on_the_embedded_engine(tiny_cfg):
 
 @pytest.mark.parametrize("override, key", [("model=cnn", "model"), ("bn=static", "bn"),
                                            ("batched_clients=true", "batched_clients"),
-                                           ("system={1}_{4}", "system"), ("deadline=10", "deadline")])
+                                           ("system={1}_{4}", "system"), ("deadline=10", "deadline"),
+                                           # the server stages its training does not go through (server_stages)
+                                           ("robust=median", "robust"), ("attack=sign_flip", "attack"),
+                                           ("dp.clip=1", "dp")])
 def test_bad_combinations_are_one_line_errors(tiny_cfg, override, key):
     with pytest.raises(ConfigError) as err:
         run_experiment(tiny_cfg(*RECIP, override), progress=False)
     assert err.value.key == key and "\n" not in str(err.value)
+
+
+def test_the_hypernetwork_steps_in_the_server_step_on_the_accepted_uploads(tiny_cfg):
+    """Training the round's clients records their uploads and steps nothing (a getter changes no state); the
+    server step (after the rule) takes one Adam step on the uploads it accepted, and drops the others."""
+    exp = Experiment(tiny_cfg(*RECIP, "participation=1.0"))
+    method = exp.method
+    picked = exp.sample(1)
+    subs = exp.submodels([lvl for _, lvl in picked], 1)
+    updates = exp.runner.train(exp, 1, picked, subs).updates
+    before = {n: p.detach().clone() for n, p in method.ghn.named_parameters()}
+    assert len(updates) == 4 and all(not any(d.any() for d in u.delta.values()) for u in updates)   # zeros
+    assert method.state_dict()["opt"]["step"] == 0 and not method.last and len(method.received) == 4
+    assert all(torch.equal(p, before[n]) for n, p in method.ghn.named_parameters())
+    accepted = [u for u in updates if u.client != updates[1].client]   # as if the screen had rejected one
+    exp.serve(1, accepted, subs, {})
+    assert method.opt.step_count == 1 and not method.received
+    assert set(method.last) == {u.client for u in accepted}
+    assert any(not torch.equal(p, before[n]) for n, p in method.ghn.named_parameters())
+
+
+def test_a_resumed_run_is_bit_identical(tiny_cfg, tmp_path):
+    """The hypernetwork, its Adam moments and the clients' last uploads are checkpointed after the server step:
+    one round and a resume to two ends where two rounds at once do."""
+    fast = [*RECIP, "eval_finetune=0"]
+    whole = run_experiment(tiny_cfg(*fast, out=str(tmp_path / "whole")), progress=False)
+    run_experiment(tiny_cfg(*fast, "rounds=1", out=str(tmp_path / "cut")), progress=False)
+    resumed = run_experiment(tiny_cfg(*fast, out=str(tmp_path / "cut")), resume=True, progress=False)
+    a, b = (torch.load(tmp_path / d / "checkpoint.pt", weights_only=True)["method"] for d in ("whole", "cut"))
+    assert a["opt"]["step"] == b["opt"]["step"] == 2
+    assert all(torch.equal(a["ghn"][n], b["ghn"][n]) for n in a["ghn"])
+    assert all(torch.equal(x, y) for x, y in zip(a["opt"]["v"], b["opt"]["v"]))
+    assert {k: v for k, v in whole["final"].items() if not k.endswith("_time")} == \
+        {k: v for k, v in resumed["final"].items() if not k.endswith("_time")}
 
 
 def test_lenet_width_slices_and_the_fine_tuned_metric(tiny_cfg, tmp_path):

@@ -349,3 +349,55 @@ def test_the_readme_command_rewrites_only_the_marked_table(tmp_path, capsys):
     readme.write_text("no markers\n")
     assert main(["methods", "--readme", str(readme)]) == 2
     assert "no method table markers" in capsys.readouterr().err and readme.read_text() == "no markers\n"
+
+
+# ---- hooks: declared on their base classes, called without probing ------------------------------------------
+HOOK_CALLERS = ("evaluate.py", "client.py", "cost.py", "engine.py")
+HOOK_HOLDERS = {"method", "runner", "local", "objective"}   # the names a method, runner or objective goes by
+
+
+def hook_names() -> set[str]:
+    from fedlase.engine import RoundRunner, SequentialRounds
+    from fedlase.methods.base import LocalObjective, Method
+    return {n for c in (Method, LocalObjective, RoundRunner, SequentialRounds) for n in dir(c)
+            if not n.startswith("__")}
+
+
+def probes(tree: ast.AST, hooks: set[str]) -> list[str]:
+    """hasattr/getattr calls that ask a method, runner or objective (or anything, for a hook's name) whether it
+    has an attribute: the hook should be declared with a default instead."""
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("hasattr", "getattr") \
+                and len(node.args) >= 2:
+            obj, name = node.args[0], node.args[1]
+            holder = obj.attr if isinstance(obj, ast.Attribute) else getattr(obj, "id", "")
+            hook = isinstance(name, ast.Constant) and name.value in hooks
+            if holder in HOOK_HOLDERS or hook:
+                out.append(f"line {node.lineno}: {ast.unparse(node)}")
+    return out
+
+
+def test_no_hook_is_probed_with_hasattr_or_getattr():
+    hooks = hook_names()
+    assert {"personal_weights", "module_for", "global_eval", "held_params", "server_update", "params_for",
+            "finish", "personal", "async_schedule"} <= hooks   # declared (methods/base.py, the engine's runners)
+    found = {f: probes(ast.parse((PKG / f).read_text()), hooks) for f in HOOK_CALLERS}
+    assert not any(found.values()), found
+
+
+def test_the_probe_check_catches_a_probe():
+    hooks = hook_names()
+    for code in ('own = getattr(method, "personal_weights", None)', "x = hasattr(self.runner, 'anything')",
+                 'getattr(sub.local, "personal", False)', 'hasattr(m, "module_for")'):
+        assert probes(ast.parse(code), hooks), code
+    assert not probes(ast.parse('getattr(cfg, "seed")'), hooks)
+
+
+def test_every_method_hook_the_evaluation_calls_is_declared():
+    from fedlase.methods.base import Method
+    tree = ast.parse((PKG / "evaluate.py").read_text())
+    used = {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name)
+            and n.value.id == "method"}
+    assert {"personal_weights", "module_for", "held_params"} <= used
+    assert all(hasattr(Method, a) for a in used), sorted(a for a in used if not hasattr(Method, a))

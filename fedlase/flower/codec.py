@@ -1,14 +1,8 @@
 """Wire format of submodels and replies, and the check every reply passes before it is aggregated.
 
-Down (server -> client), per parameter:
-  - masked: the values on the submodel's support, in row-major order, plus the support as packed bits
-    (1 bit a coordinate; no bits when all are kept). For a threshold submodel the support is mask | (|w| >= tau),
-    so the client's |w| >= tau re-evaluation sees exactly the weights it would see with the whole model; everything else
-    is rebuilt as 0, which the masked forward multiplies by 0 anyway. The credited mask travels as a
-    second bit array only where it differs from the support (never for FIARSE, whose mask is |w| >= tau).
-  - not masked: the dense tensor.
-  The model's buffers and the submodel's buffer overrides travel dense; thresholds and ste in the config.
-Up (client -> server): the delta's values on the credited mask only (dense for unmasked parameters).
+What travels each way, as plain arrays, is fedlase/payload.py's (`submodel_arrays`, `delta_arrays`: the same
+arrays whose bytes the simulated clock counts); here they become Flower's records: the submodel's thresholds,
+scales and slice layout go in a ConfigRecord beside them.
 
 Nothing here knows Flower's transport beyond `Array`/`ArrayRecord`/`ConfigRecord`."""
 from __future__ import annotations
@@ -19,23 +13,14 @@ import numpy as np
 import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, RecordDict
 
-from ..errors import UserError
 from ..masks import Submodel
+from ..payload import delta_arrays, submodel_arrays, unpack_bits
 
 NPY_HEADER_SLACK = 256   # bytes an .npy header may add to an array's raw data (np.save writes 128 for ours)
 
 
 class ReplyError(ValueError):
     """A client's reply that must not be aggregated; the message says why."""
-
-
-def pack_bits(mask: torch.Tensor) -> np.ndarray:
-    return np.packbits(mask.detach().cpu().numpy().astype(bool).ravel())
-
-
-def unpack_bits(bits: np.ndarray, shape: tuple[int, ...]) -> torch.Tensor:
-    n = math.prod(shape)
-    return torch.from_numpy(np.unpackbits(bits, count=n).astype(bool).reshape(shape))
 
 
 def _arr(t: torch.Tensor | np.ndarray) -> Array:
@@ -48,43 +33,18 @@ def record_bytes(*records: ArrayRecord) -> int:
 
 
 # ---- down: the submodel ----------------------------------------------------------------------------------------
-def support(sub: Submodel, name: str, w: torch.Tensor) -> torch.Tensor:
-    """The coordinates whose values the client needs: its mask, plus, under a threshold, |w| >= tau."""
-    m = sub.masks[name]
-    if sub.thresholds is not None and name in sub.thresholds:
-        m = m | (w.abs() >= sub.thresholds[name])
-    return m
-
-
 def encode_submodel(params: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor], sub: Submodel) -> RecordDict:
-    if sub.local is not None:   # FjORD, DepthFL, FedDSE: their local objective is not sent (yet)
-        raise UserError("engine: this method trains with its own local objective (Submodel.local), which a Flower "
-                        "ClientApp cannot receive; use engine=embedded")
-    values, bits, credit = ArrayRecord(), ArrayRecord(), ArrayRecord()
-    for n, w in params.items():
-        if n in sub.masks:
-            s = support(sub, n, w)
-            values[n] = _arr(w[s])
-            bits[n] = _arr(pack_bits(s) if not bool(s.all()) else np.zeros(0, np.uint8))   # empty: all kept
-            if not torch.equal(s, sub.masks[n]):
-                credit[n] = _arr(pack_bits(sub.masks[n]))
-        else:
-            values[n] = _arr(w)
+    arrays = submodel_arrays(params, buffers, sub)   # a UserError for a submodel with its own local objective
     names = sorted(sub.thresholds or {})
     scaled = sorted(sub.scales)
-    # A width slice travels as its kept indices per dim ("name|d"), so the node trains the smaller model too.
-    slices = ArrayRecord({f"{n}|{d}": _arr(i.to(torch.int64)) for n, index in sub.slices.items()
-                          for d, i in enumerate(index) if i is not None})
     cfg = ConfigRecord({"ste": sub.ste, "threshold-names": names,
                         "threshold-values": [float(sub.thresholds[n]) for n in names],
                         "has-thresholds": sub.thresholds is not None,
                         "scale-names": scaled, "scale-values": [float(sub.scales[n]) for n in scaled],
                         "slice-names": sorted(sub.slices),
                         "slice-dims": [len(sub.slices[n]) for n in sorted(sub.slices)]})
-    return RecordDict({"values": values, "bits": bits, "credit": credit, "slices": slices,
-                       "buffers": ArrayRecord({n: _arr(b) for n, b in buffers.items()}),
-                       "sub-buffers": ArrayRecord({n: _arr(b) for n, b in sub.buffers.items()}),
-                       "submodel": cfg})
+    return RecordDict({**{group: ArrayRecord({n: _arr(a) for n, a in named.items()})
+                          for group, named in arrays.items()}, "submodel": cfg})
 
 
 def decode_submodel(content: RecordDict, template: dict[str, torch.Tensor]):
@@ -119,7 +79,7 @@ def decode_submodel(content: RecordDict, template: dict[str, torch.Tensor]):
 
 # ---- up: the reply ---------------------------------------------------------------------------------------------
 def encode_delta(delta: dict[str, torch.Tensor], sub: Submodel) -> ArrayRecord:
-    return ArrayRecord({n: _arr(d[sub.masks[n]] if n in sub.masks else d) for n, d in delta.items()})
+    return ArrayRecord({n: _arr(d) for n, d in delta_arrays(delta, sub).items()})
 
 
 def expected_reply(params: dict[str, torch.Tensor], sub: Submodel) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:

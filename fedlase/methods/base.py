@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..config import ENGINES
 from ..levels import System, as_system
 from ..masks import Submodel, kth_largest, maskable_names
 from ..options import Option, check_options
@@ -45,8 +46,23 @@ class LocalObjective:
         `forward(weights, buffers, *args, **kwargs)`: the model called on them."""
         return F.cross_entropy(forward(weights, buffers, xb), yb)
 
+    # A personal objective (pFedLMT's, RecipFL's): the client trains parameters of its own, swapped in before
+    # local training (`params_for`) and taken out of its delta after it (`finish`); fedlase.client.ClientTrainer
+    # calls both for every objective, and the clock (fedlase/cost.py) charges a personal one as its plain submodel.
+    personal: ClassVar[bool] = False
 
-RUNNERS = ("embedded", "batched", "flower-sim", "flower-deploy")   # what a method's `runs_on` may list
+    def params_for(self, client: int, params: dict[str, torch.Tensor], sub: Submodel) -> dict[str, torch.Tensor]:
+        """The parameters `client` starts its local training from: the global ones unless overridden."""
+        return params
+
+    def finish(self, client: int, params: dict[str, torch.Tensor], sub: Submodel,
+               delta: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The delta the client sends, from the one it trained (`params`: what `params_for` gave): itself unless
+        overridden."""
+        return delta
+
+
+RUNNERS = (ENGINES[0], "batched", *ENGINES[1:])   # what a method's `runs_on` may list: the engines, and batched
 
 
 class Method:
@@ -66,6 +82,16 @@ class Method:
     # whether a client's mask depends on its own data (FedDSE): then which coordinates it sent is private too,
     # and differential privacy refuses the method (fedlase/robust_config.py, check_dp)
     masks_from_data: ClassVar[bool] = False
+    # the server stages its training goes through (fedlase/robust.py, ServerStep): "rule" (any `robust`), "attack"
+    # and "dp"; config validation refuses the others (fedlase/robust_config.py, check_stages). A method that trains
+    # outside the global model's update (RecipFL: its updates are zeros, its hypernetwork steps in
+    # `server_update`) declares () and runs under the default rule, whose screen still drops a non-finite reply.
+    server_stages: ClassVar[tuple[str, ...]] = ("rule", "attack", "dp")
+    # whether a client is evaluated on a model of its own (`personal_weights`) rather than its level's submodel
+    personalized: ClassVar[bool] = False
+    # a personalized method's global accuracy: the mean of its clients' own models' on the whole test set, or,
+    # False, not computed (NaN)
+    global_eval: bool = True
 
     def __init__(self, model: nn.Module, system: System | list = (1.0,), *, run_seed: int | None = None,
                  **options):
@@ -130,6 +156,26 @@ class Method:
         """What clients tell the server when they register, for a method whose server uses it (RecipFL: each
         client's label histogram and data share): the training labels and each client's indices into them.
         Called once by the engine after the method is built; nothing by default."""
+
+    def server_update(self, rnd: int, updates: list) -> None:
+        """The method's own server-side step on round `rnd`'s accepted updates (engine `Update`s, as the rule
+        aggregated them), called by the server step after the rule (fedlase/robust.py, ServerStep.new_model):
+        RecipFL's hypernetwork step. Nothing by default."""
+
+    # ---- evaluation (fedlase/evaluate.py) ---------------------------------------------------------------------
+    def module_for(self, level) -> nn.Module:
+        """The module a level's clients are evaluated on: the run's model, unless a level is a model of its own."""
+        return self.model
+
+    def personal_weights(self, client: int, level, weights: dict[str, torch.Tensor],
+                         sub: Submodel) -> dict[str, torch.Tensor]:
+        """The weights `client` of `level` is evaluated with, for a `personalized` method (`weights`: the level's
+        submodel's); the level's own unless overridden."""
+        return weights
+
+    def held_params(self, level, sub: Submodel, params: dict[str, torch.Tensor]) -> int:
+        """Budgeted parameters a client of `level` holds (the metrics' `kept`): those `sub` keeps of `params`."""
+        return sub.kept(self.maskable, params)
 
     # Methods with state across rounds override these; the engine checkpoints them.
     def state_dict(self) -> dict:

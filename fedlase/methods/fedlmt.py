@@ -148,7 +148,7 @@ class FedLMT(LowRank):
 class Personal(LocalObjective):
     """pFedLMT's per-client part: plain cross-entropy training (the base class), from and into the client's own
     copy of its factorized blocks and classifier. fedlase.client.ClientTrainer.update calls `params_for` and
-    `finish` around local training when a submodel's objective has `personal` set."""
+    `finish` around local training (LocalObjective's hooks)."""
     personal = True
 
     def __init__(self, method: PFedLMT, level):
@@ -196,6 +196,7 @@ class PFedLMT(LowRank):
     """pFedLMT: a shared full-rank prefix averaged over all levels; per-client low-rank blocks at the level's rank."""
     name = "pfedlmt"
     runs_on = ("embedded",)   # its clients keep their own parts: the sequential embedded rounds only
+    personalized = True       # a client is evaluated with its own part (personal_weights)
     options = {
         "decom_rule": Option(None, "the first factorized block; the blocks before it (and the stem) are the shared "
                              "full-rank prefix; unset: the model's (resnet18 5, the authors' `2 1` on CIFAR-10; cnn "

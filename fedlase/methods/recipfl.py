@@ -6,10 +6,11 @@ Clients of the system's largest level are Goliaths: each holds the run's model (
 small variant (the slim LeNet-5, or ResNet-18 at 0.2 of its width), and trains both. Every other client is a David
 and holds only the small variant. A round: the hypernetwork generates each sampled client's models from their
 graphs, the summaries of what that client last uploaded, and its label histogram; the client trains them (plain
-SGD; a Goliath's small model may also learn from its large one, `distill`) and uploads them; the server pushes
-(generated - uploaded) back through the generated tensors (a vector-Jacobian product, as pFedHN) into the
-hypernetwork's gradient, clips its norm and takes one Adam step. The run's own model (the engine's global
-parameters) is never trained: the method's updates to it are zero.
+SGD; a Goliath's small model may also learn from its large one, `distill`) and uploads them; the server step
+(fedlase/robust.py, after the rule: `RecipFL.server_update`) pushes (generated - uploaded) of each accepted upload
+back through the generated tensors (a vector-Jacobian product, as pFedHN) into the hypernetwork's gradient, clips
+its norm and takes one Adam step. The run's own model (the engine's global parameters) is never trained: the
+method's updates to it are zero, so it runs under the default rule only, without attack or dp (`server_stages`).
 
 It is personalized: a client is evaluated on the model generated for it (a Goliath on its large model), after
 `eval_finetune` epochs of local training as RecipFL reports (set eval_finetune=1)."""
@@ -88,8 +89,7 @@ class Adam:
 
 class Generated(LocalObjective):
     """A RecipFL client's round: its models from the hypernetwork (`params_for`), their training (`loss`), and
-    its upload (`finish`). Like pFedLMT's `Personal`, fedlase.client.ClientTrainer.update calls `params_for` and
-    `finish` around local training. Parameters are named '<large|small>.<name>'."""
+    its upload (`finish`, received by the server step). Parameters are named '<large|small>.<name>'."""
     personal = True
 
     def __init__(self, method: RecipFL, level, round: int):
@@ -128,15 +128,15 @@ class Generated(LocalObjective):
         return loss
 
     def finish(self, client: int, params: dict, sub: Submodel, delta: dict) -> dict:
-        """Record the upload (start + delta), push (generated - uploaded) into the hypernetwork's gradient; the
-        engine's global model gets a zero update."""
+        """The upload (start + delta) as the server receives it, beside its generated tensors, for the server
+        step (`RecipFL.server_update`); the engine's global model gets a zero update."""
         m = self.method
+        got = {}
         for kind in self.kinds():
             up = {n: (params[f"{kind}.{n}"] + delta[f"{kind}.{n}"]).detach().clone()
                   for n in m.trainable[kind]}
-            m.last.setdefault(client, {})[kind] = up
-            gen = m.pending.pop((client, kind))
-            m.accumulate(gen, {n: up[n] for n in gen}, m.share(client))
+            got[kind] = (m.pending.pop((client, kind)), up)
+        m.received[client] = (self.round, got)
         return {n: torch.zeros_like(p) for n, p in m.model.named_parameters()}
 
 
@@ -147,6 +147,8 @@ class RecipFL(Method):
     runs_on = ("embedded",)   # the hypernetwork and its clients' uploads live in the server's process
     models = ("lenet", "resnet18")   # the models with a David variant (david_model)
     clocked = False   # the clock would charge its clients as the run's model and its hypernetwork as nothing
+    server_stages = ()   # its training is the hypernetwork's step, not the (zero) updates a rule, attack or dp sees
+    personalized = True   # a client is evaluated on the model generated for it
     options = {
         "lr": Option(1e-3, "the hypernetwork's Adam learning rate", low=0, low_open=True),
         "clip": Option(50.0, "the norm the hypernetwork's gradient is clipped to before each step",
@@ -181,6 +183,8 @@ class RecipFL(Method):
         self.opt = Adam(list(self.ghn.parameters()), lr=self.args["lr"])
         self.last: dict[int, dict[str, dict[str, torch.Tensor]]] = {}   # client -> kind -> its last upload
         self.pending: dict = {}                                          # (client, kind) -> generated tensors
+        # client -> (round, kind -> (generated tensors, upload)): the uploads the next server_update reads
+        self.received: dict[int, tuple[int, dict]] = {}
         self.histograms: dict[int, torch.Tensor] = {}
         self.shares: dict[int, float] = {}
         self.weight_sum = 0.0   # the round's accumulated client weights (0: nothing to step on)
@@ -228,9 +232,24 @@ class RecipFL(Method):
                 p.grad = weight * g if p.grad is None else p.grad + weight * g
         self.weight_sum += weight
 
+    def server_update(self, rnd: int, updates: list) -> None:
+        """The round's server step on its accepted uploads, in their order: each is recorded as the client's last
+        and pushed into the hypernetwork's gradient, then one step (`settle`). Uploads of rejected clients, or of
+        a round without enough replies, are dropped."""
+        received, self.received = self.received, {}
+        for u in updates:
+            got = received.get(u.client)
+            if got is None or got[0] != rnd:
+                continue
+            for kind, (gen, up) in got[1].items():
+                self.last.setdefault(u.client, {})[kind] = up
+                self.accumulate(gen, {n: up[n] for n in gen}, self.share(u.client))
+        self.pending.clear()
+        self.settle()
+
     def settle(self) -> None:
-        """The round's hypernetwork step, once its uploads are in: the accumulated gradient (a mean over the
-        clients' weights under weighting=data), clipped to `clip`, one Adam step."""
+        """The hypernetwork step on the accumulated gradient (a mean over the clients' weights under
+        weighting=data), clipped to `clip`, one Adam step."""
         if self.weight_sum == 0:
             return
         params = [p for p in self.ghn.parameters() if p.grad is not None]
@@ -251,7 +270,6 @@ class RecipFL(Method):
 
     # ---- the engine's side ----------------------------------------------------------------------------------
     def submodel(self, params, level, round):
-        self.settle()   # the last round's step (the engine calls this before any client trains)
         key = (level.index, round)
         if key not in self._subs:
             self._subs = {key: Submodel(local=Generated(self, level, round))}
@@ -263,13 +281,12 @@ class RecipFL(Method):
 
     def personal_weights(self, client: int, level, weights: dict, sub: Submodel) -> dict:
         """The model generated for `client` now (the hypernetwork in evaluation mode, no dropout)."""
-        self.settle()
         kind = LARGE if level.index == 0 else SMALL
         self.ghn.eval()
         with torch.no_grad():
             return self.full(client, kind, self.generate(client, kind))
 
-    def held_params(self, level) -> int:
+    def held_params(self, level, sub, params) -> int:
         """Budgeted parameters (conv and linear weights and biases, as every level counts them) of the model a
         client of `level` is evaluated on."""
         net = self.module_for(level)
@@ -277,10 +294,10 @@ class RecipFL(Method):
         return sum(p.numel() for n, p in net.named_parameters() if n in budgeted)
 
     def state_dict(self) -> dict:
-        self.settle()
         return {"ghn": self.ghn.state_dict(), "opt": self.opt.state_dict(), "last": self.last}
 
     def load_state_dict(self, state: dict) -> None:
+        self.received, self.pending = {}, {}   # a restored server holds no round in flight
         if not state:
             return
         self.ghn.load_state_dict(state["ghn"])

@@ -2,10 +2,11 @@
 `channel_groups()` so structured (width-slice) methods can cut it."""
 from torch import nn
 
+from ..config import BN_MODES
 from ..registry import METHODS, register_model
 from .cnn import SmallCNN
 from .lenet import LeNet5
-from .resnet import BN_MODES, ResNet18
+from .resnet import ResNet18
 
 IMAGE_MODELS = {"cnn": SmallCNN, "resnet18": ResNet18, "lenet": LeNet5}
 

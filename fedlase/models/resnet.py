@@ -6,8 +6,6 @@ from torch import nn
 
 from .exits import exits_forward
 
-BN_MODES = ("batch", "static")
-
 
 def make_bn(channels: int, mode: str) -> nn.BatchNorm2d:
     """`batch`: batch statistics in training and test, no running stats (as FIARSE).
