@@ -9,25 +9,13 @@ from __future__ import annotations
 import json
 import logging
 from dataclasses import dataclass
-from pathlib import Path
 
 from . import checkpoint
 from .config import result_keys
 from .errors import UserError
-from .util import atomic_write, lines_up_to
+from .util import atomic_write, lines_up_to, run_folder
 
 log = logging.getLogger("fedlase")
-
-
-def run_folder(out, resume: bool) -> Path:
-    """The run folder `out`, refused with a one-line UserError when it is a file, or when it already holds a run
-    (a checkpoint or a summary) and `resume` is false: every engine checks it so before it starts."""
-    out = Path(out)
-    if out.exists() and not out.is_dir():
-        raise UserError(f"out: {out} is a file, not a folder; choose another out")
-    if not resume and ((out / "checkpoint.pt").exists() or (out / "summary.json").exists()):
-        raise UserError(f"out: {out} already holds a run; pass --resume to continue it or choose another out")
-    return out
 
 
 class RunFolder:

@@ -12,6 +12,8 @@ import warnings
 from collections.abc import Callable
 from pathlib import Path
 
+from .errors import UserError
+
 CACHE_ENV = "FEDLASE_CACHE"            # the cache folder
 DEPRECATED_CACHE_ENV = "FEDLASE_CACHE_DIR"   # its old name (the text track's), still read when CACHE_ENV is unset
 
@@ -64,6 +66,17 @@ def cache_dir() -> Path:
     if root:
         return Path(root)
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "fedlase"
+
+
+def run_folder(out, resume: bool) -> Path:
+    """The run folder `out`, refused with a one-line UserError when it is a file, or when it already holds a run
+    (a checkpoint or a summary) and `resume` is false: every engine checks it so before it starts."""
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise UserError(f"out: {out} is a file, not a folder; choose another out")
+    if not resume and ((out / "checkpoint.pt").exists() or (out / "summary.json").exists()):
+        raise UserError(f"out: {out} already holds a run; pass --resume to continue it or choose another out")
+    return out
 
 
 def split_host_port(address: str) -> tuple[str, int] | None:

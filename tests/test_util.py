@@ -81,7 +81,7 @@ def test_key_lists_are_read_from_the_option_tags():
 
 def test_run_folder_refuses_a_file_and_a_finished_run_unless_resumed(tmp_path):
     from fedlase.errors import UserError
-    from fedlase.run_dir import run_folder
+    from fedlase.util import run_folder
     assert run_folder(tmp_path / "new", resume=False) == tmp_path / "new"   # nothing created
     assert not (tmp_path / "new").exists()
     (tmp_path / "afile").write_text("x")

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from ..config import Config, tagged
 from ..errors import ConfigError, UserError
-from ..run_dir import run_folder
+from ..util import run_folder
 from .sim_engine import simulate
 
 log = logging.getLogger("fedlase")
