@@ -111,18 +111,19 @@ class Aggregator:
         """Add one client's delta (already zero outside its mask) and the submodel it was sent. A width
         slice's delta may come as the gathered smaller tensors (`local_train(..., scatter=False)`); it is then
         added into its block only, which skips a full-size scatter and the adds of its zeros (same result).
-        `weight`: the update's weight in the mean (a staleness weight, fedlase/sim_config.py): its delta and its
-        credit both count `weight` times, so a coordinate moves by the weighted mean of its credited deltas."""
+        `weight`: a factor on the delta alone (FedBuff's staleness weight, fedlase/sim_config.py); its credit
+        counts once, so a coordinate moves by sum_i w_i c_ij d_ij / sum_i c_ij (Nguyen et al. 2022: a uniformly
+        stale buffer takes a smaller step, where a weighted mean would cancel the weights)."""
         for n, block, d, count in self.terms(delta, sub):
             if weight != 1.0:   # 1: the unweighted sums exactly
-                d, count = d * weight, count * weight
+                d = d * weight
             if block is None:
                 self.sums[n].add_(d)
                 self.counts[n].add_(count)
             else:
                 self.sums[n][block] += d
                 self.counts[n][block] += count
-        self.clients += weight
+        self.clients += 1
 
     def terms(self, delta: dict[str, torch.Tensor], sub: Submodel):
         """What one client adds, per parameter: (name, block or None for the whole tensor, its delta there, its
@@ -160,7 +161,7 @@ class Aggregator:
         out = {}
         for n, g in self.global_params.items():
             if self.mode == "coverage":
-                c = self.counts[n]   # weighted credits may be below 1: only an uncredited coordinate divides by 1
+                c = self.counts[n]   # a float credit (kept) may be below 1: only an uncredited coordinate divides by 1
                 step = self.sums[n] / torch.where(c > 0, c, torch.ones_like(c))
             else:
                 step = self.sums[n] / (self.clients if self.clients > 0 else 1)
@@ -172,9 +173,9 @@ def aggregate(global_params: dict[str, torch.Tensor], updates: list[tuple[dict, 
               mode: str = "coverage", coverage: str = "mask", owners: dict[str, list[str]] | None = None,
               weights: list[float] | None = None) -> dict[str, torch.Tensor]:
     """New global parameters: the streaming mean (`Aggregator`) of (delta, submodel) pairs under `mode` and
-    `coverage` (`weights`: each update's, default 1). The engine's server step ends here for every robust rule
-    but the coordinate-wise ones (fedlase/robust.py, `Robust.aggregate`); public API, for library code that
-    aggregates updates of its own."""
+    `coverage` (`weights`: each update's factor on its delta, default 1; see `Aggregator.add`). The engine's
+    server step ends here for every robust rule but the coordinate-wise ones (fedlase/robust.py,
+    `Robust.aggregate`); public API, for library code that aggregates updates of its own."""
     agg = Aggregator(global_params, mode, coverage, owners)
     for i, (delta, sub) in enumerate(updates):
         agg.add(delta, sub, 1.0 if weights is None else weights[i])

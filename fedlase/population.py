@@ -19,7 +19,8 @@ them). Within a level, a client's speed is the level's `device_model` speed time
 median of that level's devices (likewise bandwidth): the device model sets each level's typical device, the
 trace the spread around it. Availability: a client is online at time t when t modulo its device's
 finish_time lies in one of its [active[k], inactive[k]) intervals (an unmatched last active lasts to
-finish_time), as FedScale reads the trace.
+finish_time), as FedScale reads the trace; an interval that reaches finish_time runs on into the next cycle's
+interval starting at 0 (a client online at both ends is never counted offline at the boundary).
 
 A client that is offline cannot be picked; one that goes offline before its update would arrive is lost
 (fedlase/simtime.py says how each schedule records it). Everything here is a function of the config and the
@@ -110,7 +111,19 @@ class TraceAvailability(Availability):
     """FedScale's behaviour trace: online in [active[k], inactive[k]) of each cycle of finish_time seconds."""
 
     def __init__(self, entries: list[tuple[list[tuple[float, float]], float]]):
-        self.entries = entries   # per client: (its intervals, its cycle)
+        self.entries = [(self._merged(iv), cycle) for iv, cycle in entries]   # per client: (its intervals, cycle)
+
+    @staticmethod
+    def _merged(intervals):
+        """The intervals sorted, overlapping or touching ones joined: a client online across a boundary between
+        two of them never goes offline there."""
+        out: list[tuple[float, float]] = []
+        for a, b in sorted(intervals):
+            if out and a <= out[-1][1]:
+                out[-1] = (out[-1][0], max(out[-1][1], b))
+            else:
+                out.append((a, b))
+        return out
 
     def _where(self, c, t):
         intervals, cycle = self.entries[c]
@@ -122,8 +135,14 @@ class TraceAvailability(Availability):
         return any(a <= x < b for a, b in intervals)
 
     def offline_at(self, c, t):
-        intervals, _, base, x = self._where(c, t)
-        return next((base + b for a, b in intervals if a <= x < b), t)
+        intervals, cycle, base, x = self._where(c, t)
+        end = next((b for a, b in intervals if a <= x < b), None)
+        if end is None:
+            return t
+        if end >= cycle and intervals[0][0] <= 0:   # online at the cycle's end and at the next one's start
+            first = intervals[0][1]
+            return math.inf if first >= cycle else base + cycle + first
+        return base + end
 
     def next_online(self, t, clients=None):
         best = math.inf

@@ -57,7 +57,8 @@ DP = {
                                kind=float, low=0),
     "target_epsilon": Option(None, "instead of noise_multiplier: the z whose epsilon after `rounds` rounds is this "
                              "(dp_accounting's calibration)", kind=float, low=0, low_open=True),
-    "delta": Option(None, "the delta epsilon is reported at; unset: 1/num_clients", kind=float, low=0,
+    "delta": Option(None, "the delta epsilon is reported at; unset: min(1e-5, num_clients^-1.1), "
+                    "well below 1/num_clients", kind=float, low=0,
                     low_open=True, high=1, high_open=True),
     "max_epsilon": Option(None, "stop the run before the first round whose epsilon would exceed this", kind=float,
                           low=0, low_open=True),
@@ -68,6 +69,12 @@ DP = {
     "count_noise": Option(None, "dp.adaptive: standard deviation of the noise on the unclipped count; unset: the "
                           "expected clients per round / 20", kind=float, low=0, low_open=True),
 }
+def default_delta(n: int) -> float:
+    """dp.delta unset: min(1e-5, n^-1.1), well below 1/n (delta = 1/n allows a mechanism that publishes one
+    client's data outright)."""
+    return min(1e-5, n ** -1.1)
+
+
 def check_dp(cfg) -> dict:
     """The `dp` mapping checked against the run (one-line ConfigError naming the key), defaults filled; {}: off.
     `cfg.participation` is the parsed list."""
@@ -93,12 +100,22 @@ def check_dp(cfg) -> dict:
     if cfg.label_split:
         raise ConfigError("label_split", "credits a client with its own classes' rows, which its data chooses; "
                           "dp does not cover it")
+    if cfg.schedule != "sync":   # docs/async.md, "Differential privacy": not accounted for under asynchrony
+        raise ConfigError("schedule", f"dp is accounted for synchronous rounds of sampled clients; under "
+                          f"schedule={cfg.schedule} staleness weights, buffers and speed-chosen steps break its "
+                          "sensitivity and sampling (docs/async.md)")
+    if cfg.bn == "static":
+        raise ConfigError("bn", "static recomputes BN statistics on clients' training samples, which dp does not "
+                          "cover; use bn=batch")
+    if cfg.eval_finetune > 0:
+        raise ConfigError("eval_finetune", "trains each client's evaluated model on its data, which dp does not "
+                          "cover; set eval_finetune=0")
     if out["adaptive"] and cfg.engine != "embedded":
         raise ConfigError("dp.adaptive", f"runs on engine=embedded only (a node would have to report whether it "
                           f"clipped); got engine={cfg.engine}")
     n = cfg.levels.num_clients
-    if out["delta"] is None:
-        out["delta"] = 1.0 / n
+    if out["delta"] is None:   # well below 1/n: a delta of 1/n allows publishing one client's data outright
+        out["delta"] = default_delta(n)
     if out["adaptive"] and out["count_noise"] is None:
         expected = sum(max(1, round(p * n)) for p in cfg.participation) / len(cfg.participation)
         out["count_noise"] = expected / 20

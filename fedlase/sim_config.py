@@ -4,7 +4,9 @@ staleness weights. No torch and no file read here, so validating a config stays 
 docs/async.md describes both.
 
 - fedbuff (Nguyen et al. 2022): `concurrency` clients train at once; after `buffer` updates have arrived the
-  server steps by `server_lr` times the staleness-weighted per-coordinate mean of their deltas.
+  server steps by `server_lr` times, per coordinate, the staleness-weighted sum of their deltas over the count
+  of updates credited there (sum_i s(tau_i) c_ij d_ij / sum_i c_ij: the weights in the numerator only, as
+  published; a uniformly stale buffer takes a smaller step).
 - fedasync (Xie et al. 2019): a step per arrival, x <- x + mixing * s(tau) * delta (the delta credited per
   coordinate, so a submodel moves only what it holds). The paper mixes the client's model, x <- (1 - a) x +
   a x_client; fedlase holds no old model versions, only deltas, and applies the client's delta to the current
@@ -98,7 +100,8 @@ SCHEDULE = {
     "b": Option(4.0, "hinge: the staleness up to which an update keeps weight 1", low=0),
     "max_staleness": Option(None, "drop an update staler than this many server steps (recorded); unset: none",
                             kind=int, low=0),
-    "server_lr": Option(1.0, "fedbuff: the server's step size on the buffer's mean", low=0, low_open=True),
+    "server_lr": Option(1.0, "fedbuff: the server's step size on the buffer's staleness-weighted sum over its "
+                        "count", low=0, low_open=True),
     "mixing": Option(0.5, "fedasync: the mixing weight alpha of a fresh update", low=0, low_open=True, high=1),
     "replay": Option(None, "an arrival record (a run's arrivals.jsonl, or its folder): take arrivals in its order "
                      "instead of by simulated time (engine=embedded; docs/async.md)", kind=str, tags=("path",)),
@@ -144,6 +147,10 @@ def check_schedule(cfg, participation) -> dict:
     wrong = {"fedbuff": "mixing", "fedasync": "server_lr"}[cfg.schedule]
     if wrong in (given or {}):
         raise ConfigError(f"schedule_args.{wrong}", f"not an option of schedule={cfg.schedule}")
+    if cfg.min_replies > args["buffer"]:   # a step holds at most `buffer` updates: every step would be skipped
+        held = "its one update" if cfg.schedule == "fedasync" else f"schedule_args.buffer={args['buffer']} updates"
+        raise ConfigError("min_replies", f"a schedule={cfg.schedule} step holds {held}, so min_replies="
+                          f"{cfg.min_replies} would skip every step; set it to at most {args['buffer']}")
     if args["concurrency"] > cfg.num_clients:
         raise ConfigError("schedule_args.concurrency", f"at most the {cfg.num_clients} clients, got "
                           f"{args['concurrency']}")

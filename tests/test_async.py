@@ -39,14 +39,23 @@ def test_fedbuff_at_equal_speeds_and_c_equal_k_is_the_synchronous_run_bit_for_bi
         assert b["staleness"] == [0, 0] and b["level_updates"] == {"1/4": 2}
 
 
-def test_the_buffer_step_is_the_staleness_weighted_mean_per_coordinate():
+def test_the_buffer_step_is_fedbuffs_staleness_weighted_sum_over_the_count_per_coordinate():
+    """Nguyen et al. 2022: the weights scale the deltas only; the step divides by the count of credited
+    updates (a weighted mean, dividing by the sum of the weights, would give [2, 2, 4, 4] here)."""
     params = {"w": torch.zeros(4)}
     half = Submodel(masks={"w": torch.tensor([True, True, False, False])})
     full = Submodel(masks={"w": torch.ones(4, dtype=torch.bool)})
     d1, d2 = {"w": torch.tensor([1.0, 1.0, 0.0, 0.0])}, {"w": torch.tensor([4.0, 4.0, 4.0, 4.0])}
+    # staleness 0 and 3 under poly a=0.5: weights 1/sqrt(1) = 1 and 1/sqrt(4) = 0.5
     new = aggregate(params, [(d1, half), (d2, full)], weights=[1.0, 0.5])["w"]
-    # held by both: (1*1 + 0.5*4) / 1.5; held by the second only: its delta whatever its weight
-    assert new.tolist() == pytest.approx([2.0, 2.0, 4.0, 4.0])
+    # held by both: (1*1 + 0.5*4) / 2; held by the second only: 0.5*4 / 1
+    assert new.tolist() == pytest.approx([1.5, 1.5, 2.0, 2.0])
+    # a uniformly stale buffer takes a smaller step (a weighted mean would cancel the weights)
+    stale = aggregate(params, [(d1, half), (d2, full)], weights=[0.5, 0.5])["w"]
+    assert stale.tolist() == pytest.approx([1.25, 1.25, 2.0, 2.0])
+    # mode=mean: sum_i w_i d_i / K
+    assert aggregate(params, [(d1, half), (d2, full)], "mean", weights=[1.0, 0.5])["w"].tolist() == \
+        pytest.approx([1.5, 1.5, 1.0, 1.0])
     assert torch.equal(aggregate(params, [(d1, half), (d2, full)], weights=[1.0, 1.0])["w"],
                        aggregate(params, [(d1, half), (d2, full)])["w"])
     args = {"staleness": "poly", "a": 0.5, "b": 4.0}

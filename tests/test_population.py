@@ -89,9 +89,20 @@ def test_a_fedscale_trace_maps_levels_by_speed_quantile_and_says_when_clients_ar
     assert pop.speed.tolist() == pytest.approx([2.0, 1.0, 0.5, 8 / 5, 1.0, 8 / 9])
     av = pop.availability
     assert av.online(0, 5) and not av.online(0, 10) and av.online(0, 60) and av.online(0, 105)
-    assert av.offline_at(0, 3) == 10 and av.offline_at(0, 150) == 200   # the unmatched active lasts the cycle
+    # the unmatched active lasts the cycle, and runs on into the next cycle's [0, 10)
+    assert av.offline_at(0, 3) == 10 and av.offline_at(0, 150) == 210
     assert av.online(1, 25.5) and not av.online(1, 26) and av.online(2, 0)   # client 2 reuses id 1
     assert av.next_online(10.5) == pytest.approx(15.0)
+
+
+def test_a_trace_client_online_across_a_cycle_boundary_is_not_lost_there(tmp_path):
+    behave = _pickle(tmp_path / "beh", {1: {"active": [0], "inactive": [], "finish_time": 100},   # always online
+                                        2: {"active": [0, 40], "inactive": [40, 100], "finish_time": 100},
+                                        3: {"active": [0, 90], "inactive": [10], "finish_time": 100}})
+    av = Population.of(check_population({"behave": behave}), System.parse("{1}_{3}"), 0).availability
+    assert av.offline_at(0, 99.5) == float("inf") and av.offline_at(0, 1e6 + 3) == float("inf")
+    assert av.offline_at(1, 250) == float("inf")   # touching intervals covering the cycle
+    assert av.offline_at(2, 95) == 110 and av.offline_at(2, 305) == 310 and av.offline_at(2, 50) == 50
 
 
 def test_a_malicious_trace_is_refused_in_one_line_and_never_runs(tmp_path, capsys):
@@ -121,7 +132,9 @@ def test_a_malicious_trace_is_refused_in_one_line_and_never_runs(tmp_path, capsy
     ("schedule=fedbuff schedule_args.mixing=0.5", "schedule_args.mixing"),
     ("schedule=fedbuff engine=flower-deploy population.speed_spread=0.5", "population"),
     ("schedule=fedbuff schedule_args.replay=/no/such", "schedule_args.replay"),
-    ("schedule=fedbuff schedule_args.replay=. population.speed_spread=0.5", "schedule_args.replay")])
+    ("schedule=fedbuff schedule_args.replay=. population.speed_spread=0.5", "schedule_args.replay"),
+    ("schedule=fedbuff schedule_args.buffer=1 min_replies=2", "min_replies"),
+    ("schedule=fedasync min_replies=2", "min_replies")])
 def test_bad_population_or_schedule_is_a_one_line_config_error(tiny_cfg, bad, key):
     with pytest.raises(ConfigError) as e:
         tiny_cfg(*FOUR, *bad.split())

@@ -13,6 +13,7 @@ from conftest import TINY
 from fedlase.config import load_config
 from fedlase.engine import Experiment, Update, run_experiment
 from fedlase.errors import ConfigError
+from fedlase.robust_config import default_delta
 
 pytestmark = pytest.mark.numerics
 
@@ -102,14 +103,14 @@ def test_without_noise_the_step_is_the_clipped_sum_over_the_public_denominator(t
 def test_epsilon_in_every_line_matches_the_library_and_max_epsilon_stops_the_run(tiny_cfg, tmp_path):
     """The metrics' epsilon equals dp_accounting's as documented (fixed-size sample without replacement), and
     max_epsilon between round 2's and round 3's stops the run after round 2, with that model evaluated."""
-    n, m, z, delta = 4, 2, 2.0, 0.25
+    n, m, z, delta = 4, 2, 2.0, 1e-5
     eps = [library_epsilon(n, m, z, t, delta) for t in (1, 2, 3)]
     cap = (eps[1] + eps[2]) / 2
     summary = run_experiment(tiny_cfg(*DP, "rounds=5", f"dp.max_epsilon={cap}"), progress=False)
     lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [x["round"] for x in lines] == [1, 2]
     assert [x["epsilon"] for x in lines] == pytest.approx(eps[:2], rel=1e-9)
-    assert lines[0]["dp"]["delta"] == delta == 1 / n   # the default delta: 1/num_clients
+    assert lines[0]["dp"]["delta"] == delta   # the default delta: min(1e-5, n^-1.1), well below 1/n
     assert summary["rounds"] == 2 and "max_epsilon" in summary["stopped"] and summary["final"]["round"] == 2
     # resumed with more rounds, it stops at once again
     again = run_experiment(tiny_cfg(*DP, "rounds=6", f"dp.max_epsilon={cap}"), resume=True, progress=False)
@@ -169,7 +170,8 @@ def test_attacks_apply_and_dp_clips_them(tiny_cfg):
 
 REFUSED = [(["robust=median"], "robust"), (["robust=trimmed_mean"], "robust"), (["robust=multikrum"], "robust"),
            (["robust=adaptive_clip"], "robust"), (["method=feddse"], "method"), (["label_split=true"], "label_split"),
-           (["dp.adaptive=true", "engine=flower-sim"], "dp.adaptive")]
+           (["dp.adaptive=true", "engine=flower-sim"], "dp.adaptive"), (["schedule=fedbuff"], "schedule"),
+           (["schedule=fedasync"], "schedule"), (["bn=static"], "bn"), (["eval_finetune=1"], "eval_finetune")]
 
 
 @pytest.mark.parametrize("extra,key", REFUSED, ids=[r[0][0] for r in REFUSED])
@@ -195,6 +197,11 @@ def test_a_rule_says_itself_whether_dp_may_run_with_it():
         dp_safe = True
 
     assert Screened.dp_safe and not Mine.dp_safe and Safe.dp_safe
+
+
+def test_the_default_delta_is_well_below_one_over_the_clients():
+    assert default_delta(4) == 1e-5 and default_delta(10**5) == pytest.approx(10**-5.5)
+    assert all(default_delta(n) <= n ** -1.1 for n in (2, 100, 10**4, 10**6))
 
 
 def test_clip_alone_and_both_noise_settings_are_refused(tmp_path):
