@@ -34,7 +34,7 @@ from torch.func import functional_call, vmap
 from .errors import ConfigError
 from .layers import BatchNorm, Dropout
 from .masks import Submodel
-from .train import LocalWork, has_tied_weights, make_optimizer
+from .train import LocalWork, autocast, has_tied_weights, make_optimizer
 
 _TRAINING_COPIES: weakref.WeakKeyDictionary[nn.Module, nn.Module] = weakref.WeakKeyDictionary()
 
@@ -95,7 +95,8 @@ def local_train_batched(model: nn.Module, global_params: dict[str, torch.Tensor]
                 xb = augments[c](xb)
             xs.append(xb)
         ys = torch.stack([y[batches[c][t]] for c in range(C)])
-        losses = batched_loss(stacked.apply(params, train=True), bufs, torch.stack(xs), ys)   # (C,)
+        with autocast(work, dev):
+            losses = batched_loss(stacked.apply(params, train=True), bufs, torch.stack(xs), ys)   # (C,)
         opt.zero_grad(set_to_none=True)
         losses.sum().backward()
         opt.step()
@@ -117,13 +118,21 @@ def _slice_key(sub: Submodel) -> tuple:
                  for n, sl in sorted(sub.slices.items()))
 
 
+def dropout_refused(model: nn.Module) -> str | None:
+    """Why `model` cannot train batched, or None: dropout's random draws under vmap cannot match the sequential
+    ones."""
+    if any(isinstance(m, Dropout) and m.p > 0 for m in model.modules()):
+        return "the model uses dropout, whose random draws under vmap cannot match the sequential ones; " \
+               "set batched_clients=false"
+    return None
+
+
 def train_clients_batched(trainer, params: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor],
                           picked: list, subs: dict, rnd: int) -> list[tuple[dict, float]]:
     """(delta, loss) of every picked (client, level), in `picked` order, trained group by group with the
     trainer's model, data and batches (`ClientTrainer` of fedlase/client.py)."""
-    if any(isinstance(m, Dropout) and m.p > 0 for m in trainer.model.modules()):
-        raise ConfigError("batched_clients", "the model uses dropout, whose random draws under vmap cannot "
-                          "match the sequential ones; set batched_clients=false")
+    if why := dropout_refused(trainer.model):
+        raise ConfigError("batched_clients", why)
     if any(s.local is not None for s in subs.values()):   # a method's own local objective is sequential only
         raise ConfigError("batched_clients", "this method trains with its own local objective (Submodel.local), "
                           "which the vmapped step does not run; set batched_clients=false")
