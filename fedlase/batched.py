@@ -34,7 +34,7 @@ from torch.func import functional_call, vmap
 from .errors import ConfigError
 from .layers import BatchNorm, Dropout
 from .masks import Submodel
-from .train import LocalWork, autocast, has_tied_weights, make_optimizer
+from .train import LocalWork, has_tied_weights, make_optimizer
 
 _TRAINING_COPIES: weakref.WeakKeyDictionary[nn.Module, nn.Module] = weakref.WeakKeyDictionary()
 
@@ -81,7 +81,9 @@ def local_train_batched(model: nn.Module, global_params: dict[str, torch.Tensor]
     tie = has_tied_weights(model)
 
     def client_loss(p, b, xb, yb):
-        return F.cross_entropy(functional_call(model, (p, b), (xb,), tie_weights=tie), yb)
+        if work.precision == "bf16":   # autocast does not reach into vmap: the forward cast to bf16 by hand
+            p, b, xb = _bf16(p), _bf16(b), xb.to(torch.bfloat16)
+        return F.cross_entropy(functional_call(model, (p, b), (xb,), tie_weights=tie).float(), yb)
 
     batched_loss = vmap(client_loss)
     opt = make_optimizer(list(params.values()), work)
@@ -95,8 +97,7 @@ def local_train_batched(model: nn.Module, global_params: dict[str, torch.Tensor]
                 xb = augments[c](xb)
             xs.append(xb)
         ys = torch.stack([y[batches[c][t]] for c in range(C)])
-        with autocast(work, dev):
-            losses = batched_loss(stacked.apply(params, train=True), bufs, torch.stack(xs), ys)   # (C,)
+        losses = batched_loss(stacked.apply(params, train=True), bufs, torch.stack(xs), ys)   # (C,)
         opt.zero_grad(set_to_none=True)
         losses.sum().backward()
         opt.step()
@@ -110,6 +111,11 @@ def local_train_batched(model: nn.Module, global_params: dict[str, torch.Tensor]
         for c in range(C):
             out.append(({n: d[c] for n, d in deltas.items()}, mean_loss[c]))
     return out
+
+
+def _bf16(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Floating tensors as bf16 (differentiable: the fp32 parameters get fp32 gradients), others as they are."""
+    return {n: t.to(torch.bfloat16) if t.is_floating_point() else t for n, t in tensors.items()}
 
 
 def _slice_key(sub: Submodel) -> tuple:
