@@ -100,6 +100,8 @@ def local_train_batched(model: nn.Module, global_params: dict[str, torch.Tensor]
         losses = batched_loss(stacked.apply(params, train=True), bufs, torch.stack(xs), ys)   # (C,)
         opt.zero_grad(set_to_none=True)
         losses.sum().backward()
+        if work.clip_norm is not None:
+            _clip_each_client(list(params.values()), work.clip_norm)
         opt.step()
         total += losses.detach().double()
     out = []
@@ -111,6 +113,16 @@ def local_train_batched(model: nn.Module, global_params: dict[str, torch.Tensor]
         for c in range(C):
             out.append(({n: d[c] for n, d in deltas.items()}, mean_loss[c]))
     return out
+
+
+def _clip_each_client(stacked: list[torch.Tensor], max_norm: float) -> None:
+    """`clip_grad_norm_` for each client on its own: slice c of every stacked gradient scaled by
+    min(1, max_norm / (norm + 1e-6)), the norm over all of client c's slices (torch's rule and epsilon)."""
+    grads = [p.grad for p in stacked if p.grad is not None]
+    norms = torch.stack([g.flatten(1).norm(dim=1) for g in grads]).norm(dim=0)   # (C,)
+    coef = (max_norm / (norms + 1e-6)).clamp(max=1.0)
+    for g in grads:
+        g.mul_(coef.view(-1, *([1] * (g.dim() - 1))))
 
 
 def _bf16(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

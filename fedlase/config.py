@@ -427,8 +427,6 @@ def batching_refused(cfg: Config) -> str | None:
         return f"{cfg.model} is a text model, which vmap cannot batch; set batched_clients=false"
     if cfg.label_split:   # per-client submodels: not in the vmapped step
         return "label_split needs the sequential path; set batched_clients=false"
-    if cfg.clip_norm is not None:   # one norm per client: not in the vmapped step
-        return "clip_norm needs the sequential path; set batched_clients=false"
     return None
 
 
