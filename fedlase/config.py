@@ -196,7 +196,7 @@ class Config:
     batched_clients: str = _f("auto", "true: train a round's clients together in vmapped passes (pays on a GPU; "
                               "same result up to float rounding; see docs/benchmarks.md); false: one after another; "
                               "auto: batched on CUDA where the method, model and settings allow, else sequential",
-                              choices=("auto", "true", "false"))
+                              choices=("auto", "true", "false"), affects_result=False)   # rounding only, as device
     precision: str = _f("fp32", "the local steps' forward and loss: fp32, or bf16 under autocast (parameters, "
                         "optimizer state and aggregation stay fp32; see docs/benchmarks.md)", choices=("fp32", "bf16"))
     sliced: bool = _f(True, "a width-slice submodel (heterofl, fedrolex, fedavg_small) trains and is evaluated as "
