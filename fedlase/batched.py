@@ -81,7 +81,9 @@ def local_train_batched(model: nn.Module, global_params: dict[str, torch.Tensor]
     tie = has_tied_weights(model)
 
     def client_loss(p, b, xb, yb):
-        return F.cross_entropy(functional_call(model, (p, b), (xb,), tie_weights=tie), yb)
+        if work.precision == "bf16":   # autocast does not reach into vmap: the forward cast to bf16 by hand
+            p, b, xb = _bf16(p), _bf16(b), xb.to(torch.bfloat16)
+        return F.cross_entropy(functional_call(model, (p, b), (xb,), tie_weights=tie).float(), yb)
 
     batched_loss = vmap(client_loss)
     opt = make_optimizer(list(params.values()), work)
@@ -98,6 +100,8 @@ def local_train_batched(model: nn.Module, global_params: dict[str, torch.Tensor]
         losses = batched_loss(stacked.apply(params, train=True), bufs, torch.stack(xs), ys)   # (C,)
         opt.zero_grad(set_to_none=True)
         losses.sum().backward()
+        if work.clip_norm is not None:
+            _clip_each_client(list(params.values()), work.clip_norm)
         opt.step()
         total += losses.detach().double()
     out = []
@@ -111,19 +115,42 @@ def local_train_batched(model: nn.Module, global_params: dict[str, torch.Tensor]
     return out
 
 
+def _clip_each_client(stacked: list[torch.Tensor], max_norm: float) -> None:
+    """`clip_grad_norm_` for each client on its own: slice c of every stacked gradient scaled by
+    min(1, max_norm / (norm + 1e-6)), the norm over all of client c's slices (torch's rule and epsilon)."""
+    grads = [p.grad for p in stacked if p.grad is not None]
+    norms = torch.stack([g.flatten(1).norm(dim=1) for g in grads]).norm(dim=0)   # (C,)
+    coef = (max_norm / (norms + 1e-6)).clamp(max=1.0)
+    for g in grads:
+        g.mul_(coef.view(-1, *([1] * (g.dim() - 1))))
+
+
+def _bf16(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Floating tensors as bf16 (differentiable: the fp32 parameters get fp32 gradients), others as they are."""
+    return {n: t.to(torch.bfloat16) if t.is_floating_point() else t for n, t in tensors.items()}
+
+
 def _slice_key(sub: Submodel) -> tuple:
     """Equal for submodels with the same slices (same kept indices everywhere), so they can stack."""
     return tuple((n, tuple(None if i is None else tuple(i.tolist()) for i in sl))
                  for n, sl in sorted(sub.slices.items()))
 
 
+def dropout_refused(model: nn.Module) -> str | None:
+    """Why `model` cannot train batched, or None: dropout's random draws under vmap cannot match the sequential
+    ones."""
+    if any(isinstance(m, Dropout) and m.p > 0 for m in model.modules()):
+        return "the model uses dropout, whose random draws under vmap cannot match the sequential ones; " \
+               "set batched_clients=false"
+    return None
+
+
 def train_clients_batched(trainer, params: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor],
                           picked: list, subs: dict, rnd: int) -> list[tuple[dict, float]]:
     """(delta, loss) of every picked (client, level), in `picked` order, trained group by group with the
     trainer's model, data and batches (`ClientTrainer` of fedlase/client.py)."""
-    if any(isinstance(m, Dropout) and m.p > 0 for m in trainer.model.modules()):
-        raise ConfigError("batched_clients", "the model uses dropout, whose random draws under vmap cannot "
-                          "match the sequential ones; set batched_clients=false")
+    if why := dropout_refused(trainer.model):
+        raise ConfigError("batched_clients", why)
     if any(s.local is not None for s in subs.values()):   # a method's own local objective is sequential only
         raise ConfigError("batched_clients", "this method trains with its own local objective (Submodel.local), "
                           "which the vmapped step does not run; set batched_clients=false")

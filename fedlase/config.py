@@ -164,8 +164,12 @@ class Config:
     threads: int = _f(0, "torch CPU threads, at most the CPUs this process may use (affinity and CPU quota); 0: "
                       "those CPUs, at most the physical cores", low=0, check=threads_rule, affects_result=False,
                       tags=("eval",))
-    batched_clients: bool = _f(False, "train a round's clients together in vmapped passes (pays on GPU; same "
-                               "result up to float rounding; see docs/benchmarks.md)")
+    batched_clients: str = _f("auto", "true: train a round's clients together in vmapped passes (pays on a GPU; "
+                              "same result up to float rounding; see docs/benchmarks.md); false: one after another; "
+                              "auto: batched on CUDA where the method, model and settings allow, else sequential",
+                              choices=("auto", "true", "false"), affects_result=False)   # rounding only, as device
+    precision: str = _f("fp32", "the local steps' forward and loss: fp32, or bf16 under autocast (parameters, "
+                        "optimizer state and aggregation stay fp32; see docs/benchmarks.md)", choices=("fp32", "bf16"))
     sliced: bool = _f(True, "a width-slice submodel (heterofl, fedrolex, fedavg_small) trains and is evaluated as "
                       "the physically smaller model; false: as masks over the full model (same result up to float "
                       "rounding, for checking)")
@@ -280,6 +284,8 @@ def check_analysis(value) -> dict[str, dict]:
 def validate(cfg: Config) -> Config:
     """The checked copy of `cfg`: every value checked and coerced (`cfg` itself is left as it was). Raises
     ConfigError naming the key and the allowed values."""
+    if isinstance(cfg.batched_clients, bool):   # true/false as YAML reads them: the choices' names
+        cfg = dataclasses.replace(cfg, batched_clients=str(cfg.batched_clients).lower())
     checked = {name: check_value(name, opt, getattr(cfg, name)) for name, opt in options().items()
                if not (opt.type in (dict, list) or "parsed" in opt.tags)}   # those have their own rules
     System.parse(cfg.system)
@@ -292,11 +298,11 @@ def validate(cfg: Config) -> Config:
     if not isinstance(cfg.method_args, dict):
         raise ConfigError("method_args", f"expected a mapping of options, got {cfg.method_args!r}")
     method.check_args(cfg.method_args)
-    runner = "batched" if cfg.batched_clients and cfg.engine == "embedded" else cfg.engine
-    if runner not in method.runs_on:   # declared by the method (Method.runs_on), not found out by a run
-        key = "batched_clients" if runner == "batched" else "engine"
-        raise ConfigError(key, f"method {cfg.method} runs on {', '.join(method.runs_on)} only (its runs_on), not "
-                          f"{'batched_clients=true' if runner == 'batched' else 'engine=' + cfg.engine}")
+    if cfg.engine not in method.runs_on:   # declared by the method (Method.runs_on), not found out by a run
+        raise ConfigError("engine", f"method {cfg.method} runs on {', '.join(method.runs_on)} only (its runs_on), "
+                          f"not engine={cfg.engine}")
+    if cfg.batched_clients == "true" and (why := batching_refused(cfg)):
+        raise ConfigError("batched_clients", why)
     if cfg.simulated and not method.clocked:   # declared by the method (Method.clocked)
         key = next(k for k in ("device_model", "deadline", "population", "schedule")
                    if getattr(cfg, k) not in (None, "sync"))
@@ -332,20 +338,26 @@ def validate(cfg: Config) -> Config:
     if data.needs_data_dir and cfg.data_dir is None:
         raise ConfigError("data_dir", f"dataset {cfg.dataset} needs data_dir: the folder holding its files")
     check_deployment(cfg, tagged("submitter"))
-    if cfg.batched_clients and cfg.engine != "embedded":   # Flower trains each client in its own ClientApp
-        raise ConfigError("batched_clients", f"needs engine=embedded, got engine={cfg.engine}")
-    if cfg.batched_clients and model.kind == "text":   # the forward trims batches with a data-dependent size
-        raise ConfigError("batched_clients", f"{cfg.model} is a text model, which vmap cannot batch; "
-                          "set batched_clients=false")
     if cfg.head_norm != "none" and model.kind != "text":
         raise ConfigError("head_norm", f"applies to text models; {cfg.model} is an image model "
                           "(its BN layers follow `bn`)")
-    if cfg.batched_clients and cfg.label_split:   # per-client submodels: not in the vmapped step
-        raise ConfigError("batched_clients", "label_split needs the sequential path; set batched_clients=false")
-    if cfg.batched_clients and cfg.clip_norm is not None:   # one norm per client: not in the vmapped step
-        raise ConfigError("batched_clients", "clip_norm needs the sequential path; set batched_clients=false")
     check_run(cfg, data, model)   # sizes against the model, the data and the machine's memory (resources.py)
     return cfg
+
+
+def batching_refused(cfg: Config) -> str | None:
+    """Why this run's clients cannot train batched (fedlase/batched.py), or None: `batched_clients=true` is refused
+    with it, `auto` falls back to sequential. (A model with dropout is refused when the run builds it.)"""
+    method, model = METHODS.get(cfg.method), MODELS.get(cfg.model)
+    if cfg.engine != "embedded":   # Flower trains each client in its own ClientApp
+        return f"needs engine=embedded, got engine={cfg.engine}"
+    if "batched" not in method.runs_on:   # declared by the method (Method.runs_on), not found out by a run
+        return f"method {cfg.method} runs on {', '.join(method.runs_on)} only (its runs_on), not batched_clients=true"
+    if model.kind == "text":   # the forward trims batches with a data-dependent size
+        return f"{cfg.model} is a text model, which vmap cannot batch; set batched_clients=false"
+    if cfg.label_split:   # per-client submodels: not in the vmapped step
+        return "label_split needs the sequential path; set batched_clients=false"
+    return None
 
 
 def set_dotted(d: dict, key: str, value) -> None:

@@ -119,6 +119,16 @@ class BatchedRounds(SequentialRounds):
         return RoundResult([Update(c, lvl, d, loss) for (c, lvl), (d, loss) in zip(picked, results)])
 
 
+def trains_batched(cfg: Config, parts: Parts) -> bool:
+    """Whether the embedded rounds train batched: `batched_clients=true`, or `auto` on CUDA when neither the config
+    (`batching_refused`) nor the model (dropout) rules it out; on a CPU batching does not pay (docs/benchmarks.md)."""
+    if cfg.batched_clients == "auto":
+        from .batched import dropout_refused
+        from .config import batching_refused
+        return parts.device.type == "cuda" and batching_refused(cfg) is None and dropout_refused(parts.model) is None
+    return cfg.batched_clients == "true"
+
+
 # ---- the parts ------------------------------------------------------------------------------------------------
 @dataclass
 class Parts:
@@ -209,7 +219,7 @@ class Experiment:
         self.state = RunState(0, {k: v.detach().clone() for k, v in self.model.named_parameters()},
                               {k: v.detach().clone() for k, v in self.model.named_buffers()})
         self.trackers = [TRACKERS.get(name)(self, opts) for name, opts in check_analysis(cfg.analysis).items()]
-        self.runner = runner or (BatchedRounds() if cfg.batched_clients else SequentialRounds())
+        self.runner = runner or (BatchedRounds() if trains_batched(cfg, p) else SequentialRounds())
         self._broken = False
         self.clock = clock(cfg, p) if clock is not None else None
         # fedbuff/fedasync: the event loop on the clock (fedlase/asynchronous.py), or the runner's own (Flower's

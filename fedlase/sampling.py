@@ -78,7 +78,8 @@ def client_job(seed: int, work: LocalWork, train_idx: torch.Tensor, rnd: int, cl
     gen = torch.Generator().manual_seed(derive_seed(seed, rnd, Stream.BATCHES, client))
     positions = client_batches(len(train_idx), work, gen)
     # one gather for the whole round's batches, then cut (the same indices as batch by batch)
-    batches = list(train_idx[torch.cat(positions).to(train_idx.device)].split([len(b) for b in positions]))
+    batches = list(train_idx[torch.cat(positions).to(train_idx.device, non_blocking=True)].split(
+        [len(b) for b in positions]))
     return batches, (lambda xb: augment_batch(xb, gen)) if augment else None
 
 

@@ -3,6 +3,7 @@
 batched path that stacks several clients' parameters."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import weakref
@@ -31,6 +32,7 @@ class LocalWork:
     weight_decay: float
     betas: tuple[float, float]
     clip_norm: float | None          # clip each step's gradient to this total L2 norm (HeteroFL/FedRolex: 1)
+    precision: str                   # fp32, or bf16: each step's forward and loss under autocast
 
     def num_steps(self, n_samples: int) -> int:
         if self.epochs is not None:
@@ -64,23 +66,48 @@ class SGD:
 
     @torch.no_grad()
     def step(self) -> None:
-        for i, p in enumerate(self.params):
-            if p.grad is None:
-                continue
-            g = p.grad if self.weight_decay == 0 else p.grad.add(p, alpha=self.weight_decay)
-            if self.momentum != 0:
+        # each operation on every tensor at once: torch's foreach ops, one launch per operation on a GPU rather
+        # than one per tensor; on a CPU they run the same per-tensor operations, so the same bits
+        held = [i for i, p in enumerate(self.params) if p.grad is not None]
+        params = [self.params[i] for i in held]
+        grads = [p.grad for p in params]
+        if self.weight_decay != 0:
+            grads = torch._foreach_add(grads, params, alpha=self.weight_decay)   # private: foreach ops, as above
+        if self.momentum != 0:
+            old = [k for k, i in enumerate(held) if self.buffers[i] is not None]
+            if old:
+                bufs = [self.buffers[held[k]] for k in old]
+                torch._foreach_mul_(bufs, self.momentum)   # private: foreach ops, as above
+                torch._foreach_add_(bufs, [grads[k] for k in old], alpha=1)   # private: foreach ops, as above
+            for k, i in enumerate(held):
                 if self.buffers[i] is None:
-                    self.buffers[i] = g.detach().clone()
-                else:
-                    self.buffers[i].mul_(self.momentum).add_(g, alpha=1)
-                g = self.buffers[i]
-            p.add_(g, alpha=-self.lr)
+                    self.buffers[i] = grads[k].detach().clone()
+            grads = [self.buffers[i] for i in held]
+        if params:
+            torch._foreach_add_(params, grads, alpha=-self.lr)   # private: foreach ops, as above
 
 
 def make_optimizer(params: list[torch.Tensor], work: LocalWork):
-    if work.optimizer == "adamw":
-        return torch.optim.AdamW(params, lr=work.lr, betas=work.betas, weight_decay=work.weight_decay)
+    if work.optimizer == "adamw":   # fused on a GPU: one kernel a step (on a CPU as before, bit for bit)
+        return torch.optim.AdamW(params, lr=work.lr, betas=work.betas, weight_decay=work.weight_decay,
+                                 fused=True if params and params[0].is_cuda else None)
     return SGD(params, lr=work.lr, momentum=work.momentum, weight_decay=work.weight_decay)
+
+
+def autocast(work: LocalWork, device: torch.device):
+    """The context a local step's forward and loss run in: bf16 autocast under `precision=bf16` (parameters,
+    gradients and the optimizer stay fp32, as autocast keeps them), else none (fp32, bit for bit as before)."""
+    if work.precision == "bf16":
+        return torch.autocast(device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def channels_last(t: torch.Tensor) -> torch.Tensor:
+    """A 4-D tensor (an image batch, a conv weight) in channels-last memory on CUDA, where cuDNN's convolutions
+    run faster so; anything else as it is. Only the memory layout changes, never a value; on a CPU nothing."""
+    if t.dim() == 4 and t.device.type == "cuda":
+        return t.contiguous(memory_format=torch.channels_last)
+    return t
 
 
 def has_tied_weights(model: nn.Module) -> bool:
@@ -117,7 +144,7 @@ def local_train(model: nn.Module, global_params: dict[str, torch.Tensor], buffer
     local = sub.local
     if local is None and sub.is_whole(train=True) and _fits(model, global_params, {**buffers, **sub.buffers}):
         return _train_whole(model, global_params, {**buffers, **sub.buffers}, x, y, batches, work, augment, classes)
-    params = {n: p.detach().clone().requires_grad_(True) for n, p in global_params.items()}
+    params = {n: channels_last(p.detach().clone()).requires_grad_(True) for n, p in global_params.items()}
     bufs = {**{n: b.clone() for n, b in buffers.items()}, **sub.buffers}
     if local is not None:
         if classes is not None:
@@ -159,7 +186,8 @@ def _steps(batch_loss: Callable, plist: list[torch.Tensor], x: torch.Tensor, y: 
         xb, yb = x[idx], y[idx]
         if augment is not None:
             xb = augment(xb)
-        loss = batch_loss(xb, yb)
+        with autocast(work, x.device):
+            loss = batch_loss(channels_last(xb), yb)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         if work.clip_norm is not None:
@@ -177,6 +205,8 @@ def _training_module(model: nn.Module) -> tuple[nn.Module, dict, dict, dict]:
     (the model's own, for `_fits`); made once per model."""
     if model not in _TRAINING_MODULES:
         net = deepcopy(model).train()
+        if next(net.parameters()).device.type == "cuda":   # conv weights channels-last, as `channels_last`
+            net.to(memory_format=torch.channels_last)
         own, bufs = dict(net.named_parameters()), dict(net.named_buffers())
         _TRAINING_MODULES[model] = (net, own, bufs, {n: t.shape for n, t in {**own, **bufs}.items()})
     return _TRAINING_MODULES[model]

@@ -41,6 +41,8 @@ def _max_diff(a, b):
     (["method=heterofl", "bn=static"], 1e-4),                  # sliced groups per level, folded scaler, running stats
     (["method=heterofl", "bn=static", "sliced=false"], 1e-4),  # masks, per-client scales in one group
     (["method=fedrolex"], 1e-4),
+    (["method=fedrolex", "clip_norm=0.5"], 1e-4),              # each client's gradient clipped to its own norm
+    (["method=fiarse", "sliced=false", "clip_norm=0.5"], 1e-4),
     (["method=fedavg_small"], 1e-4),
     (["method=fedavg"], 1e-4),
 ])
@@ -170,3 +172,25 @@ def test_submodel_bytes_by_hand():
 def test_batched_needs_the_embedded_engine(tiny_cfg):
     with pytest.raises(ConfigError, match="batched_clients"):
         tiny_cfg("batched_clients=true", "engine=flower-sim")
+
+
+def test_each_client_is_clipped_to_its_own_norm():
+    from fedlase.batched import _clip_each_client
+    torch.manual_seed(0)
+    stacked = [torch.zeros(3, 4, 5, requires_grad=True), torch.zeros(3, 7, requires_grad=True)]
+    for p, scale in zip(stacked, (1.0, 3.0)):
+        p.grad = torch.randn(p.shape) * scale
+    grads = [[p.grad[c].clone() for p in stacked] for c in range(3)]
+    stacked[0].grad[2].mul_(1e-3)   # client 2's gradient under the limit: left alone
+    stacked[1].grad[2].mul_(1e-3)
+    grads[2] = [g * 1e-3 for g in grads[2]]
+    _clip_each_client(stacked, 1.0)
+    for c in range(3):   # what clip_grad_norm_ does to client c's tensors on their own
+        own = [g.clone() for g in grads[c]]
+        params = [torch.zeros_like(g, requires_grad=True) for g in own]
+        for p, g in zip(params, own):
+            p.grad = g
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        for p, q in zip(stacked, params):
+            torch.testing.assert_close(p.grad[c], q.grad)
+    assert torch.equal(stacked[1].grad[2], grads[2][1])

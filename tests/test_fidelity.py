@@ -387,7 +387,7 @@ def test_client_settings_read_the_typed_config(tiny_cfg):
     # the client gets its settings as one typed record; clip_norm unset means no clipping
     from fedlase.client import ClientSettings
     s = ClientSettings.from_config(tiny_cfg())
-    assert s.work == LocalWork(2, None, 16, "sgd", 0.05, 0.0, 0.0, (0.9, 0.999), None)
+    assert s.work == LocalWork(2, None, 16, "sgd", 0.05, 0.0, 0.0, (0.9, 0.999), None, "fp32")
     assert (s.seed, s.sliced, s.label_split) == (0, True, False)
     s = ClientSettings.from_config(tiny_cfg("clip_norm=1", "sliced=false", "label_split=true", "seed=3"))
     assert (s.work.clip_norm, s.seed, s.sliced, s.label_split) == (1.0, 3, False, True)

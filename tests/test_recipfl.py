@@ -109,6 +109,35 @@ def test_recipfl_runs_two_rounds_on_the_embedded_engine(tiny_cfg):
     assert "Global accuracy per level" in text and "equal simulated time" not in text and "FLOP" not in text
 
 
+def _cifar10_folder(parent: Path, per_file: int = 12) -> Path:
+    """A tiny CIFAR-10 python-pickle folder (five training batches and a test batch of random images, labels
+    0..9 repeating), the layout the cifar10 loader reads."""
+    import pickle
+    rng = np.random.default_rng(0)
+    folder = parent / "cifar-10-batches-py"
+    folder.mkdir(parents=True)
+    for name in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]:
+        batch = {b"data": rng.integers(0, 256, (per_file, 3072), dtype=np.uint8),
+                 b"labels": [i % 10 for i in range(per_file)]}   # every class in the test batch too
+        (folder / name).write_bytes(pickle.dumps(batch, protocol=2))
+    return folder
+
+
+def test_recipfl_trains_resnet18(tiny_cfg, tmp_path):
+    """ResNet-18's only linear layer is its classifier and its convs have no bias: the classifier's kinds get a
+    decoder of their own (its first layer), so the CIFAR-10 setting trains (at a tiny width, one round)."""
+    cfg = tiny_cfg("method=recipfl", "dataset=cifar10", f"data_dir={_cifar10_folder(tmp_path)}", "model=resnet18",
+                   "width=0.0625", "bn=batch", "system={1,1/25}_{1,2}", "partition=goliath", "alpha=0.5",
+                   "participation=1", "method_args.hidden=16", "local_steps=1", "batch_size=8", "rounds=1",
+                   "eval_batch_size=64")
+    summary = run_experiment(cfg, progress=False)
+    assert summary["rounds"] == 1 and all(math.isfinite(v["global_acc"]) for v in summary["final"]["levels"].values())
+    ckpt = torch.load(f"{cfg.out}/checkpoint.pt", weights_only=True)
+    assert ckpt["method"]["opt"]["step"] == 1   # the hypernetwork stepped
+    decoders = {k.split(".")[1] for k in ckpt["method"]["ghn"] if k.startswith("decoders.")}
+    assert {"conv", "bn", "linear", "bias"} <= decoders
+
+
 @pytest.mark.parametrize("override, key", [("model=cnn", "model"), ("bn=static", "bn"),
                                            ("batched_clients=true", "batched_clients"),
                                            ("system={1}_{4}", "system"), ("deadline=10", "deadline"),

@@ -18,7 +18,8 @@ that model (docs/methods.md, "RecipFL").
 - **Decoders**, one per node type, each emitting the element-wise largest shape that type has in any of the
   models; a tensor is the corner slice of its type's output, so models of different widths share decoders. The
   classifier's weight and bias take the decoder's first layer, add an embedding of the client's label histogram,
-  and go through a head of their own.
+  and go through a head of their own (a kind only the classifier has, as ResNet-18's linear and bias, gets a
+  decoder of that first layer alone).
 - **Fan-in normalisation** of each generated tensor (weights scaled by sqrt(gain / fan-in), BN weights mapped
   into (0, 2), biases into (-1, 1)), as GHN-2 does."""
 from __future__ import annotations
@@ -257,6 +258,10 @@ class GraphHyperNetwork(nn.Module):
         self.largest = {k: tuple(v) for k, v in largest.items()}
         self.decoders = nn.ModuleDict({k: _mlp(hid, 2 * hid, math.prod(s), last_relu=False)
                                        for k, s in self.largest.items() if not k.startswith("cls:")})
+        for g in self.graphs.values():   # a kind only the classifier has (ResNet-18's linear, bias): its first layer
+            for kind, p in zip(g.types, g.params):
+                if p in self.classifier and kind not in self.decoders:
+                    self.decoders[kind] = nn.Sequential(nn.Linear(hid, 2 * hid))
         self.heads = nn.ModuleDict({_head_key(k): nn.Sequential(nn.ReLU(), nn.Linear(2 * hid, math.prod(s)))
                                     for k, s in self.largest.items() if k.startswith("cls:")})
 
