@@ -6,7 +6,7 @@ import argparse
 import logging
 import sys
 
-from .config import describe_keys
+from .config import options
 from .errors import UserError
 
 
@@ -241,6 +241,17 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("fedlase: interrupted; rerun with --resume to continue from the last checkpoint", file=sys.stderr)
         return 130
+
+
+def describe_keys(choices: bool = True) -> str:
+    """Help text for every config key, for the CLI; `choices`: also list the registered methods, datasets,
+    models and partitions (registered by then: fedlase.catalog.load_builtins())."""
+    lines = []
+    for name, opt in options().items():
+        listed = opt.allowed() if choices and callable(opt.choices) else None   # a registry's names
+        names = f" ({', '.join(map(str, listed))})" if listed else ""
+        lines.append(f"  {name:<18} {opt.help}{names} [default: {opt.default}]")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -12,19 +12,21 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import importlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from .catalog import import_plugins
+from .data_config import check_data, parse_participation
 from .deploy_config import check_deployment, ray_address_rule
 from .errors import ConfigError
-from .levels import System, parse_level
+from .levels import System
 from .machine import sim_actors_rule, threads_rule, writable_folder
+from .method_config import check_method
 from .options import Option, check_value
-from .registry import ATTACKS, DATASETS, METHODS, MODELS, PARTITIONS, RULES, TRACKERS
+from .registry import ATTACKS, DATASETS, METHODS, MODELS, PARTITIONS, RULES, check_analysis
 from .resources import check_run
 from .robust_config import COVERAGES
 from .sim_config import CHARGES
@@ -248,37 +250,7 @@ def result_keys() -> set[str]:
     return {k for k, o in options().items() if o.affects_result}
 
 
-def parse_participation(value) -> list[float]:
-    """0.1, [0.1, 0.2] or '{0.1,0.15,0.2}' -> a list of fractions in (0, 1]."""
-    allowed = "a fraction in (0,1] or a set of them such as {0.1,0.15,0.2}"
-    if isinstance(value, str):
-        value = value.strip().strip("{}[]").split(",")
-    if isinstance(value, dict) and value and all(v is None for v in value.values()):
-        value = list(value)   # YAML reads an unquoted {0.1, 0.15} in a config file as a set-like mapping
-    if not isinstance(value, (list, tuple)):
-        value = [value]
-    try:
-        out = [float(parse_level(v)) for v in value]
-    except (ValueError, ZeroDivisionError):
-        raise ConfigError("participation", f"cannot read {value!r}; {allowed}") from None
-    if not out or any(not 0 < p <= 1 for p in out):
-        raise ConfigError("participation", f"{value!r} is outside (0,1]; {allowed}")
-    return out
-
-
 _BETA = Option(0.9, "an AdamW beta", low=0, high=1, high_open=True)
-
-
-def check_analysis(value) -> dict[str, dict]:
-    """The `analysis` config value -> {name: options} of the trackers switched on, in registry order (a
-    checkpoint stores tracker states as a list). `false` (or null) switches an analysis off."""
-    if not isinstance(value, dict):
-        raise ConfigError("analysis", f"expected a mapping such as {{ratios: true}}, got {value!r}")
-    for name in value:
-        if name not in TRACKERS:
-            raise ConfigError(f"analysis.{name}", f"unknown analysis; known: {', '.join(TRACKERS.names())}")
-    return {name: cls.parse_options(value[name]) for name, cls in TRACKERS.items()
-            if value.get(name) not in (None, False)}
 
 
 def validate(cfg: Config) -> Config:
@@ -294,33 +266,8 @@ def validate(cfg: Config) -> Config:
         raise ConfigError("betas", f"must be two numbers in [0, 1), got {cfg.betas}")
     cfg = dataclasses.replace(cfg, **checked, participation=participation,
                               betas=[check_value("betas", _BETA, b) for b in cfg.betas])
-    method = METHODS.get(cfg.method)
-    if not isinstance(cfg.method_args, dict):
-        raise ConfigError("method_args", f"expected a mapping of options, got {cfg.method_args!r}")
-    method.check_args(cfg.method_args)
-    if cfg.engine not in method.runs_on:   # declared by the method (Method.runs_on), not found out by a run
-        raise ConfigError("engine", f"method {cfg.method} runs on {', '.join(method.runs_on)} only (its runs_on), "
-                          f"not engine={cfg.engine}")
-    if cfg.batched_clients == "true" and (why := batching_refused(cfg)):
-        raise ConfigError("batched_clients", why)
-    if cfg.simulated and not method.clocked:   # declared by the method (Method.clocked)
-        key = next(k for k in ("device_model", "deadline", "population", "schedule")
-                   if getattr(cfg, k) not in (None, "sync"))
-        raise ConfigError(key, f"method {cfg.method} has no simulated time: the clock (fedlase/simtime.py) cannot "
-                          "charge what its clients and server compute")
-    if method.models is not None and cfg.model not in method.models:   # declared by the method (Method.models)
-        raise ConfigError("model", f"method {cfg.method} runs on model {' or '.join(method.models)} only (its "
-                          f"models), not {cfg.model}")
-    data, model = DATASETS.get(cfg.dataset), MODELS.get(cfg.model)
-    if data.kind != model.kind:
-        fitting = ", ".join(n for n, m in MODELS.items() if m.kind == data.kind)
-        raise ConfigError("model", f"{cfg.model} is a model for {model.kind} data but dataset {cfg.dataset} is "
-                          f"{data.kind}; pick a {data.kind} model ({fitting})")
-    if cfg.local_epochs is None and cfg.local_steps is None:
-        raise ConfigError("local_steps", "must be a positive integer (or set local_epochs)")
-    if cfg.partition == "pathological" and cfg.classes_per_client > data.num_classes:
-        raise ConfigError("classes_per_client", f"must be between 1 and the {data.num_classes} classes of "
-                          f"{cfg.dataset}, got {cfg.classes_per_client}")
+    check_method(cfg)
+    data, model = check_data(cfg)
     check_analysis(cfg.analysis)
     from .robust_config import check_attack, check_dp, check_robust, check_stages
     check_robust(cfg.robust, cfg.robust_args)
@@ -333,31 +280,9 @@ def validate(cfg: Config) -> Config:
     check_device_model(cfg.device_model, len(cfg.levels.levels))
     check_population(cfg.population)   # kept as given, like schedule_args: defaults are filled where they are used
     check_schedule(cfg, participation)
-    if cfg.data_dir is not None and not Path(cfg.data_dir).is_dir():
-        raise ConfigError("data_dir", f"folder {cfg.data_dir!r} does not exist")
-    if data.needs_data_dir and cfg.data_dir is None:
-        raise ConfigError("data_dir", f"dataset {cfg.dataset} needs data_dir: the folder holding its files")
     check_deployment(cfg, tagged("submitter"))
-    if cfg.head_norm != "none" and model.kind != "text":
-        raise ConfigError("head_norm", f"applies to text models; {cfg.model} is an image model "
-                          "(its BN layers follow `bn`)")
     check_run(cfg, data, model)   # sizes against the model, the data and the machine's memory (resources.py)
     return cfg
-
-
-def batching_refused(cfg: Config) -> str | None:
-    """Why this run's clients cannot train batched (fedlase/batched.py), or None: `batched_clients=true` is refused
-    with it, `auto` falls back to sequential. (A model with dropout is refused when the run builds it.)"""
-    method, model = METHODS.get(cfg.method), MODELS.get(cfg.model)
-    if cfg.engine != "embedded":   # Flower trains each client in its own ClientApp
-        return f"needs engine=embedded, got engine={cfg.engine}"
-    if "batched" not in method.runs_on:   # declared by the method (Method.runs_on), not found out by a run
-        return f"method {cfg.method} runs on {', '.join(method.runs_on)} only (its runs_on), not batched_clients=true"
-    if model.kind == "text":   # the forward trims batches with a data-dependent size
-        return f"{cfg.model} is a text model, which vmap cannot batch; set batched_clients=false"
-    if cfg.label_split:   # per-client submodels: not in the vmapped step
-        return "label_split needs the sequential path; set batched_clients=false"
-    return None
 
 
 def set_dotted(d: dict, key: str, value) -> None:
@@ -373,8 +298,6 @@ def set_dotted(d: dict, key: str, value) -> None:
             set_dotted(d[head], str(k), v)
     else:
         d[head] = value
-
-
 
 
 def parse_override(item: str) -> tuple[str, Any]:
@@ -412,17 +335,6 @@ def load_config(path: str | None = None, overrides: list[str] = (), validate_: b
     return config_from_dict(raw, validate_)
 
 
-def import_plugins(modules) -> None:
-    """Import the `plugins` modules (each registers its methods, datasets, models); ConfigError if one fails."""
-    if not isinstance(modules, (list, tuple)) or not all(isinstance(m, str) for m in modules):
-        raise ConfigError("plugins", f"expected a list of module names, got {modules!r}")
-    for name in modules:
-        try:
-            importlib.import_module(name)
-        except Exception as e:   # the user's module: report it in one line, whatever it raised
-            raise ConfigError("plugins", f"cannot import {name!r}: {type(e).__name__}: {e}") from None
-
-
 def config_from_dict(raw: dict, validate_: bool = True) -> Config:
     names = {f.name for f in dataclasses.fields(Config)}
     for key in raw:
@@ -433,14 +345,3 @@ def config_from_dict(raw: dict, validate_: bool = True) -> Config:
     import_plugins(raw.get("plugins", []))
     cfg = Config(**raw)
     return validate(cfg) if validate_ else cfg
-
-
-def describe_keys(choices: bool = True) -> str:
-    """Help text for every config key, for the CLI; `choices`: also list the registered methods, datasets,
-    models and partitions (registered by then: fedlase.catalog.load_builtins())."""
-    lines = []
-    for name, opt in options().items():
-        listed = opt.allowed() if choices and callable(opt.choices) else None   # a registry's names
-        names = f" ({', '.join(map(str, listed))})" if listed else ""
-        lines.append(f"  {name:<18} {opt.help}{names} [default: {opt.default}]")
-    return "\n".join(lines)

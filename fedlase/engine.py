@@ -25,14 +25,14 @@ import torch
 from . import checkpoint, determinism
 from .aggregate import channel_owners
 from .client import ClientSettings, ClientTrainer, build_model_for, client_splits, pick_device
-from .config import Config, check_analysis, config_from_dict, parse_override, set_dotted, tagged
+from .config import Config, config_from_dict, parse_override, set_dotted, tagged
 from .errors import UserError
 from .evaluate import EvalData, EvalSettings, evaluate_levels
 from .levels import Level
 from .machine import apply_threads
 from .masks import Submodel
 from .privacy import stages_for
-from .registry import DATASETS, METHODS, TRACKERS
+from .registry import DATASETS, METHODS, TRACKERS, check_analysis
 from .resources import check_loaded
 from .robust import ServerStep
 from .run_dir import EvalCadence, Progress, RunFolder
@@ -124,7 +124,7 @@ def trains_batched(cfg: Config, parts: Parts) -> bool:
     (`batching_refused`) nor the model (dropout) rules it out; on a CPU batching does not pay (docs/benchmarks.md)."""
     if cfg.batched_clients == "auto":
         from .batched import dropout_refused
-        from .config import batching_refused
+        from .method_config import batching_refused
         return parts.device.type == "cuda" and batching_refused(cfg) is None and dropout_refused(parts.model) is None
     return cfg.batched_clients == "true"
 

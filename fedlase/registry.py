@@ -193,6 +193,18 @@ def register_tracker(cls: type, replace: bool = False) -> type:
     return cls
 
 
+def check_analysis(value) -> dict[str, dict]:
+    """The `analysis` config value -> {name: options} of the trackers switched on, in registry order (a
+    checkpoint stores tracker states as a list). `false` (or null) switches an analysis off."""
+    if not isinstance(value, dict):
+        raise ConfigError("analysis", f"expected a mapping such as {{ratios: true}}, got {value!r}")
+    for name in value:
+        if name not in TRACKERS:
+            raise ConfigError(f"analysis.{name}", f"unknown analysis; known: {', '.join(TRACKERS.names())}")
+    return {name: cls.parse_options(value[name]) for name, cls in TRACKERS.items()
+            if value.get(name) not in (None, False)}
+
+
 def register_rule(cls: type, replace: bool = False) -> type:
     """Make `robust=cls.name` valid everywhere (a fedlase.robust.Rule subclass); a class decorator."""
     RULES.add(cls.name, cls, replace)

@@ -7,13 +7,13 @@ import pytest
 import torch
 
 from fedlase.analysis import Magnitudes, Ratios, Tracker, Updates, gini, gini_from_histogram, ratio_std
-from fedlase.config import check_analysis, load_config
+from fedlase.config import load_config
 from fedlase.engine import Experiment, run_experiment
 from fedlase.errors import ConfigError
 from fedlase.levels import System
 from fedlase.masks import Submodel
 from fedlase.options import Option
-from fedlase.registry import TRACKERS, register_tracker, temporary
+from fedlase.registry import TRACKERS, check_analysis, register_tracker, temporary
 
 # the levels of the fake experiments: FULL = 1, HALF = 1/2
 FULL, HALF = System.of([1.0, 0.5]).levels

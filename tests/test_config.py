@@ -5,10 +5,10 @@ from fractions import Fraction
 import pytest
 
 from fedlase import registry
+from fedlase.cli import describe_keys
 from fedlase.config import (
     Config,
     config_from_dict,
-    describe_keys,
     load_config,
     options,
     parse_override,
