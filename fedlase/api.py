@@ -13,7 +13,7 @@ from pathlib import Path
 
 from .catalog import load_builtins
 from .config import Config, config_from_dict, load_config
-from .runner import run_config
+from .dispatch import run_config
 
 
 def make_config(path: str | None = None, **settings) -> Config:

@@ -19,8 +19,6 @@ import logging
 import pkgutil
 from importlib.metadata import entry_points
 
-from .errors import ConfigError
-
 log = logging.getLogger("fedlase")
 
 # The packages (and the modules) that hold the built-in choices. The text track's modules register their
@@ -128,14 +126,3 @@ def write_readme_table(path) -> bool:
     if new != text:
         path.write_text(new)
     return new != text
-
-
-def import_plugins(modules) -> None:
-    """Import the `plugins` modules (each registers its methods, datasets, models); ConfigError if one fails."""
-    if not isinstance(modules, (list, tuple)) or not all(isinstance(m, str) for m in modules):
-        raise ConfigError("plugins", f"expected a list of module names, got {modules!r}")
-    for name in modules:
-        try:
-            importlib.import_module(name)
-        except Exception as e:   # the user's module: report it in one line, whatever it raised
-            raise ConfigError("plugins", f"cannot import {name!r}: {type(e).__name__}: {e}") from None

@@ -21,7 +21,7 @@ def format_table(final: dict) -> str:
 
 def _cmd_run(args) -> int:
     from .config import load_config
-    from .runner import run_config
+    from .dispatch import run_config
     cfg = load_config(args.config, args.overrides)
     summary = run_config(cfg, resume=args.resume, progress=not args.quiet)
     print(f"\n{cfg.method} on {cfg.dataset}, system {cfg.system}, {summary['rounds']} rounds "

@@ -18,7 +18,6 @@ from typing import Any
 
 import yaml
 
-from .catalog import import_plugins
 from .data_config import check_data, parse_participation
 from .deploy_config import check_deployment, ray_address_rule
 from .errors import ConfigError
@@ -26,7 +25,7 @@ from .levels import System
 from .machine import sim_actors_rule, threads_rule, writable_folder
 from .method_config import check_method
 from .options import Option, check_value
-from .registry import ATTACKS, DATASETS, METHODS, MODELS, PARTITIONS, RULES, check_analysis
+from .registry import ATTACKS, DATASETS, METHODS, MODELS, PARTITIONS, RULES, check_analysis, import_plugins
 from .resources import check_run
 from .robust_config import COVERAGES
 from .sim_config import CHARGES

@@ -348,7 +348,7 @@ def run_experiment(cfg: Config, resume: bool = False, progress: bool = True, run
     """Run (or resume) one experiment; write metrics.jsonl, checkpoint.pt and summary.json into cfg.out.
     `runner` trains the rounds (default: sequential, or batched with batched_clients; Flower passes its own).
     `clock(cfg, parts)` builds the simulated clock a config with `device_model` or `deadline` asks for
-    (fedlase.simtime.clock_for: fedlase/runner.py and Flower's ServerApp hand it in)."""
+    (fedlase.simtime.clock_for: fedlase/dispatch.py and Flower's ServerApp hand it in)."""
     if clock is None and cfg.simulated:
         raise UserError("device_model/deadline/population/schedule: simulated time needs a clock; run through "
                         "fedlase.run or pass clock=fedlase.simtime.clock_for")

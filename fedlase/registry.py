@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import importlib
 import os
 import sys
 from collections.abc import Callable, Iterator
@@ -203,6 +204,17 @@ def check_analysis(value) -> dict[str, dict]:
             raise ConfigError(f"analysis.{name}", f"unknown analysis; known: {', '.join(TRACKERS.names())}")
     return {name: cls.parse_options(value[name]) for name, cls in TRACKERS.items()
             if value.get(name) not in (None, False)}
+
+
+def import_plugins(modules) -> None:
+    """Import the `plugins` modules (each registers its methods, datasets, models); ConfigError if one fails."""
+    if not isinstance(modules, (list, tuple)) or not all(isinstance(m, str) for m in modules):
+        raise ConfigError("plugins", f"expected a list of module names, got {modules!r}")
+    for name in modules:
+        try:
+            importlib.import_module(name)
+        except Exception as e:   # the user's module: report it in one line, whatever it raised
+            raise ConfigError("plugins", f"cannot import {name!r}: {type(e).__name__}: {e}") from None
 
 
 def register_rule(cls: type, replace: bool = False) -> type:

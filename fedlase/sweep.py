@@ -121,7 +121,7 @@ def _run_in_process(out: Path, todo: list[PlannedRun], result: dict, bar, progre
 def _run_one(run: PlannedRun, progress: bool) -> str | None:
     """Run (or resume) one run in this process on its engine; None, or the first line of its error (then in
     error.txt)."""
-    from .runner import run_config
+    from .dispatch import run_config
     err = run.out / "error.txt"
     try:
         run_config(run.cfg, resume=True, progress=progress)

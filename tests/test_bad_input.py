@@ -24,7 +24,7 @@ import yaml
 from fedlase.cli import main
 from fedlase.config import load_config, options
 from fedlase.machine import sim_actors_rule, threads_rule, usable_cpus, writable_folder
-from fedlase.methods.base import RUNNERS
+from fedlase.methods.base import TRAIN_PATHS
 from fedlase.options import Option
 from fedlase.registry import METHODS, TRACKERS
 from fedlase.robust_config import DP
@@ -34,8 +34,8 @@ BASE = {"dataset": "digits", "model": "cnn", "width": 0.25, "system": "{1,1/4}_{
         "local_steps": 1, "batch_size": 16, "rounds": 1, "threads": 1, "device": "cpu"}
 EMPTY = object()   # the value `key=` on the command line
 UNDER_A_FILE = object()   # a folder below an existing file (the run's config file, see _argv)
-# the setting that puts a run on each of RUNNERS (a method's `runs_on` names them)
-RUNNER_SETTINGS = {"embedded": ("engine", "embedded"), "batched": ("batched_clients", True),
+# the setting that puts a run on each of TRAIN_PATHS (a method's `runs_on` names them)
+TRAIN_PATH_SETTINGS = {"embedded": ("engine", "embedded"), "batched": ("batched_clients", True),
                    "flower-sim": ("engine", "flower-sim"), "flower-deploy": ("engine", "flower-deploy")}
 
 
@@ -82,7 +82,7 @@ def cases() -> list[tuple[str, object, dict]]:
         for key, opt in cls.options_spec.items():
             out += [(f"analysis.{name}.{key}", v, {}) for v in bad_values(opt)]
     for name, cls in METHODS.items():   # a runner the method does not declare: refused at validation
-        out += [(*RUNNER_SETTINGS[r], {"method": name}) for r in RUNNERS if r not in cls.runs_on]
+        out += [(*TRAIN_PATH_SETTINGS[r], {"method": name}) for r in TRAIN_PATHS if r not in cls.runs_on]
         if cls.models is not None:   # a model the method does not declare (BASE's cnn): refused at validation
             out.append(("model", "cnn", {"method": name}))
         if not cls.clocked:   # simulated time for a method the clock cannot charge
@@ -142,8 +142,8 @@ def test_the_bounds_are_declared_where_they_apply():
     assert options()["threads"].check is threads_rule and options()["sim_actors"].check is sim_actors_rule
     assert options()["out"].check is writable_folder
     assert TRACKERS.get("tensorboard").options_spec["dir"].check is writable_folder
-    assert set(RUNNER_SETTINGS) == set(RUNNERS)
-    assert all(cls.runs_on and set(cls.runs_on) <= set(RUNNERS) for _, cls in METHODS.items())
+    assert set(TRAIN_PATH_SETTINGS) == set(TRAIN_PATHS)
+    assert all(cls.runs_on and set(cls.runs_on) <= set(TRAIN_PATHS) for _, cls in METHODS.items())
 
 
 @pytest.mark.parametrize("name", METHODS.names())
@@ -160,7 +160,7 @@ def test_a_method_with_its_own_local_objective_declares_only_the_sequential_roun
     if local:
         assert tuple(METHODS.get(name).runs_on) == ("embedded",), METHODS.get(name).runs_on
     for runner in METHODS.get(name).runs_on:
-        key, value = RUNNER_SETTINGS[runner]
+        key, value = TRAIN_PATH_SETTINGS[runner]
         load_config(None, [*argv, f"{key}={str(value).lower()}"])
 
 

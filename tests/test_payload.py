@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from fedlase.dispatch import run_config
 from fedlase.engine import build_parts
 from fedlase.payload import delta_arrays, payload_bytes, submodel_arrays
-from fedlase.runner import run_config
 
 CLOCKED = ["device_model.speed=1e9", "device_model.bandwidth=1e5"]   # a clock on which the bytes weigh
 

@@ -98,10 +98,10 @@ def test_engine_names_no_method_analysis_dataset_or_model():
 
 def test_the_engine_imports_nothing_that_builds_on_it():
     """Not at module level, not inside a function: the simulated clock is built by the caller and handed in
-    (fedlase/runner.py, Flower's ServerApp), and costs and reports take the engine's parts."""
+    (fedlase/dispatch.py, Flower's ServerApp), and costs and reports take the engine's parts."""
     above = ("fedlase.simtime", "fedlase.cost", "fedlase.measure", "fedlase.report", "fedlase.sweep",
              "fedlase.flower")
-    assert "fedlase.simtime" in imports(PKG / "runner.py")   # read inside a function too: the runner's is there
+    assert "fedlase.simtime" in imports(PKG / "dispatch.py")   # read inside a function too: the dispatcher's is there
     assert not [m for m in imports(PKG / "engine.py") if m.startswith(above)]
 
 
@@ -211,6 +211,10 @@ def test_the_torch_check_catches_private_names(tmp_path):
 HEAVY = ("fedlase.methods", "fedlase.models", "fedlase.data", "fedlase.analysis", "fedlase.catalog")
 
 
+def _heavy(module: str) -> bool:
+    return any(module == p or module.startswith(p + ".") for p in HEAVY)
+
+
 def _loaded_by(module: str) -> tuple[list[str], int]:
     """(fedlase modules a fresh interpreter holds after importing `module`, entries registered by then): one
     interpreter for both, as each start imports torch."""
@@ -228,7 +232,7 @@ def _loaded_by(module: str) -> tuple[list[str], int]:
 def test_importing_the_config_loads_no_method_model_or_dataset():
     loaded, _ = _loaded_by("fedlase.config")
     assert "fedlase.config" in loaded
-    assert not [m for m in loaded if m.startswith(HEAVY)], loaded
+    assert not [m for m in loaded if _heavy(m)], loaded
 
 
 def test_importing_the_engine_loads_no_method_model_or_dataset_loader_and_registers_nothing():
@@ -236,13 +240,13 @@ def test_importing_the_engine_loads_no_method_model_or_dataset_loader_and_regist
     loaded, registered = _loaded_by("fedlase.engine")
     assert "fedlase.engine" in loaded
     allowed = {"fedlase.data", "fedlase.data.partition", "fedlase.data.augment"}
-    assert not [m for m in loaded if m.startswith(HEAVY) and m not in allowed], loaded
+    assert not [m for m in loaded if _heavy(m) and m not in allowed], loaded
     assert registered == 0
 
 
 def test_the_config_imports_nothing_above_it():
-    """Its imports (and theirs) are the low layer: errors, levels, machine, options, registry, resources,
-    robust_config, sim_config, util."""
+    """Its imports (and theirs) are the low layer: errors, levels, machine, options, registry, resources, util,
+    and each area's config checks (data, deploy, method, robust, sim)."""
     g, seen, todo = graph(), set(), ["fedlase.config"]
     while todo:
         for n in g.get(todo.pop(), ()):
@@ -251,14 +255,14 @@ def test_the_config_imports_nothing_above_it():
                 todo.append(n)
     assert seen <= {"fedlase", "fedlase.errors", "fedlase.levels", "fedlase.machine", "fedlase.options",
                     "fedlase.registry", "fedlase.resources", "fedlase.robust_config", "fedlase.sim_config",
-                    "fedlase.util"}, seen
-    assert not any(m.startswith(HEAVY) for m in seen)
+                    "fedlase.data_config", "fedlase.deploy_config", "fedlase.method_config", "fedlase.util"}, seen
+    assert not any(_heavy(m) for m in seen)
 
 
 def test_only_the_edges_register_the_built_ins():
     """catalog (which imports every built-in) is imported by the programs' entry points only."""
     importers = {m for m, names in graph().items() if "fedlase.catalog" in names}
-    assert importers <= {"fedlase", "fedlase.cli", "fedlase.api", "fedlase.runner", "fedlase.sweep",
+    assert importers <= {"fedlase", "fedlase.cli", "fedlase.api", "fedlase.dispatch", "fedlase.sweep",
                          "fedlase.flower.server_app", "fedlase.flower.client_app",
                          "fedlase.flower.proxy", "fedlase.measure"}, importers
     # proxy: `python -m fedlase.flower.proxy front --config`; measure: the child process of `fedlase cost`

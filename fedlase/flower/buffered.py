@@ -12,7 +12,7 @@ arrivals (fedasync: every arrival) the server steps exactly as the embedded sche
 the freed slots from the new version, drawing clients in the synchronous rounds' order (`AsyncSchedule._fill`).
 Staleness: the server steps between the version a message carried and the step that applies its reply.
 
-A reply that is an error, fails the wire's checks (`NodeRounds.check`), or does not come within `reply_timeout`
+A reply that is an error, fails the wire's checks (`NodeRounds.update_from`), or does not come within `reply_timeout`
 seconds, and a client no node holds, frees its slot and is dropped (`failed` in the step's metrics line, the
 reason in the record). The run's `arrivals.jsonl` records every arrival (fedlase/asynchronous.py), its time as
 `wall_time` (seconds since the first message); `schedule_args.replay` on the embedded engine rebuilds the run
@@ -111,7 +111,7 @@ class NodeSchedule(AsyncSchedule):
                     self._drop(f, f"node error: {reply.error.reason}")
                     continue
                 try:
-                    u = self.nodes.check(exp, f.draw, f.client, entry, reply)
+                    u = self.nodes.update_from(exp, f.draw, f.client, entry, reply)
                 except ReplyError as e:
                     self._drop(f, f"reply rejected: {e}")
                     continue

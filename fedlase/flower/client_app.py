@@ -25,7 +25,7 @@ _CACHE: dict = {}
 
 
 def context_config(context: Context):
-    """The run's fedlase config, read from Flower's Context (its run config; fedlase.runner.run_config is the
+    """The run's fedlase config, read from Flower's Context (its run config; fedlase.dispatch.run_config is the
     other thing: it runs a config), built-ins registered first (a program's edge). It is read, not validated
     again: the server validated it before submitting, and validation's size check builds the model on the meta
     device, which imports torch._dynamo (1-4 s) in every ClientApp process, that is for every message."""

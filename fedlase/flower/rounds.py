@@ -217,7 +217,7 @@ class NodeRounds:
             if reply.metadata.src_node_id == sent.metadata.dst_node_id:
                 received[pid] = record_bytes(*reply.content.array_records.values())
             try:
-                good.append(self.check(exp, rnd, pid, self.pending[pid], reply))
+                good.append(self.update_from(exp, rnd, pid, self.pending[pid], reply))
             except ReplyError as e:
                 log.warning("round %d: rejected client %d's reply: %s", rnd, pid, e)
                 self.last["rejected"][pid] = str(e)
@@ -232,7 +232,7 @@ class NodeRounds:
                  **self.take_events(), "bytes": b, "bytes_total": dict(self.bytes_total)}
         return RoundResult(good, stats)
 
-    def check(self, exp, rnd: int, pid: int, entry: tuple, reply: Message) -> Update:
+    def update_from(self, exp, rnd: int, pid: int, entry: tuple, reply: Message) -> Update:
         """Partition `pid`'s reply (not an error) to the message of `entry` (`messages`), as an update; a
         ReplyError says why it is refused."""
         sent, lvl, sub, _ = entry

@@ -62,7 +62,7 @@ class LocalObjective:
         return delta
 
 
-RUNNERS = (ENGINES[0], "batched", *ENGINES[1:])   # what a method's `runs_on` may list: the engines, and batched
+TRAIN_PATHS = (ENGINES[0], "batched", *ENGINES[1:])   # what a method's `runs_on` may list: the engines, and batched
 
 
 class Method:
@@ -70,10 +70,10 @@ class Method:
     name: ClassVar[str] = ""
     options: ClassVar[dict[str, Option]] = {}
     coverage: ClassVar[str] = "mask"   # the aggregation's coverage rule unless the config sets one
-    # Where its clients can train, checked at config validation: of RUNNERS, "embedded" is the sequential
+    # Where its clients can train, checked at config validation: of TRAIN_PATHS, "embedded" is the sequential
     # rounds and "batched" the embedded engine's batched_clients=true. A method whose submodels carry their
     # own LocalObjective declares ("embedded",): neither Flower nor the vmapped step runs that objective.
-    runs_on: ClassVar[tuple[str, ...]] = RUNNERS
+    runs_on: ClassVar[tuple[str, ...]] = TRAIN_PATHS
     # The models (registry names) it can run on, checked at config validation; None: any model.
     models: ClassVar[tuple[str, ...] | None] = None
     # whether the simulated clock (fedlase/simtime.py) can charge it: it costs a client as its level's submodel of

@@ -1,4 +1,4 @@
-"""The one run path: a validated config runs (or resumes) on the engine it names.
+"""The one run path: a validated config is dispatched to (runs or resumes on) the engine it names.
 
 `fedlase run`, `fedlase.run`, and both sweep paths (in process, and each `--jobs` child) call `run_config`,
 so they cannot disagree about what runs: `engine=flower-sim` and `engine=flower-deploy` go through Flower
