@@ -18,6 +18,7 @@ import os
 import subprocess
 import sys
 
+from .method_config import batching_refused
 from .resources import GLOBAL_COPIES, LIVE_ACTIVATIONS, model_sizes
 
 GPU_OVERHEAD = 1 << 30     # a process's CUDA context, cuDNN/cuBLAS workspaces and the allocator's slack
@@ -39,7 +40,9 @@ def gpu_need(cfg) -> int:
     else:
         data_bytes = IMAGE_SAMPLES * 4 * math.prod(data.shape or (0,))
     sampled = math.ceil(max(cfg.participation) * cfg.levels.num_clients)
-    training = sampled if cfg.batched_clients else 1
+    # on a GPU `auto` batches where nothing rules it out
+    batched = cfg.batched_clients == "true" or (cfg.batched_clients == "auto" and batching_refused(cfg) is None)
+    training = sampled if batched else 1
     params = sizes.get("params", 0) * 4
     return int(GPU_OVERHEAD + data_bytes + (sampled + GLOBAL_COPIES + PER_CLIENT_COPIES * training) * params
                + 2 * training * cfg.batch_size * sizes.get("sample_bytes", 0)
