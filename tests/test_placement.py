@@ -48,8 +48,10 @@ def test_a_run_needs_more_with_a_bigger_model_and_batched_clients(tmp_path):
 
     def need(*more):
         return gpu_need(load_config(None, [*base, *more]))
-    small, full, batched = need("width=0.25"), need("width=1"), need("width=1", "batched_clients=true")
+    small, full = need("width=0.25", "batched_clients=false"), need("width=1", "batched_clients=false")
+    batched = need("width=1", "batched_clients=true")
     assert placement.GPU_OVERHEAD < small < full < batched
+    assert need("width=1") == batched   # auto: on a GPU, batched wherever nothing rules it out
     # the dataset estimate (70,000 CIFAR-sized images: 0.8 GiB), 11.2M parameters x (5 updates + copies), a
     # batch's activations: about 2 GiB with the overhead, not tens
     assert 2 * GIB < full < 4 * GIB
