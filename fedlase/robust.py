@@ -214,9 +214,10 @@ def judge(updates: list, subs: dict, full: dict, factor: float | None, recent: l
     only shrink the others' step: five free riders in ten halve it) and reported, not rejected. A level with the
     figures of at least PER_LEVEL clients has its own reference (a small level's updates differ in scale from
     a large one's); the others take the step's. `recent` (a schedule's running reference, None in synchronous
-    rounds): the (level, client, figure) of the last arrivals join the step's own, one figure per client (its
-    latest), so that a step of one update is judged against the others; until two clients' figures are known
-    an update cannot be judged, and is rejected."""
+    rounds): in a step of one finite update (fedasync, a buffer of one, a buffer of which one is left), the
+    (level, client, figure) of the last arrivals join it, one figure per client (its latest), so that it is
+    judged against the others; until two clients' figures are known it cannot be judged, and is rejected. A step
+    of two or more judges its own, as a synchronous round does (the lower median of two is the smaller)."""
     _, rms = norms(updates, subs, full)
     n = len(updates)
     if factor is None:
@@ -229,6 +230,8 @@ def judge(updates: list, subs: dict, full: dict, factor: float | None, recent: l
             rejected[str(u.client)] = "non-finite value in its update"
         else:
             keep.append(i)
+    if len(keep) >= 2:   # a step of two or more judges its own: the running reference is for steps of one
+        recent = None
     latest = {c: (lv, r) for lv, c, r in recent or []}   # one figure per client: its latest
     latest.update({updates[i].client: (level_key(updates[i]), rms[i]) for i in keep})
     model = math.sqrt(sum(float(p.double().square().sum()) for p in full.values()) /
