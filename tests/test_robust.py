@@ -232,6 +232,11 @@ def test_free_riders_leave_the_default_as_if_they_had_not_replied(tmp_path):
     assert free["global_acc"] == absent["global_acc"] > 0.5   # 8 rounds; before: chance
     assert lines[-1]["near_zero"] == [1, 2, 3, 4, 9] and "rejected" not in lines[-1]
     assert lines[-1]["robust_totals"]["near_zero"] == {"1": 4 * 8, "1/4": 8}
+    # and `fedlase report` shows the totals per level
+    from fedlase.report import make_report
+    md = make_report([str(tmp_path / "free")], tmp_path / "report", cost=False).read_text()
+    row = [x for x in md.split("## Server step")[1].splitlines() if x.startswith("|")][2]   # after the header
+    assert row.endswith("| 8.0 | 32.0 |"), row   # near_zero at 1/4 and at 1
 
 
 @pytest.mark.parametrize("schedule", ["sync", "fedbuff", "fedasync"])
