@@ -211,7 +211,8 @@ def judge(updates: list, subs: dict, full: dict, factor: float | None, recent: l
     nor near zero (NEAR_ZERO, NEAR_ZERO_MODEL: a free rider's zero or x1e-12 update, which would
     otherwise pull the median to 0 and switch the screen off, or let a clip bound of 0 stop every honest
     update). A near-zero update is left out of the step as if its client had not replied (averaged in, it would
-    only shrink the others' step: five free riders in ten halve it) and reported, not rejected. A level with the
+    only shrink the others' step: five free riders in ten halve it) and reported, not rejected; a step of near-zero
+    updates only moves nothing either way and is taken as it is. A level with the
     figures of at least PER_LEVEL clients has its own reference (a small level's updates differ in scale from
     a large one's); the others take the step's. `recent` (a schedule's running reference, None in synchronous
     rounds): in a step of one finite update (fedasync, a buffer of one, a buffer of which one is left), the
@@ -244,13 +245,15 @@ def judge(updates: list, subs: dict, full: dict, factor: float | None, recent: l
         by_level.setdefault(lv, []).append(r)
     level_ref = {lv: low_median(rs) for lv, rs in by_level.items() if len(rs) >= PER_LEVEL}
     accepted, refs, near = [], [], []
+    moving = any(rms[i] > tiny for i in keep)   # a step of zeros only (RecipFL's engine updates) is taken as is
     for i in keep:
         u = updates[i]
         ref = level_ref.get(level_key(u), step_ref)
         if rms[i] <= tiny:
-            near.append(u.client)
-            continue
-        if recent is not None and len(solid) < 2:
+            if moving:
+                near.append(u.client)
+                continue
+        elif recent is not None and len(solid) < 2:
             rejected[str(u.client)] = "no reference yet: the first arrival is judged by the ones after it"
             continue
         elif ref > 0 and rms[i] > factor * ref:
