@@ -214,11 +214,13 @@ def judge(updates: list, subs: dict, full: dict, factor: float | None, recent: l
     only shrink the others' step: five free riders in ten halve it) and reported, not rejected; a step of near-zero
     updates only moves nothing either way and is taken as it is. A level with the
     figures of at least PER_LEVEL clients has its own reference (a small level's updates differ in scale from
-    a large one's); the others take the step's. `recent` (a schedule's running reference, None in synchronous
-    rounds): in a step of one finite update (fedasync, a buffer of one, a buffer of which one is left), the
-    (level, client, figure) of the last arrivals join it, one figure per client (its latest), so that it is
-    judged against the others; until two clients' figures are known it cannot be judged, and is rejected. A step
-    of two or more judges its own, as a synchronous round does (the lower median of two is the smaller)."""
+    a large one's); the others take the step's. A figure beyond `factor` x the step's reference counts towards
+    no level's, so that an absurd client neither makes nor moves its level's. `recent` (a schedule's running
+    reference, None in synchronous rounds): in a step of one finite update (fedasync, a buffer of one, a buffer
+    of which one is left), the (level, client, figure) of the last arrivals join it, one figure per client (its
+    latest), so that it is judged against the others; until two clients' figures are known it cannot be judged,
+    and is rejected. A step of two or more judges its own, as a synchronous round does (the lower median of two
+    is the smaller)."""
     _, rms = norms(updates, subs, full)
     n = len(updates)
     if factor is None:
@@ -241,8 +243,9 @@ def judge(updates: list, subs: dict, full: dict, factor: float | None, recent: l
     solid = {c: (lv, r) for c, (lv, r) in latest.items() if r > tiny}
     step_ref = low_median([r for _, r in solid.values()])
     by_level: dict[str, list[float]] = {}
-    for lv, r in solid.values():
-        by_level.setdefault(lv, []).append(r)
+    for lv, r in solid.values():   # a figure the step's reference rejects counts towards no level's
+        if not step_ref > 0 or r <= factor * step_ref:
+            by_level.setdefault(lv, []).append(r)
     level_ref = {lv: low_median(rs) for lv, rs in by_level.items() if len(rs) >= PER_LEVEL}
     accepted, refs, near = [], [], []
     moving = any(rms[i] > tiny for i in keep)   # a step of zeros only (RecipFL's engine updates) is taken as is
