@@ -198,7 +198,7 @@ class Verdict:
     accepted: list          # the accepted updates
     rejected: dict          # {client id as str: why} of the rejected
     rms: list[float]        # the accepted updates' norms per coordinate held
-    refs: list[float]       # the accepted updates' references (their level's, or the step's)
+    refs: list[float]       # the accepted updates' references for a clip (over the figures the screen kept)
     near_zero: list         # the near-zero updates' clients (left out of the step and the references)
     solid: list             # (level, client, norm per coordinate) of the finite updates not near zero
 
@@ -241,13 +241,8 @@ def judge(updates: list, subs: dict, full: dict, factor: float | None, recent: l
                       max(sum(p.numel() for p in full.values()), 1))
     tiny = min(NEAR_ZERO * up_median([r for _, r in latest.values()]) if latest else 0.0, NEAR_ZERO_MODEL * model)
     solid = {c: (lv, r) for c, (lv, r) in latest.items() if r > tiny}
-    step_ref = low_median([r for _, r in solid.values()])
-    by_level: dict[str, list[float]] = {}
-    for lv, r in solid.values():   # a figure the step's reference rejects counts towards no level's
-        if not step_ref > 0 or r <= factor * step_ref:
-            by_level.setdefault(lv, []).append(r)
-    level_ref = {lv: low_median(rs) for lv, rs in by_level.items() if len(rs) >= PER_LEVEL}
-    accepted, refs, near = [], [], []
+    step_ref, level_ref = references(solid, factor)
+    accepted, near = [], []
     moving = any(rms[i] > tiny for i in keep)   # a step of zeros only (RecipFL's engine updates) is taken as is
     for i in keep:
         u = updates[i]
@@ -264,11 +259,25 @@ def judge(updates: list, subs: dict, full: dict, factor: float | None, recent: l
                                        f"the median {ref:.3g} (limit {factor:g}x)")
             continue
         accepted.append(i)
-        refs.append(ref)
+    # the clip's references: the same, over the figures the screen kept (a rejected update sets no bound)
+    kept = {c: x for c, x in solid.items() if str(c) not in rejected}
+    step_kept, level_kept = references(kept, factor)
+    refs = [level_kept.get(level_key(updates[i]), step_kept) for i in accepted]
     for c, why in rejected.items():
         log.warning("rejected client %s's update: %s", c, why)
     solid_now = [(level_key(updates[i]), updates[i].client, rms[i]) for i in keep if rms[i] > tiny]
     return Verdict([updates[i] for i in accepted], rejected, [rms[i] for i in accepted], refs, near, solid_now)
+
+
+def references(figures: dict, factor: float) -> tuple[float, dict[str, float]]:
+    """(the lower median of the figures {client: (level, figure)}, {level: its own lower median} for the levels
+    with PER_LEVEL or more clients' figures). A figure beyond `factor` x the first counts towards no level's."""
+    step = low_median([r for _, r in figures.values()])
+    by_level: dict[str, list[float]] = {}
+    for lv, r in figures.values():
+        if not step > 0 or r <= factor * step:
+            by_level.setdefault(lv, []).append(r)
+    return step, {lv: low_median(rs) for lv, rs in by_level.items() if len(rs) >= PER_LEVEL}
 
 
 def screen(updates: list, subs: dict, full: dict, factor: float | None) -> tuple[list, dict, list[float]]:
