@@ -8,8 +8,10 @@ options, registered in fedlase/registry.py and named by the config):
    receives it.
 2. the screen (every rule that declares the `screen` option: all built-ins but `none`): an update is rejected,
    with its reason, when a value of its delta or its loss is not finite, or when its norm per coordinate held
-   exceeds `robust_args.screen` times the round's median of that figure (docs/methods.md, "Robust
-   aggregation", says why this rule and this bound).
+   exceeds `robust_args.screen` times its reference: the median of that figure (its level's or the round's;
+   near-zero updates left out of it and of the step; under an asynchronous schedule, a step of one update is
+   judged against the recent arrivals: `judge`). docs/methods.md, "Robust aggregation", says why this rule
+   and this bound.
 3. the stages (`Stage`): a step between the screen and the rule: differential privacy (fedlase/privacy.py,
    under the `dp` key: clip each accepted update, then the public denominator and the noise on the new model).
 4. the rule (`robust`) turns the accepted updates into the new global model, per coordinate, under the run's
@@ -208,14 +210,14 @@ def judge(updates: list, subs: dict, full: dict, factor: float | None, recent: l
     per coordinate held exceeds `factor` times its reference. factor None: no screen at all (robust=none).
 
     The reference is the lower median of the norms per coordinate of the figures that are neither non-finite
-    nor near zero (NEAR_ZERO, NEAR_ZERO_MODEL: a free rider's zero or x1e-12 update, which would
-    otherwise pull the median to 0 and switch the screen off, or let a clip bound of 0 stop every honest
-    update). A near-zero update is left out of the step as if its client had not replied (averaged in, it would
-    only shrink the others' step: five free riders in ten halve it) and reported, not rejected; a step of near-zero
-    updates only moves nothing either way and is taken as it is. A level with the
-    figures of at least PER_LEVEL clients has its own reference (a small level's updates differ in scale from
-    a large one's); the others take the step's. A figure beyond `factor` x the step's reference counts towards
-    no level's, so that an absurd client neither makes nor moves its level's. `recent` (a schedule's running
+    nor near zero (NEAR_ZERO, NEAR_ZERO_MODEL: a free rider's zero or x1e-12 update, which would otherwise pull
+    the median to 0 and switch the screen off, or let a clip bound of 0 stop every honest update). A near-zero
+    update is left out of the step as if its client had not replied (averaged in, it would only shrink the
+    others' step: five free riders in ten halve it) and reported, not rejected; a step of near-zero updates only
+    moves nothing either way and is taken as it is. A level with the figures of at least PER_LEVEL clients has
+    its own reference (a small level's updates differ in scale from a large one's); the others take the step's.
+    A figure beyond `factor` x the step's reference counts towards no level's, so that an absurd client neither
+    makes nor moves its level's. `recent` (a schedule's running
     reference, None in synchronous rounds): in a step of one finite update (fedasync, a buffer of one, a buffer
     of which one is left), the (level, client, figure) of the last arrivals join it, one figure per client (its
     latest), so that it is judged against the others; until two clients' figures are known it cannot be judged,
