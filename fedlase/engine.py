@@ -185,7 +185,7 @@ def build_parts(cfg: Config) -> Parts:
     plan = Sampling.from_config(cfg)
     stages = stages_for(cfg, method, plan, method.aggregation, coverage, owners, device)   # dp (fedlase/privacy.py)
     server = ServerStep.of(cfg.robust, cfg.robust_args, cfg.attack, cfg.attack_args, system, cfg.seed,
-                           method.aggregation, coverage, owners, stages, method)
+                           method.aggregation, coverage, owners, stages, method, running=cfg.schedule != "sync")
     return Parts(device, d, x_train, y_train, x_test, y_test, client_train, client_test, model, method, trainer,
                  system.levels, level_clients, plan, eval_data, EvalSettings.from_config(cfg), server)
 

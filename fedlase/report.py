@@ -25,6 +25,7 @@ from .report_tables import (
     metric_table,
     paired_table,
     privacy_table,
+    robust_table,
 )
 
 
@@ -57,6 +58,9 @@ def make_report(dirs: list[str], out: str | Path, group_by: list[str] | None = N
     if any("epsilon" in r.final for r in runs):   # dp (fedlase/privacy.py): the privacy each group spent
         sections.append(("Differential privacy: epsilon at delta after the rounds run (dp; a run that "
                          "dp.max_epsilon stopped counts as stopped)", privacy_table(groups)))
+    if any(any(r.final.get("robust_totals", {}).values()) for r in runs):   # fedlase/robust.py
+        sections.append(("Server step: updates rejected, clipped and near zero over the run, per level (mean over "
+                         "the group's runs)", robust_table(groups, levels)))
     over_rounds = curve_table(groups)
     if over_rounds is not None:
         sections.append(("Global accuracy over rounds (%, mean over the group's runs)", over_rounds))

@@ -1,5 +1,6 @@
 """The report's tables, as (header, rows) of strings, and Markdown from them: accuracy per level, privacy,
-accuracy over rounds, analysis summaries, per-layer magnitudes and the paired comparison by seed."""
+accuracy over rounds, the server step's totals, analysis summaries, per-layer magnitudes and the paired
+comparison by seed."""
 from __future__ import annotations
 
 import math
@@ -54,6 +55,19 @@ def privacy_table(groups: list[Group]) -> tuple[list, list]:
                      f"{last.get('delta', math.nan):.3g}", f"{last.get('noise_multiplier', math.nan):.4g}",
                      f"{sum(eps) / len(eps):.4g}", str(sum("stopped" in r.summary for r in dp))])
     return ["group", "runs", "rounds run", "delta", "z", "epsilon", "stopped"], rows
+
+
+def robust_table(groups: list[Group], levels: list[str]) -> tuple[list, list]:
+    """Per group and level: the updates the server step rejected, clipped and found near zero over the whole run
+    (the last line's `robust_totals`, fedlase/robust.py), mean over the group's runs."""
+    kinds = ("rejected", "clipped", "near_zero")
+    header = ["group", "runs", *(f"{k} {lvl}" for k in kinds for lvl in levels)]
+    rows = []
+    for g in groups:
+        totals = [r.final.get("robust_totals", {}) for r in g.runs]
+        rows.append([g.label, str(len(g.runs)), *(f"{np.mean([t.get(k, {}).get(lvl, 0) for t in totals]):.1f}"
+                                                  for k in kinds for lvl in levels)])
+    return header, rows
 
 
 def curve_table(groups: list[Group], metric: str = "global_acc", columns: int = 8) -> tuple[list, list] | None:

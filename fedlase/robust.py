@@ -8,8 +8,10 @@ options, registered in fedlase/registry.py and named by the config):
    receives it.
 2. the screen (every rule that declares the `screen` option: all built-ins but `none`): an update is rejected,
    with its reason, when a value of its delta or its loss is not finite, or when its norm per coordinate held
-   exceeds `robust_args.screen` times the round's median of that figure (docs/methods.md, "Robust
-   aggregation", says why this rule and this bound).
+   exceeds `robust_args.screen` times its reference: the median of that figure (its level's or the round's;
+   near-zero updates left out of it and of the step; under an asynchronous schedule, a step of one update is
+   judged against the recent arrivals: `judge`). docs/methods.md, "Robust aggregation", says why this rule
+   and this bound.
 3. the stages (`Stage`): a step between the screen and the rule: differential privacy (fedlase/privacy.py,
    under the `dp` key: clip each accepted update, then the public denominator and the noise on the new model).
 4. the rule (`robust`) turns the accepted updates into the new global model, per coordinate, under the run's
@@ -36,6 +38,7 @@ from .options import Option, check_options
 from .registry import ATTACKS, RULES
 
 log = logging.getLogger("fedlase")
+TOTALS = ("rejected", "clipped", "near_zero")   # the server step's running totals, per level (ServerStep.totals)
 
 
 # ---- the parts: their base classes -------------------------------------------------------------------------
@@ -62,10 +65,26 @@ class Rule:
     def __init__(self, **args):
         self.args = self.check_args(args)
 
+    # each accepted update's reference norm per coordinate held (its level's or the step's: `judge`), set by the
+    # screen before `aggregate`; a rule that clips relative to the reference reads it
+    refs: list[float] | None = None
+
+    def judge(self, updates: list, subs: dict, params: dict, recent: list | None = None) -> Verdict:
+        """The screen (`judge`) when the rule declares its `screen` option, else every update accepted."""
+        return judge(updates, subs, params, self.args.get("screen"), recent)
+
     def screen(self, updates: list, subs: dict, params: dict) -> tuple[list, dict, list[float]]:
-        """(accepted, {client: why} of the rejected, norms per coordinate held of the accepted): the screen
-        when the rule declares its `screen` option, else every update."""
-        return screen(updates, subs, params, self.args.get("screen"))
+        """(accepted, {client: why} of the rejected, norms per coordinate held of the accepted)."""
+        v = self.judge(updates, subs, params)
+        self.refs = v.refs
+        return v.accepted, v.rejected, v.rms
+
+    def state_dict(self) -> dict:
+        """What the rule carries from one step to the next (centered clipping's center), checkpointed."""
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
 
     @classmethod
     def check_args(cls, args) -> dict:
@@ -96,6 +115,11 @@ class Attack:
         """One attacking client's delta as the server receives it (`sub`: its submodel; a delta whose shape
         differs from `full_shapes` is a gathered slice's)."""
         raise NotImplementedError
+
+    def collude(self, updates: list, subs: dict, params: dict) -> list:
+        """A server step's received updates with the attackers' replaced after seeing the others' (colluders,
+        who know the honest updates of the step); by default unchanged."""
+        return updates
 
     @classmethod
     def check_args(cls, args, system) -> dict:
@@ -160,12 +184,58 @@ def low_median(values: list[float]) -> float:
     return s[(len(s) - 1) // 2] if s else math.nan
 
 
-def screen(updates: list, subs: dict, full: dict, factor: float | None) -> tuple[list, dict, list[float]]:
-    """(accepted updates, {client id as str: reason} of the rejected, the accepted updates' norms per coordinate).
-    factor None: no screen at all (robust=none)."""
-    l2, rms = norms(updates, subs, full)
+def up_median(values: list[float]) -> float:
+    """The upper median (of two middle values, the larger): with half the updates zero, an honest one."""
+    s = sorted(values)
+    return s[len(s) // 2] if s else math.nan
+
+
+# near zero: a norm per coordinate held at most NEAR_ZERO of the upper median of the figures and at most
+# NEAR_ZERO_MODEL of the global model's own (the second so that of two updates, one absurd, the honest one is not
+# taken for a free rider: among two, the ratio alone cannot tell which is wrong)
+NEAR_ZERO, NEAR_ZERO_MODEL = 1e-3, 1e-6
+PER_LEVEL = 3      # a level's own reference needs the figures of at least this many of its clients
+RECENT = 20        # a schedule's running reference: the figures of the last RECENT arrivals (ServerStep.recent)
+
+
+def level_key(u) -> str:
+    """An update's level as the screen's references and the totals name it ("-": an update without a level)."""
+    return u.level.name if u.level is not None else "-"
+
+
+@dataclass
+class Verdict:
+    """What the screen (`judge`) found on a step's updates."""
+    accepted: list          # the accepted updates
+    rejected: dict          # {client id as str: why} of the rejected
+    rms: list[float]        # the accepted updates' norms per coordinate held
+    refs: list[float]       # the accepted updates' references for a clip (over the figures the screen kept)
+    near_zero: list         # the near-zero updates' clients (left out of the step and the references)
+    solid: list             # (level, client, norm per coordinate) of the finite updates not near zero
+
+
+def judge(updates: list, subs: dict, full: dict, factor: float | None, recent: list | None = None) -> Verdict:
+    """The screen. An update is rejected when a value of its delta or its loss is not finite, or when its norm
+    per coordinate held exceeds `factor` times its reference. factor None: no screen at all (robust=none).
+
+    The reference is the lower median of the norms per coordinate of the figures that are neither non-finite
+    nor near zero (NEAR_ZERO, NEAR_ZERO_MODEL: a free rider's zero or x1e-12 update, which would otherwise pull
+    the median to 0 and switch the screen off, or let a clip bound of 0 stop every honest update). A near-zero
+    update is left out of the step as if its client had not replied (averaged in, it would only shrink the
+    others' step: five free riders in ten halve it) and reported, not rejected; a step of near-zero updates only
+    moves nothing either way and is taken as it is. A level with the figures of at least PER_LEVEL clients has
+    its own reference (a small level's updates differ in scale from a large one's); the others take the step's.
+    A figure beyond `factor` x the step's reference counts towards no level's, so that an absurd client neither
+    makes nor moves its level's. `recent` (a schedule's running
+    reference, None in synchronous rounds): in a step of one finite update (fedasync, a buffer of one, a buffer
+    of which one is left), the (level, client, figure) of the last arrivals join it, one figure per client (its
+    latest), so that it is judged against the others; until two clients' figures are known it cannot be judged,
+    and is rejected. A step of two or more judges its own, as a synchronous round does (the lower median of two
+    is the smaller)."""
+    _, rms = norms(updates, subs, full)
+    n = len(updates)
     if factor is None:
-        return list(updates), {}, rms
+        return Verdict(list(updates), {}, rms, [math.nan] * n, [], [])
     rejected, keep = {}, []
     for i, u in enumerate(updates):
         if not math.isfinite(u.loss):
@@ -174,17 +244,58 @@ def screen(updates: list, subs: dict, full: dict, factor: float | None) -> tuple
             rejected[str(u.client)] = "non-finite value in its update"
         else:
             keep.append(i)
-    ref = low_median([rms[i] for i in keep])
-    accepted = []
+    if len(keep) >= 2:   # a step of two or more judges its own: the running reference is for steps of one
+        recent = None
+    latest = {c: (lv, r) for lv, c, r in recent or []}   # one figure per client: its latest
+    latest.update({updates[i].client: (level_key(updates[i]), rms[i]) for i in keep})
+    model = math.sqrt(sum(float(p.double().square().sum()) for p in full.values()) /
+                      max(sum(p.numel() for p in full.values()), 1))
+    tiny = min(NEAR_ZERO * up_median([r for _, r in latest.values()]) if latest else 0.0, NEAR_ZERO_MODEL * model)
+    solid = {c: (lv, r) for c, (lv, r) in latest.items() if r > tiny}
+    step_ref, level_ref = references(solid, factor)
+    accepted, near = [], []
+    moving = any(rms[i] > tiny for i in keep)   # a step of zeros only (RecipFL's engine updates) is taken as is
     for i in keep:
-        if ref > 0 and rms[i] > factor * ref:
-            rejected[str(updates[i].client)] = (f"update norm per coordinate {rms[i]:.3g} is {rms[i] / ref:.3g}x "
-                                                f"the round's median {ref:.3g} (limit {factor:g}x)")
-        else:
-            accepted.append(i)
+        u = updates[i]
+        ref = level_ref.get(level_key(u), step_ref)
+        if rms[i] <= tiny:
+            if moving:
+                near.append(u.client)
+                continue
+        elif recent is not None and len(solid) < 2:
+            rejected[str(u.client)] = "no reference yet: the first arrival is judged by the ones after it"
+            continue
+        elif ref > 0 and rms[i] > factor * ref:
+            rejected[str(u.client)] = (f"update norm per coordinate {rms[i]:.3g} is {rms[i] / ref:.3g}x "
+                                       f"the median {ref:.3g} (limit {factor:g}x)")
+            continue
+        accepted.append(i)
+    # the clip's references: the same, over the figures the screen kept (a rejected update sets no bound)
+    kept = {c: x for c, x in solid.items() if str(c) not in rejected}
+    step_kept, level_kept = references(kept, factor)
+    refs = [level_kept.get(level_key(updates[i]), step_kept) for i in accepted]
     for c, why in rejected.items():
         log.warning("rejected client %s's update: %s", c, why)
-    return [updates[i] for i in accepted], rejected, [rms[i] for i in accepted]
+    solid_now = [(level_key(updates[i]), updates[i].client, rms[i]) for i in keep if rms[i] > tiny]
+    return Verdict([updates[i] for i in accepted], rejected, [rms[i] for i in accepted], refs, near, solid_now)
+
+
+def references(figures: dict, factor: float) -> tuple[float, dict[str, float]]:
+    """(the lower median of the figures {client: (level, figure)}, {level: its own lower median} for the levels
+    with PER_LEVEL or more clients' figures). A figure beyond `factor` x the first counts towards no level's."""
+    step = low_median([r for _, r in figures.values()])
+    by_level: dict[str, list[float]] = {}
+    for lv, r in figures.values():
+        if not step > 0 or r <= factor * step:
+            by_level.setdefault(lv, []).append(r)
+    return step, {lv: low_median(rs) for lv, rs in by_level.items() if len(rs) >= PER_LEVEL}
+
+
+def screen(updates: list, subs: dict, full: dict, factor: float | None) -> tuple[list, dict, list[float]]:
+    """(accepted updates, {client id as str: reason} of the rejected, the accepted updates' norms per coordinate):
+    `judge` on a synchronous round. factor None: no screen at all (robust=none)."""
+    v = judge(updates, subs, full, factor)
+    return v.accepted, v.rejected, v.rms
 
 
 def Robust(rule: str | None = None, args: dict | None = None) -> Rule:
@@ -237,19 +348,27 @@ class ServerStep:
     owners: dict | None    # per-channel credit under coverage=kept
     stages: tuple[Stage, ...] = ()
     method: Any = None     # its `server_update` follows the rule (fedlase/methods/base.py; RecipFL's hypernetwork)
+    # a schedule's running reference (fedbuff, fedasync): the screen's figures of the last RECENT arrivals, as
+    # (level, client, norm per coordinate held); None in synchronous rounds, whose steps judge their own
+    recent: list | None = None
+    # running totals over the run, per level: updates rejected, clipped by the rule, and near zero (every
+    # metrics line carries them: one is written only at evaluated steps)
+    totals: dict = dataclasses.field(default_factory=lambda: {k: {} for k in TOTALS})
+    near_zero: list = dataclasses.field(default_factory=list)   # the last step's near-zero updates' clients
 
     @classmethod
     def of(cls, robust: str, robust_args: dict, attack: str, attack_args: dict, system, seed: int, mode: str,
-           coverage: str, owners, stages: tuple[Stage, ...] = (), method=None) -> ServerStep:
+           coverage: str, owners, stages: tuple[Stage, ...] = (), method=None, running: bool = False) -> ServerStep:
         """The registered rule and attack by name, their options checked (the attackers drawn from `seed`). Under
         a stage that may not treat one update by what the others are (dp), a rule that names its `privately` form
-        runs as that form, with the options it declares."""
+        runs as that form, with the options it declares. `running`: keep a running reference over the recent
+        arrivals (an asynchronous schedule's steps, down to one update each)."""
         kind = ATTACKS.get(attack)
         rule = RULES.get(robust)(**robust_args)
         if rule.privately is not None and not all(s.screen_by_others for s in stages):
             rule = rule.privately(**{k: v for k, v in rule.args.items() if k in rule.privately.options})
         return cls(rule, kind(kind.check_args(attack_args, system), system, seed), mode, coverage, owners, stages,
-                   method)
+                   method, [] if running else None)
 
     def receive(self, u, subs: dict, params: dict, rnd: int):
         """An update as the server receives it: an attacking client's corrupted (simulation only)."""
@@ -263,9 +382,22 @@ class ServerStep:
         """(accepted updates, {client: why} of the rejected, the accepted ones' norms per coordinate held)."""
         if not self.rule.weighted and any(u.weight != 1.0 for u in updates):
             raise ValueError(f"robust={self.rule.name} does not take weighted updates (its `weighted`)")
+        updates = self.attack.collude(updates, subs, params)
         if "screen" in self.rule.args and not all(s.screen_by_others for s in self.stages):
-            return screen(updates, subs, params, math.inf)   # the per-update checks only (docs/methods.md)
-        return self.rule.screen(updates, subs, params)
+            v = judge(updates, subs, params, math.inf)   # the per-update checks only (docs/methods.md)
+        else:
+            v = self.rule.judge(updates, subs, params, self.recent)
+        self.rule.refs, self.near_zero = v.refs, v.near_zero
+        if self.recent is not None:
+            self.recent = (self.recent + v.solid)[-RECENT:]
+        level = {str(u.client): level_key(u) for u in updates}
+        self._count("rejected", [level[c] for c in v.rejected])
+        self._count("near_zero", [level[str(c)] for c in v.near_zero])
+        return v.accepted, v.rejected, v.rms
+
+    def _count(self, kind: str, levels: list[str]) -> None:
+        for lv in levels:
+            self.totals[kind][lv] = self.totals[kind].get(lv, 0) + 1
 
     def new_model(self, params: dict, updates: list, subs: dict, rms: list[float], rnd: int) -> tuple[dict, dict]:
         """(the new global params, what the rule did for the metrics line) from the accepted updates."""
@@ -274,6 +406,9 @@ class ServerStep:
         if self.stages:   # a stage may have changed the updates (dp clips them): the rule reads their norms
             rms = norms(updates, subs, params)[1]
         new, info = self.rule.aggregate(params, updates, subs, rms, self.mode, self.coverage, self.owners)
+        if isinstance(info.get("clipped"), dict):   # the rule's clipped updates per level
+            for lv, k in info["clipped"].items():
+                self.totals["clipped"][lv] = self.totals["clipped"].get(lv, 0) + k
         for stage in self.stages:
             new = stage.model(params, new, rnd)
         if self.method is not None:
@@ -281,16 +416,29 @@ class ServerStep:
         return new, info
 
     def info(self, rnd: int) -> dict:
-        """What the stages add to round `rnd`'s metrics line (whether or not the round updated the model)."""
-        return {k: v for stage in self.stages for k, v in stage.info(rnd).items()}
+        """What the stages add to round `rnd`'s metrics line (whether or not the round updated the model), the
+        step's near-zero updates and the running totals (`robust_totals`; not under robust=none, which judges
+        nothing)."""
+        out = {k: v for stage in self.stages for k, v in stage.info(rnd).items()}
+        if self.near_zero:
+            out["near_zero"] = list(self.near_zero)
+        if "screen" in self.rule.args:
+            out["robust_totals"] = {k: dict(sorted(v.items())) for k, v in self.totals.items()}
+        return out
 
     def halt(self, rnd: int) -> str | None:
         """Why the run must stop before round `rnd` (a stage's budget), or None."""
         return next((why for stage in self.stages if (why := stage.halt(rnd))), None)
 
     def state_dict(self) -> dict:
-        return {"stages": [stage.state_dict() for stage in self.stages]}
+        return {"stages": [stage.state_dict() for stage in self.stages], "rule": self.rule.state_dict(),
+                "totals": {k: dict(v) for k, v in self.totals.items()},
+                **({"recent": [list(x) for x in self.recent]} if self.recent is not None else {})}
 
     def load_state_dict(self, state: dict) -> None:
         for stage, s in zip(self.stages, state.get("stages", [])):
             stage.load_state_dict(s)
+        self.rule.load_state_dict(state.get("rule", {}))
+        self.totals = {k: dict(state.get("totals", {}).get(k, {})) for k in TOTALS}
+        if self.recent is not None:
+            self.recent = [tuple(x) for x in state.get("recent", [])]

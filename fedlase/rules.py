@@ -6,10 +6,13 @@ Rules (each but `none` after the screen):
    screen: the streaming mean of the accepted updates (the default);
    clip / adaptive_clip: each update clipped to a norm bound first, then the streaming mean;
    trimmed_mean / median: coordinate-wise, over the clients credited with each coordinate;
-   multikrum: the streaming mean of the updates closest to their neighbours on shared coordinates.
-Attacks: scale, sign_flip, gaussian, nan (and none), on the clients the WHO options choose."""
+   multikrum: the streaming mean of the updates closest to their neighbours on shared coordinates;
+   centered_clip: each update clipped around the last step (Karimireddy et al. 2021), then the mean.
+Attacks: scale, sign_flip, gaussian, nan (and none), and the colluding little_is_enough and inner_product, on the
+clients the WHO options choose."""
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -17,7 +20,7 @@ import torch
 from .aggregate import Aggregator, aggregate
 from .options import Option
 from .registry import register_attack, register_rule
-from .robust import Attack, Rule, held, low_median
+from .robust import Attack, Rule, held, level_key, low_median
 from .robust_config import SCREEN, WHO
 
 
@@ -81,9 +84,92 @@ class Gaussian(Attack):
         return out
 
 
+class Colluding(Attack):
+    """Colluders who see the step's honest updates (omniscient, as in the papers) and send, on the coordinates
+    each holds, a `target` made from the honest updates' coordinate-wise mean and standard deviation over the
+    honest clients credited with each coordinate (a coordinate no honest client holds keeps the colluder's own
+    value). A step without an honest update, or without a colluder, is left as it is."""
+
+    def corrupt(self, delta, sub, full_shapes, rnd, client):
+        return delta   # the step's `collude` replaces it, once the others' are in
+
+    def target(self, mean: torch.Tensor, std: torch.Tensor, n: int, m: int) -> torch.Tensor:
+        """What m colluders among n updates send, from the honest mean and std of a parameter."""
+        raise NotImplementedError
+
+    def collude(self, updates, subs, params):
+        bad = [i for i, u in enumerate(updates) if u.client in self.clients]
+        honest = [u for u in updates if u.client not in self.clients]
+        if not bad or not honest:
+            return updates
+        agg = Aggregator(params)   # the held coordinates (mask coverage) count, whatever the run's coverage
+        ups = [dense(agg, u.delta, u.sub or subs[u.level]) for u in honest]
+        target, seen = {}, {}
+        for n in params:
+            vals = torch.stack([u[n][0] for u in ups]).double()
+            cred = torch.stack([u[n][1] for u in ups])
+            c = cred.sum(0).clamp(min=1)
+            mean = vals.sum(0) / c
+            std = (((vals - mean) * cred).square().sum(0) / c).sqrt()
+            target[n], seen[n] = self.target(mean, std, len(updates), len(bad)).to(params[n].dtype), cred.any(0)
+        out = list(updates)
+        for i in bad:
+            u = updates[i]
+            sub = u.sub or subs[u.level]
+            small = any(d.shape != params[n].shape for n, d in u.delta.items())
+            t, k = (sub.gather(target), sub.gather(seen)) if small else (target, seen)
+            masks = (sub.inner() if small else sub).masks
+            delta = {}
+            for n, d in u.delta.items():
+                v = torch.where(k[n], t[n], d)
+                delta[n] = v * masks[n] if n in masks else v
+            out[i] = dataclasses.replace(u, delta=delta)
+        return out
+
+
+@register_attack
+class LittleIsEnough(Colluding):
+    """"A little is enough" (Baruch, Baruch and Goldberg, NeurIPS 2019): the colluders send mean - z x std of the
+    honest updates, coordinate-wise, a shift small enough to hide among them. z unset: their formula, with n
+    updates in the step and m colluders, s = floor(n/2 + 1) - m (at least 1) and z = Phi^-1((n - s)/n)."""
+    name = "little_is_enough"
+    options = {"z": Option(None, "little_is_enough: the shift in honest standard deviations; unset: Baruch et "
+                           "al.'s z from the step's updates and colluders", kind=float, low=0), **WHO}
+
+    def target(self, mean, std, n, m):
+        return mean - self.args["z"] * std if self.args["z"] is not None else mean - alie_z(n, m) * std
+
+
+def alie_z(n: int, m: int) -> float:
+    """Baruch et al.'s z: the largest shift for which the colluders' value still lies inside (n - s) of the n
+    updates' spread, s = floor(n/2 + 1) - m the honest updates they need on their side."""
+    from statistics import NormalDist
+    s = max(n // 2 + 1 - m, 1)
+    return NormalDist().inv_cdf((n - s) / n) if n > s else 0.0
+
+
+@register_attack
+class InnerProduct(Colluding):
+    """Inner-product manipulation (Xie, Koyejo and Gupta, UAI 2020, "Fall of Empires"): the colluders send -eps
+    times the honest updates' mean, so that the aggregate's inner product with the true step turns negative."""
+    name = "inner_product"
+    options = {"eps": Option(0.1, "inner_product: the colluders send -eps x the honest mean", low=0,
+                             low_open=True), **WHO}
+
+    def target(self, mean, std, n, m):
+        return -self.args["eps"] * mean
+
+
 # ---- the rules ---------------------------------------------------------------------------------------------------
 def _pairs(updates: list, subs: dict) -> list:
     return [(u.delta, u.sub or subs[u.level]) for u in updates]
+
+
+def references(rule: Rule, rms: list[float]) -> list[float]:
+    """Each accepted update's reference norm per coordinate held: the screen's (`Rule.refs`), or, for updates the
+    screen did not see (library code calling `aggregate` alone), their lower median."""
+    refs = rule.refs
+    return list(refs) if refs is not None and len(refs) == len(rms) else [low_median(rms)] * len(rms)
 
 
 @register_rule
@@ -116,31 +202,35 @@ class Clip(Screened):
         1.0, "clip: the L2 norm each update is clipped to (the scale of the model's updates: see a run's norms in "
         "its rejections' reasons or use adaptive_clip)", low=0, low_open=True)}
 
-    def bound(self, size: int, rms: list[float]) -> float:
+    def bound(self, size: int, ref: float) -> float:
+        """The L2 bound of an update holding `size` coordinates whose reference norm per coordinate is `ref`."""
         return self.args["bound"]
 
     def aggregate(self, params, updates, subs, rms, mode, coverage, owners):
-        clipped, kept = 0, []
-        for (delta, sub), r in zip(_pairs(updates, subs), rms):
+        clipped: dict[str, int] = {}
+        kept = []
+        for u, (delta, sub), r, ref in zip(updates, _pairs(updates, subs), rms, references(self, rms)):
             size = held(delta, sub, params)
-            bound, norm = self.bound(size, rms), r * math.sqrt(size)
-            if norm > bound:
+            bound, norm = self.bound(size, ref), r * math.sqrt(size)
+            if norm > bound:   # a bound of 0 or NaN (no reference: every update near zero) clips nothing
                 delta = {n: d * (bound / norm) for n, d in delta.items()}
-                clipped += 1
+                clipped[level_key(u)] = clipped.get(level_key(u), 0) + 1
             kept.append((delta, sub))
         return aggregate(params, kept, mode, coverage, owners, [u.weight for u in updates]), {"clipped": clipped}
 
 
 @register_rule
 class AdaptiveClip(Clip):
-    """Each update's norm per coordinate held clipped to `factor` times the round's median, then the mean."""
+    """Each update's norm per coordinate held clipped to `factor` times its reference (the screen's median: its
+    level's, or the round's), then the mean."""
     name = "adaptive_clip"
     options = {"screen": SCREEN, "factor": Option(1.0, "adaptive_clip: clip each update's norm per coordinate "
-                                                  "held to this multiple of the round's median", low=0,
+                                                  "held to this multiple of the median (its level's with 3 or "
+                                                  "more of the level's clients, else the round's)", low=0,
                                                   low_open=True)}
 
-    def bound(self, size: int, rms: list[float]) -> float:
-        return self.args["factor"] * low_median(rms) * math.sqrt(size)
+    def bound(self, size: int, ref: float) -> float:
+        return self.args["factor"] * ref * math.sqrt(size) if ref > 0 else math.inf
 
 
 @register_rule
@@ -156,6 +246,66 @@ class Bounded(AdaptiveClip):
     options = {"screen": Option(3.0, SCREEN.help, low=1), "factor": AdaptiveClip.options["factor"]}
     privately = Screened   # under dp: the per-update checks, then the mean (fedlase/robust.py, ServerStep.of)
     dp_safe = True
+
+
+@register_rule
+class CenteredClip(Screened):
+    """Centered clipping (Karimireddy, He and Jaggi, ICML 2021): each update's difference from a center is
+    clipped, and the center moves by their mean, `iterations` times; the first center is the last step (the
+    server's momentum), zero at the first step. Over submodels a client's difference is taken on the coordinates
+    it holds, and its radius is `tau` times the step's lower median distance per coordinate held (scale-free, as
+    `bounded`'s bound), so a small level is not held to a large one's scale. The result is the streaming mean
+    of center + clipped difference, so an uncredited coordinate stays where it is."""
+    name = "centered_clip"
+    weighted = True   # the streaming mean's weights (a staleness weight under schedule=fedbuff)
+    options = {"screen": SCREEN,
+               "tau": Option(1.0, "centered_clip: clip radius around the center, as a multiple of the step's "
+                             "lower median distance per coordinate held", low=0, low_open=True),
+               "iterations": Option(1, "centered_clip: clipping iterations per step", low=1)}
+
+    def __init__(self, **args):
+        super().__init__(**args)
+        self.center: dict | None = None   # the last step's delta, full size
+
+    def aggregate(self, params, updates, subs, rms, mode, coverage, owners):
+        pairs, weights = _pairs(updates, subs), [u.weight for u in updates]
+        center = self.center or {n: torch.zeros_like(p) for n, p in params.items()}
+        clipped: dict[str, int] = {}
+        for it in range(self.args["iterations"]):
+            # each update's center on its coordinates (its slice, its mask), and its difference from it
+            near = [_restrict(center, delta, sub, params) for delta, sub in pairs]
+            diff = [{n: d - c[n] for n, d in delta.items()} for (delta, _), c in zip(pairs, near)]
+            sizes = [max(held(delta, sub, params), 1) for delta, sub in pairs]
+            dist = [math.sqrt(sum(float(x.double().square().sum()) for x in d.values())) for d in diff]
+            radius = self.args["tau"] * low_median([x / math.sqrt(k) for x, k in zip(dist, sizes)])
+            moved = []
+            for u, d, c, x, k, (_, sub) in zip(updates, diff, near, dist, sizes, pairs):
+                bound = radius * math.sqrt(k)
+                if x > bound:   # (a radius of 0: every update at the center, nothing to clip)
+                    d = {n: v * (bound / x) for n, v in d.items()}
+                    if it == self.args["iterations"] - 1:
+                        clipped[level_key(u)] = clipped.get(level_key(u), 0) + 1
+                moved.append(({n: c[n] + v for n, v in d.items()}, sub))
+            zero = {n: torch.zeros_like(p) for n, p in params.items()}
+            center = aggregate(zero, moved, "coverage", coverage, owners, weights)
+        new = aggregate(params, moved, mode, coverage, owners, weights)
+        self.center = {n: new[n] - p for n, p in params.items()}
+        return new, {"clipped": clipped}
+
+    def state_dict(self) -> dict:
+        return {"center": self.center}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.center = state.get("center")
+
+
+def _restrict(full: dict, delta: dict, sub, params: dict) -> dict:
+    """The full-size tensors `full` on the coordinates an update holds, in its delta's shapes (a gathered slice,
+    or masked at full size)."""
+    small = any(d.shape != params[n].shape for n, d in delta.items())
+    part = sub.gather({n: full[n] for n in delta}) if small else {n: full[n] for n in delta}
+    masks = (sub.inner() if small else sub).masks
+    return {n: t * masks[n] if n in masks else t for n, t in part.items()}
 
 
 @register_rule

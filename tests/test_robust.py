@@ -3,6 +3,7 @@ the old default (screen) fails, each rule on hand-made updates over partially co
 attacks, and bad values that must not crash."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -15,7 +16,7 @@ from fedlase.engine import Experiment, Update, run_experiment
 from fedlase.errors import ConfigError
 from fedlase.masks import Submodel
 from fedlase.methods.fedlase import water_fill
-from fedlase.robust import Robust, attackers, screen
+from fedlase.robust import Robust, attackers, judge, screen
 from fedlase.robust_config import check_attack
 
 # The issue's run: ten clients, the one of level 1/4 faulty; one local step, so that it takes seconds.
@@ -183,3 +184,135 @@ def test_bad_robust_and_attack_options_name_their_key(tmp_path, args, key):
 def test_fedlase_allocation_copes_with_non_finite_scores():
     k = water_fill([math.nan, 1.0, math.inf], [10, 20, 30], 30)
     assert sum(k) == 30 and k == [5, 10, 15]
+
+
+# ---- issue 48: free riders, a running reference, references per level, colluders, centered clipping ------------
+ONES = {"w": torch.ones(4)}   # a model of norm 1 per coordinate: near zero is judged against it too
+
+
+def test_near_zero_updates_leave_the_reference_and_the_step_and_are_reported():
+    honest = [_up(c, [0.1 + 0.01 * c] * 4) for c in range(5)]
+    free = [_up(5 + c, [1e-13 * (c + 1)] * 4) for c in range(4)] + [_up(9, [0, 0, 0, 0])]
+    v = judge(honest + free, {}, ONES, 3.0)
+    assert sorted(v.near_zero) == [5, 6, 7, 8, 9] and v.rejected == {}
+    assert [u.client for u in v.accepted] == [0, 1, 2, 3, 4] and v.refs == [pytest.approx(0.12)] * 5
+    # the default's step is the honest five's: not clipped to zero, not diluted
+    both, alone = Robust(), Robust()
+    kept, _, rms = both.screen(honest + free, {}, ONES)
+    new = both.aggregate(ONES, kept, {}, rms, "coverage", "mask", None)[0]["w"]
+    kept, _, rms = alone.screen(honest, {}, ONES)
+    assert torch.equal(new, alone.aggregate(ONES, kept, {}, rms, "coverage", "mask", None)[0]["w"])
+    assert float(new[0]) > 1.1
+    # an absurd update among them is still rejected; of two, one absurd, the honest one is not a free rider
+    assert list(judge(honest + free + [_up(10, [50.0] * 4)], {}, ONES, 3.0).rejected) == ["10"]
+    two = judge([_up(0, [0.1] * 4), _up(1, [3e38] * 4)], {}, ONES, 3.0)
+    assert [u.client for u in two.accepted] == [0] and list(two.rejected) == ["1"] and two.near_zero == []
+
+
+def test_a_level_with_three_clients_has_its_own_reference():
+    from fractions import Fraction
+
+    from fedlase.levels import Level
+    big, small = Level(0, Fraction(1), 4), Level(1, Fraction(1, 4), 3)
+    ups = [dataclasses.replace(_up(c, [0.1] * 4), level=big) for c in range(4)] + \
+          [dataclasses.replace(_up(4 + c, [0.25] * 4), level=small) for c in range(3)]
+    v = judge(ups, {}, ONES, 3.0)
+    assert v.refs == [pytest.approx(0.1)] * 4 + [pytest.approx(0.25)] * 3   # not clipped to the big level's
+    v = judge(ups[:5], {}, ONES, 3.0)   # one client of 1/4: the step's reference
+    assert v.refs[-1] == pytest.approx(0.1)
+
+
+def test_free_riders_leave_the_default_as_if_they_had_not_replied(tmp_path):
+    """Issue 48: five of ten clients sending x1e-12 of their update switched the default off (7.6% against 96.8%
+    at 20 rounds). Their updates are now left out of the step: the run is the one in which they never replied (a
+    NaN update is rejected), bit for bit, and they are reported on every line."""
+    five = ["attack_args.clients=[1,2,3,4,9]"]
+    free, lines = _run(tmp_path, "free", "attack=scale", "attack_args.factor=1e-12", *five)
+    absent, _ = _run(tmp_path, "absent", "attack=nan", *five)
+    assert free["global_acc"] == absent["global_acc"] > 0.5   # 8 rounds; before: chance
+    assert lines[-1]["near_zero"] == [1, 2, 3, 4, 9] and "rejected" not in lines[-1]
+    assert lines[-1]["robust_totals"]["near_zero"] == {"1": 4 * 8, "1/4": 8}
+    # and `fedlase report` shows the totals per level
+    from fedlase.report import make_report
+    md = make_report([str(tmp_path / "free")], tmp_path / "report", cost=False).read_text()
+    row = [x for x in md.split("## Server step")[1].splitlines() if x.startswith("|")][2]   # after the header
+    assert row.endswith("| 8.0 | 32.0 |"), row   # near_zero at 1/4 and at 1
+
+
+@pytest.mark.parametrize("schedule", ["sync", "fedbuff", "fedasync"])
+def test_a_wild_client_is_rejected_under_every_schedule(tmp_path, schedule):
+    """Issue 48: under fedasync a step holds one update, whose median is itself: a client at x1e6 was accepted
+    (9.7% against 94.0%). Every arrival of the wild client is now rejected, judged against the recent arrivals."""
+    from fedlase.simtime import clock_for
+    extra = [] if schedule == "sync" else [f"schedule={schedule}", "device_model={}", "population.speed_spread=0.5"]
+    rounds = 12 if schedule == "fedasync" else 4   # fedasync: client 0 arrives at steps 1 and 11
+    cfg = load_config(None, [*DIGITS, f"rounds={rounds}", "eval_every=1", f"out={tmp_path / 'w'}", "attack=scale",
+                             "attack_args.factor=1e6", "attack_args.clients=[0]", *extra])
+    final = run_experiment(cfg, progress=False, clock=clock_for)["final"]
+    lines = [json.loads(x) for x in (tmp_path / "w" / "metrics.jsonl").read_text().splitlines()]
+    if schedule == "sync":
+        arrived = [True] * rounds
+    else:
+        record = [json.loads(x) for x in (tmp_path / "w" / "arrivals.jsonl").read_text().splitlines()]
+        arrived = [any(r["client"] == 0 and r["step"] == x["round"] for r in record) for x in lines]
+    assert any(arrived[1:])
+    assert [("0" in x.get("rejected", {})) for x in lines] == arrived
+    assert lines[-1]["robust_totals"]["rejected"]["1"] >= sum(arrived) and final["global_acc"] > 0.3
+
+
+def test_a_resumed_fedasync_run_keeps_its_running_reference_and_totals(tiny_cfg, tmp_path):
+    from fedlase import checkpoint
+    from fedlase.simtime import clock_for
+    fa = ["system={1,1/4}_{2,2}", "rounds=6", "device_model={}", "population.speed_spread=0.5",
+          "schedule=fedasync", "schedule_args.concurrency=3", "attack=scale", "attack_args.factor=1e6",
+          "attack_args.clients=[1]"]
+
+    def go(name, *more, resume=False):
+        run_experiment(tiny_cfg(*fa, *more, out=str(tmp_path / name)), resume=resume, progress=False,
+                       clock=clock_for)
+        lines = [json.loads(x) for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+        return checkpoint.load(tmp_path / name / "checkpoint.pt"), lines
+    whole, whole_lines = go("whole")
+    stopped, _ = go("split", "rounds=3")
+    assert stopped["server"]["recent"]
+    split, split_lines = go("split", resume=True)
+    assert all(torch.equal(whole["params"][k], split["params"][k]) for k in whole["params"])
+    drop = ("train_time", "eval_time")
+    assert [{k: v for k, v in x.items() if k not in drop} for x in whole_lines] == \
+           [{k: v for k, v in x.items() if k not in drop} for x in split_lines]
+    assert whole_lines[-1]["robust_totals"]["rejected"]   # the wild client's, counted across the resume
+
+
+def test_colluders_send_a_little_is_enough_and_inner_product_from_the_honest_updates():
+    from fedlase.rules import InnerProduct, LittleIsEnough, alie_z
+    assert alie_z(10, 3) == pytest.approx(0.5244, abs=1e-4) and alie_z(1, 1) == 0.0
+    system = load_config(None, [*DIGITS, "out=x"]).levels
+    half = [True, True, False, False]
+    ups = [_up(0, [1, 2, 0, 0], half), _up(1, [3, 4, 5, 6]), _up(2, [9, 9, 9, 9]), _up(3, [9, 9, 9, 9], half)]
+    args = {"fraction": 0.1, "level": None, "clients": [2, 3]}
+    alie = LittleIsEnough({**args, "z": 1.0}, system, 0)
+    out = alie.collude(ups, {}, W)
+    assert out[:2] == ups[:2]
+    # coordinates 0, 1: honest {1, 3}, {2, 4}: mean - std = 2 - 1, 3 - 1; 2, 3: honest {5}, {6}: std 0
+    assert out[2].delta["w"].tolist() == [1, 2, 5, 6] and out[3].delta["w"].tolist() == [1, 2, 0, 0]
+    ipm = InnerProduct({**args, "eps": 0.5}, system, 0)
+    assert ipm.collude(ups, {}, W)[2].delta["w"].tolist() == [-1, -1.5, -2.5, -3]
+    assert ipm.collude(ups[2:], {}, W) == ups[2:]   # no honest update to see
+
+
+def test_centered_clipping_clips_around_the_last_step_and_keeps_it_across_a_checkpoint():
+    rule = Robust("centered_clip")
+    assert rule.args == {"screen": 100.0, "tau": 1.0, "iterations": 1}
+    ups = [_up(0, [1, 0, 0, 0]), _up(1, [0, 2, 0, 0]), _up(2, [0, 0, 4, 0])]
+    kept, _, rms = rule.screen(ups, {}, W)
+    # first step: around 0, the radius the (lower) median distance, 2: the third clipped from 4 to 2
+    first = rule.aggregate(W, kept, {}, rms, "coverage", "mask", None)
+    assert torch.allclose(first[0]["w"], torch.tensor([1, 2, 2, 0]) / 3) and first[1] == {"clipped": {"-": 1}}
+    # second step, from the first's center c = [1, 2, 2, 0]/3: the same updates' distances from c
+    again = Robust("centered_clip")
+    again.load_state_dict(rule.state_dict())
+    c = torch.tensor([1, 2, 2, 0]) / 3
+    dist = [float((u.delta["w"] - c).norm()) for u in ups]
+    radius = sorted(dist)[1]
+    want = c + sum((u.delta["w"] - c) * min(1, radius / d) for u, d in zip(ups, dist)) / 3
+    assert torch.allclose(again.aggregate(W, kept, {}, rms, "coverage", "mask", None)[0]["w"], want)
