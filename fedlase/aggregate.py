@@ -128,7 +128,7 @@ class Aggregator:
     def terms(self, delta: dict[str, torch.Tensor], sub: Submodel):
         """What one client adds, per parameter: (name, block or None for the whole tensor, its delta there, its
         credit there: 1, a bool mask or a float credit). The one statement of the coverage rules, shared by the
-        streaming mean and the robust rules (fedlase/robust.py)."""
+        streaming mean and the robust rules (fedlase/server_step.py)."""
         small = bool(sub.slices) and any(d.shape != self.sums[n].shape for n, d in delta.items())
         if self.coverage == "kept":
             full = sub.scatter(delta, self.global_params) if small else delta
@@ -174,8 +174,8 @@ def aggregate(global_params: dict[str, torch.Tensor], updates: list[tuple[dict, 
               weights: list[float] | None = None) -> dict[str, torch.Tensor]:
     """New global parameters: the streaming mean (`Aggregator`) of (delta, submodel) pairs under `mode` and
     `coverage` (`weights`: each update's factor on its delta, default 1; see `Aggregator.add`). The engine's
-    server step ends here for every robust rule but the coordinate-wise ones (fedlase/robust.py,
-    `Robust.aggregate`); public API, for library code that aggregates updates of its own."""
+    server step ends here for every robust rule but the coordinate-wise ones (fedlase/server_step.py,
+    `Rule.aggregate`); public API, for library code that aggregates updates of its own."""
     agg = Aggregator(global_params, mode, coverage, owners)
     for i, (delta, sub) in enumerate(updates):
         agg.add(delta, sub, 1.0 if weights is None else weights[i])

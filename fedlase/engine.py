@@ -4,7 +4,7 @@ A run is plain parts built once from its validated config (`build_parts`: data, 
 client trainer, evaluation data, server step), which the round loop (`Experiment`) takes. A round: sample
 clients -> (with a simulated clock, handed in by the caller) who makes the deadline -> each level's submodel
 (once per level) -> the round runner trains the clients (one after another, in vmapped groups, or on Flower
-nodes) -> the server step on the updates it returns (fedlase/robust.py: attack, screen, rule) -> trackers ->
+nodes) -> the server step on the updates it returns (fedlase/server_step.py: attack, screen, rule) -> trackers ->
 (every eval_every rounds) evaluation per resource level. The loop, the server step and the tracker calls exist
 once, here; a runner only turns (clients, submodels, global model) into updates. Under schedule=fedbuff or
 fedasync the event loop of fedlase/asynchronous.py takes the round's place (who trains when, on the simulated
@@ -34,9 +34,9 @@ from .masks import Submodel
 from .privacy import stages_for
 from .registry import DATASETS, METHODS, TRACKERS, check_analysis
 from .resources import check_loaded
-from .robust import ServerStep
 from .run_dir import EvalCadence, Progress, RunFolder
 from .sampling import Sampling, sample_clients
+from .server_step import ServerStep
 
 log = logging.getLogger("fedlase")
 
@@ -250,7 +250,7 @@ class Experiment:
                 for lvl in sorted(set(levels), key=lambda lv: lv.index)}
 
     def _attacked(self, u: Update, subs, rnd: int) -> Update:
-        """An update as the server receives it (`attack`, fedlase/robust.py). Applied here, after any runner,
+        """An update as the server receives it (`attack`, fedlase/server_step.py). Applied here, after any runner,
         so the embedded, batched and Flower paths are attacked alike."""
         return self.server.receive(u, subs, self.state.params, rnd)
 
@@ -272,7 +272,7 @@ class Experiment:
             picked, sim = self.clock.admit(picked, rnd)
         subs = self.submodels([lvl for _, lvl in picked], rnd)
         result = self.runner.train(self, rnd, picked, subs)
-        # the server step (fedlase/robust.py): simulated attacks, the screen, then the rule makes the new model
+        # the server step (fedlase/server_step.py): simulated attacks, the screen, then the rule makes the new model
         updates = [self._attacked(u, subs, rnd) for u in result.updates]
         return self.serve(rnd, updates, subs, {**result.stats, **sim})
 

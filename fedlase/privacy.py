@@ -1,4 +1,4 @@
-"""Client-level differential privacy (DP-FedAvg) for submodels: a stage of the server step (fedlase/robust.py,
+"""Client-level differential privacy (DP-FedAvg) for submodels: a stage of the server step (fedlase/server_step.py,
 `Stage`) and its accountant. docs/methods.md, "Differential privacy", derives what is computed here.
 
 Per round t, with m_t clients sampled (a fixed-size sample without replacement, fedlase/sampling.py):
@@ -25,8 +25,8 @@ from collections.abc import Callable
 import torch
 
 from .aggregate import Aggregator
-from .robust import Stage
 from .sampling import Stream, derive_seed, sample_clients
+from .server_step import Stage
 
 log = logging.getLogger("fedlase")
 
@@ -130,7 +130,7 @@ def calibrate(population: int, sizes: list[int], target: float, delta: float, co
 class Privacy(Stage):
     """The server step's DP stage (module docstring). `submodel(params, level, rnd)`: a level's submodel of the
     round (for the levels nobody sampled: the denominator counts every level)."""
-    screen_by_others = False   # the screen keeps only its per-update checks (fedlase/robust.py, ServerStep.screen)
+    screen_by_others = False   # the screen keeps only its per-update checks (fedlase/server_step.py, ServerStep.screen)
 
     def __init__(self, args: dict, seed: int, plan, rounds: int, mode: str, coverage: str, owners,
                  submodel: Callable):

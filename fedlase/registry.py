@@ -218,12 +218,12 @@ def import_plugins(modules) -> None:
 
 
 def register_rule(cls: type, replace: bool = False) -> type:
-    """Make `robust=cls.name` valid everywhere (a fedlase.robust.Rule subclass); a class decorator."""
+    """Make `robust=cls.name` valid everywhere (a fedlase.server_step.Rule subclass); a class decorator."""
     RULES.add(cls.name, cls, replace)
     return cls
 
 
 def register_attack(cls: type, replace: bool = False) -> type:
-    """Make `attack=cls.name` valid everywhere (a fedlase.robust.Attack subclass); a class decorator."""
+    """Make `attack=cls.name` valid everywhere (a fedlase.server_step.Attack subclass); a class decorator."""
     ATTACKS.add(cls.name, cls, replace)
     return cls

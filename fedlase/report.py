@@ -58,7 +58,7 @@ def make_report(dirs: list[str], out: str | Path, group_by: list[str] | None = N
     if any("epsilon" in r.final for r in runs):   # dp (fedlase/privacy.py): the privacy each group spent
         sections.append(("Differential privacy: epsilon at delta after the rounds run (dp; a run that "
                          "dp.max_epsilon stopped counts as stopped)", privacy_table(groups)))
-    if any(any(r.final.get("robust_totals", {}).values()) for r in runs):   # fedlase/robust.py
+    if any(any(r.final.get("robust_totals", {}).values()) for r in runs):   # fedlase/server_step.py
         sections.append(("Server step: updates rejected, clipped and near zero over the run, per level (mean over "
                          "the group's runs)", robust_table(groups, levels)))
     over_rounds = curve_table(groups)

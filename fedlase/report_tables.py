@@ -59,7 +59,7 @@ def privacy_table(groups: list[Group]) -> tuple[list, list]:
 
 def robust_table(groups: list[Group], levels: list[str]) -> tuple[list, list]:
     """Per group and level: the updates the server step rejected, clipped and found near zero over the whole run
-    (the last line's `robust_totals`, fedlase/robust.py), mean over the group's runs."""
+    (the last line's `robust_totals`, fedlase/server_step.py), mean over the group's runs."""
     kinds = ("rejected", "clipped", "near_zero")
     header = ["group", "runs", *(f"{k} {lvl}" for k in kinds for lvl in levels)]
     rows = []

@@ -1,5 +1,5 @@
 """What a config may say of the server step (`robust`, `robust_args`, `attack`, `attack_args`), read from the
-registry: rules and attacks are classes that declare their options (fedlase/robust.py: `Rule`, `Attack`),
+registry: rules and attacks are classes that declare their options (fedlase/server_step.py: `Rule`, `Attack`),
 registered in fedlase/registry.py (RULES, ATTACKS) like methods, so a plug-in module may add a rule of its own.
 This half imports no torch and no rule module (the registry holds the classes), so validating a config stays
 cheap (fedlase/config.py); here are the options several built-ins share."""

@@ -1,4 +1,4 @@
-"""The built-in rules and attacks of the server step (fedlase/robust.py: `Rule`, `Attack`, `ServerStep`), each a
+"""The built-in rules and attacks of the server step (fedlase/server_step.py: `Rule`, `Attack`, `ServerStep`), each a
 class with its options, registered here (loaded with the other built-ins, fedlase/catalog.py).
 
 Rules (each but `none` after the screen):
@@ -20,8 +20,8 @@ import torch
 from .aggregate import Aggregator, aggregate
 from .options import Option
 from .registry import register_attack, register_rule
-from .robust import Attack, Rule, held, level_key, low_median
 from .robust_config import SCREEN, WHO
+from .server_step import Attack, Rule, held, level_key, low_median
 
 
 # ---- the attacks -------------------------------------------------------------------------------------------------
@@ -244,7 +244,7 @@ class Bounded(AdaptiveClip):
     only its per-update checks under dp, so the plain mean of the updates that pass them."""
     name = "bounded"
     options = {"screen": Option(3.0, SCREEN.help, low=1), "factor": AdaptiveClip.options["factor"]}
-    privately = Screened   # under dp: the per-update checks, then the mean (fedlase/robust.py, ServerStep.of)
+    privately = Screened   # under dp: the per-update checks, then the mean (fedlase/server_step.py, ServerStep.of)
     dp_safe = True
 
 

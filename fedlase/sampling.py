@@ -29,7 +29,7 @@ class Stream(enum.IntEnum):
     BATCHES = 1    # a client's batches and augmentation (client_job)
     DROPOUT = 2    # torch's global stream while a client trains (dropout_seed)
     METHOD = 3     # a method's own draws (fedlase.methods.base.Method.generator)
-    ATTACK = 4     # simulated attacks: who attacks, and each attack's noise (fedlase/robust.py)
+    ATTACK = 4     # simulated attacks: who attacks, and each attack's noise (fedlase/server_step.py)
     PRIVACY = 5    # differential privacy: the noise on a round's sum and on its clipped count (fedlase/privacy.py)
     POPULATION = 6     # each client's speed and bandwidth factors (fedlase/population.py)
     AVAILABILITY = 7   # each client's online/offline durations (fedlase/population.py)

@@ -763,7 +763,7 @@ def faulty_run(faults, tmp_path_factory):
 
 @FAULTS
 def test_a_node_replying_3e38_is_rejected_and_the_model_stays_intact(faulty_run, tmp_path, faults):
-    """Partition 2 is rejected in every round (the engine's screen, fedlase/robust.py), and the model is the
+    """Partition 2 is rejected in every round (the engine's screen, fedlase/server_step.py), and the model is the
     embedded engine's without it (and without partition 1 in round 2, whose node was killed), bit for bit."""
     out, args = faulty_run
     lines = _metrics(out)

@@ -1,4 +1,4 @@
-"""Robust aggregation (fedlase/robust.py): the default rule (bounded) against one faulty client in ten, where
+"""Robust aggregation (fedlase/server_step.py): the default rule (bounded) against one faulty client in ten, where
 the old default (screen) fails, each rule on hand-made updates over partially covering clients, simulated
 attacks, and bad values that must not crash."""
 from __future__ import annotations
@@ -16,8 +16,8 @@ from fedlase.engine import Experiment, Update, run_experiment
 from fedlase.errors import ConfigError
 from fedlase.masks import Submodel
 from fedlase.methods.fedlase import water_fill
-from fedlase.robust import Robust, attackers, judge, screen
 from fedlase.robust_config import check_attack
+from fedlase.server_step import attackers, judge, make_rule, screen
 
 # The issue's run: ten clients, the one of level 1/4 faulty; one local step, so that it takes seconds.
 DIGITS = ["dataset=digits", "model=cnn", "system={1,1/4}_{9,1}", "participation=1", "local_steps=1", "lr=0.1",
@@ -87,7 +87,7 @@ def _up(client, values, held=None, loss=0.1):
 
 
 def _agg(rule, updates, mode="coverage", **args):
-    r = Robust(rule, args)
+    r = make_rule(rule, args)
     kept, _, rms = r.screen(updates, {}, W)
     return r.aggregate(W, kept, {}, rms, mode, "mask", None)[0]["w"]
 
@@ -128,15 +128,16 @@ def test_clipping_fixed_and_adaptive():
     # adaptive, factor 2: bound 2 x the median norm (0.5) = 1, the same here
     assert torch.allclose(_agg("adaptive_clip", ups, factor=2.0), _agg("clip", ups, bound=1.0))
     # bounded (the default) is adaptive_clip at factor 1 behind a 3x screen; the others keep the 100x screen
-    assert Robust().name == "bounded" and Robust().args["screen"] == 3 and Robust("screen").args["screen"] == 100
+    assert make_rule().name == "bounded" and make_rule().args["screen"] == 3
+    assert make_rule("screen").args["screen"] == 100
     assert torch.equal(_agg("bounded", ups), _agg("adaptive_clip", ups, screen=3.0))
     ups.append(_up(3, [0, 0, 2, 0]))   # 4x the (lower) median norm per coordinate, 0.25; the first is 10x
-    assert Robust("screen").screen(ups, {}, W)[1] == {} and sorted(Robust().screen(ups, {}, W)[1]) == ["0", "3"]
+    assert make_rule("screen").screen(ups, {}, W)[1] == {} and sorted(make_rule().screen(ups, {}, W)[1]) == ["0", "3"]
 
 
 def test_multikrum_drops_the_update_far_from_the_others_on_shared_coordinates():
     ups = [_up(c, [1 + 0.1 * c, 1, 1, 1]) for c in range(4)] + [_up(4, [-9, 1, 0, 0], [True, True, False, False])]
-    r = Robust("multikrum", {"faulty": 0.2})
+    r = make_rule("multikrum", {"faulty": 0.2})
     kept, _, rms = r.screen(ups, {}, W)
     new, info = r.aggregate(W, kept, {}, rms, "coverage", "mask", None)
     assert info == {"dropped": [4]} and torch.allclose(new["w"], torch.tensor([1.15, 1, 1, 1]))
@@ -197,7 +198,7 @@ def test_near_zero_updates_leave_the_reference_and_the_step_and_are_reported():
     assert sorted(v.near_zero) == [5, 6, 7, 8, 9] and v.rejected == {}
     assert [u.client for u in v.accepted] == [0, 1, 2, 3, 4] and v.refs == [pytest.approx(0.12)] * 5
     # the default's step is the honest five's: not clipped to zero, not diluted
-    both, alone = Robust(), Robust()
+    both, alone = make_rule(), make_rule()
     kept, _, rms = both.screen(honest + free, {}, ONES)
     new = both.aggregate(ONES, kept, {}, rms, "coverage", "mask", None)[0]["w"]
     kept, _, rms = alone.screen(honest, {}, ONES)
@@ -301,7 +302,7 @@ def test_colluders_send_a_little_is_enough_and_inner_product_from_the_honest_upd
 
 
 def test_centered_clipping_clips_around_the_last_step_and_keeps_it_across_a_checkpoint():
-    rule = Robust("centered_clip")
+    rule = make_rule("centered_clip")
     assert rule.args == {"screen": 100.0, "tau": 1.0, "iterations": 1}
     ups = [_up(0, [1, 0, 0, 0]), _up(1, [0, 2, 0, 0]), _up(2, [0, 0, 4, 0])]
     kept, _, rms = rule.screen(ups, {}, W)
@@ -309,7 +310,7 @@ def test_centered_clipping_clips_around_the_last_step_and_keeps_it_across_a_chec
     first = rule.aggregate(W, kept, {}, rms, "coverage", "mask", None)
     assert torch.allclose(first[0]["w"], torch.tensor([1, 2, 2, 0]) / 3) and first[1] == {"clipped": {"-": 1}}
     # second step, from the first's center c = [1, 2, 2, 0]/3: the same updates' distances from c
-    again = Robust("centered_clip")
+    again = make_rule("centered_clip")
     again.load_state_dict(rule.state_dict())
     c = torch.tensor([1, 2, 2, 0]) / 3
     dist = [float((u.delta["w"] - c).norm()) for u in ups]

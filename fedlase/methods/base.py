@@ -82,7 +82,7 @@ class Method:
     # whether a client's mask depends on its own data (FedDSE): then which coordinates it sent is private too,
     # and differential privacy refuses the method (fedlase/robust_config.py, check_dp)
     masks_from_data: ClassVar[bool] = False
-    # the server stages its training goes through (fedlase/robust.py, ServerStep): "rule" (any `robust`), "attack"
+    # the server stages its training goes through (fedlase/server_step.py, ServerStep): "rule" (any `robust`), "attack"
     # and "dp"; config validation refuses the others (fedlase/robust_config.py, check_stages). A method that trains
     # outside the global model's update (RecipFL: its updates are zeros, its hypernetwork steps in
     # `server_update`) declares () and runs under the default rule, whose screen still drops a non-finite reply.
@@ -159,7 +159,7 @@ class Method:
 
     def server_update(self, rnd: int, updates: list) -> None:
         """The method's own server-side step on round `rnd`'s accepted updates (engine `Update`s, as the rule
-        aggregated them), called by the server step after the rule (fedlase/robust.py, ServerStep.new_model):
+        aggregated them), called by the server step after the rule (fedlase/server_step.py, ServerStep.new_model):
         RecipFL's hypernetwork step. Nothing by default."""
 
     # ---- evaluation (fedlase/evaluate.py) ---------------------------------------------------------------------

@@ -7,7 +7,7 @@ small variant (the slim LeNet-5, or ResNet-18 at 0.2 of its width), and trains b
 and holds only the small variant. A round: the hypernetwork generates each sampled client's models from their
 graphs, the summaries of what that client last uploaded, and its label histogram; the client trains them (plain
 SGD; a Goliath's small model may also learn from its large one, `distill`) and uploads them; the server step
-(fedlase/robust.py, after the rule: `RecipFL.server_update`) pushes (generated - uploaded) of each accepted upload
+(fedlase/server_step.py, after the rule: `RecipFL.server_update`) pushes (generated - uploaded) of each accepted upload
 back through the generated tensors (a vector-Jacobian product, as pFedHN) into the hypernetwork's gradient, clips
 its norm and takes one Adam step. The run's own model (the engine's global parameters) is never trained: the
 method's updates to it are zero, so it runs under the default rule only, without attack or dp (`server_stages`).

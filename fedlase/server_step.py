@@ -298,7 +298,7 @@ def screen(updates: list, subs: dict, full: dict, factor: float | None) -> tuple
     return v.accepted, v.rejected, v.rms
 
 
-def Robust(rule: str | None = None, args: dict | None = None) -> Rule:
+def make_rule(rule: str | None = None, args: dict | None = None) -> Rule:
     """The registered rule `rule` (default: the config's default, `robust`) with its `robust_args` checked
     (library code and checks that call a rule on updates of their own)."""
     if rule is None:
