@@ -14,7 +14,7 @@ _API = {
     "make_config": "api", "run": "api", "read_summary": "api", "read_metrics": "api",
     "register_method": "registry", "register_dataset": "registry", "register_model": "registry",
     "register_partition": "registry", "register_rule": "registry", "register_attack": "registry",
-    "Rule": "robust", "Attack": "robust", "load_builtins": "catalog", "Method": "methods.base",
+    "Rule": "server_step", "Attack": "server_step", "load_builtins": "catalog", "Method": "methods.base",
     "ThresholdMethod": "methods.base",
     "Option": "options", "Submodel": "masks", "Dataset": "data.sources", "Config": "config",
 }

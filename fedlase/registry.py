@@ -154,7 +154,7 @@ MODELS: Registry[ModelEntry] = Registry("model")
 PARTITIONS: Registry[PartitionEntry] = Registry("partition")
 METHODS: Registry[type] = Registry("method")     # Method subclasses
 TRACKERS: Registry[type] = Registry("analysis")  # Tracker subclasses
-RULES: Registry[type] = Registry("robust")       # server rules: fedlase.robust_config.Rule subclasses
+RULES: Registry[type] = Registry("robust")       # server rules: fedlase.server_step.Rule subclasses
 ATTACKS: Registry[type] = Registry("attack")     # simulated attacks: fedlase.robust_config.Attack subclasses
 
 
