@@ -37,6 +37,7 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Protocol
 
 from .errors import UserError
 from .masks import Submodel
@@ -46,6 +47,26 @@ from .util import atomic_write, lines_up_to
 
 RECORD = "arrivals.jsonl"   # the arrival record, in the run folder
 TOTALS = ("lost_offline", "failed", "offline_skipped", "too_stale")   # counted over the run (`totals`)
+
+
+class ServerPort(Protocol):
+    """What the event loop may use of the run it schedules (the engine's `Experiment` is one): the run's
+    settings and levels, whom to draw (`sampling`) and when they are online and arrive (`clock`), the model
+    version (`round`), and four actions: a level's submodel of a version, training a draw's clients (`runner`), an
+    update as the server receives it (the attack), and a server step on arrived updates."""
+    cfg: Any
+    levels: list
+    sampling: Any
+    clock: Any
+    runner: Any
+    device: Any
+    round: int
+
+    def submodels(self, levels, rnd: int) -> dict: ...
+
+    def receive(self, u, subs: dict, rnd: int): ...
+
+    def serve(self, rnd: int, updates: list, subs: dict, extra: dict, step_size: float = 1.0) -> dict: ...
 
 
 @dataclass
@@ -95,7 +116,7 @@ def credited(sub: Submodel, seen: dict[int, Submodel]) -> Submodel:
     return seen[id(sub)]
 
 
-def by_draw(exp, flights: list[Flight]):
+def by_draw(exp: ServerPort, flights: list[Flight]):
     """The flights by the round whose batches they train, in round order: (draw, its flights, their (client,
     level) pairs)."""
     for draw in sorted({f.draw for f in flights}):
@@ -127,7 +148,7 @@ class AsyncSchedule:
         self._subs: tuple[int, dict] = (-1, {})
 
     # ---- the loop ----------------------------------------------------------------------------------------------
-    def step(self, exp, rnd: int) -> dict:
+    def step(self, exp: ServerPort, rnd: int) -> dict:
         """Deliver arrivals and dispatch clients until the buffer is full, then take server step `rnd`."""
         while len(self.buffer) < self.args["buffer"]:
             self._fill(exp)
@@ -138,7 +159,7 @@ class AsyncSchedule:
                 self._deliver(exp, f)
         return self._apply(exp, rnd)
 
-    def _arrivals(self, exp) -> list[Flight]:
+    def _arrivals(self, exp: ServerPort) -> list[Flight]:
         """The flights that arrive next, together, in order (removed from `flight`; `now` moved to their time):
         on the simulated clock, every flight due first (ties in dispatch order); replaying, the recorded next."""
         if self.replay is not None:
@@ -181,7 +202,7 @@ class AsyncSchedule:
             f.update, f.failed = None, str(row.get("failed") or "lost")
         return f
 
-    def _deliver(self, exp, f: Flight) -> None:
+    def _deliver(self, exp: ServerPort, f: Flight) -> None:
         """An arrival: into the buffer (attacked, simulation only), or dropped and recorded."""
         self.arrived += 1
         f.order = self.arrived
@@ -199,10 +220,10 @@ class AsyncSchedule:
                                 f"{f.failed}); nothing can train")
             self._note(exp, f, exp.round + 1, failed=f.failed)
         else:   # the attack, per arrival (simulation only)
-            f.update = exp._attacked(f.update, {}, f.draw)
+            f.update = exp.receive(f.update, {}, f.draw)
             self.buffer.append(f)
 
-    def _candidate(self, exp):
+    def _candidate(self, exp: ServerPort):
         """The next (client, level, draw) in the synchronous rounds' order."""
         if self._drawn[0] != self.draw:
             self._drawn = (self.draw, sample_clients(exp.sampling, self.draw))
@@ -214,7 +235,7 @@ class AsyncSchedule:
             self.draw, self.pos = self.draw + 1, 0
         return out
 
-    def _fill(self, exp) -> None:
+    def _fill(self, exp: ServerPort) -> None:
         """Dispatch clients into the free slots at `now`, each on the current model (`_launch`)."""
         free = self.args["concurrency"] - len(self.flight)
         busy = {f.client for f in self.flight}
@@ -248,11 +269,11 @@ class AsyncSchedule:
         for f in sent:
             heapq.heappush(self.flight, f)
 
-    def _dispatch(self, exp, client: int, level: int) -> tuple[float, bool]:
+    def _dispatch(self, exp: ServerPort, client: int, level: int) -> tuple[float, bool]:
         """(when a client sent now arrives, whether it is lost on the way): the simulated clock's."""
         return exp.clock.dispatch(client, level, self.now)
 
-    def _launch(self, exp, trainees: list[Flight], subs: dict) -> None:
+    def _launch(self, exp: ServerPort, trainees: list[Flight], subs: dict) -> None:
         """Train the dispatched clients now, on the current model: each flight holds its update until it arrives."""
         stripped: dict[int, Submodel] = {}
         for draw, group, picked in by_draw(exp, trainees):   # the runner trains one round's batches at a time
@@ -262,7 +283,7 @@ class AsyncSchedule:
                 u = by_client[f.client]
                 f.update = dataclasses.replace(u, sub=credited(u.sub or subs[exp.levels[f.level]], stripped))
 
-    def _apply(self, exp, rnd: int) -> dict:
+    def _apply(self, exp: ServerPort, rnd: int) -> dict:
         """Server step `rnd` on the first `buffer` arrived updates, staleness-weighted."""
         batch, self.buffer = self.buffer[:self.args["buffer"]], self.buffer[self.args["buffer"]:]
         taus = [exp.round - f.version for f in batch]
@@ -296,12 +317,12 @@ class AsyncSchedule:
         return {}
 
     # ---- the arrival record (RECORD) ---------------------------------------------------------------------------
-    def _note(self, exp, f: Flight, rnd: int, **fields) -> None:
+    def _note(self, exp: ServerPort, f: Flight, rnd: int, **fields) -> None:
         self._rows.append({"arrival": f.order, "instant": f.instant, "seq": f.seq, "client": f.client,
                            "level": exp.levels[f.level].name, "draw": f.draw, "version": f.version,
                            self.TIME: f.arrival, "step": rnd, **fields})
 
-    def _write(self, exp) -> None:
+    def _write(self, exp: ServerPort) -> None:
         """Append this step's lines to the run folder's record. The first time, lines of steps after the one the
         run starts from (a resumed run's, written after its checkpoint) are dropped."""
         if self._record is None:

@@ -201,6 +201,23 @@ class Clock(Protocol):
 
 
 # ---- the experiment --------------------------------------------------------------------------------------------
+class RunView:
+    """A run as its trackers see it (fedlase/analysis.py): the config, device, levels, method, model and test
+    images, and the global model as it is now; read-only, so a tracker cannot change the run it measures."""
+
+    def __init__(self, exp: Experiment):
+        self._exp = exp
+
+    cfg = property(lambda self: self._exp.cfg)
+    device = property(lambda self: self._exp.device)
+    levels = property(lambda self: self._exp.levels)
+    method = property(lambda self: self._exp.method)
+    model = property(lambda self: self._exp.model)
+    x_test = property(lambda self: self._exp.x_test)
+    params = property(lambda self: self._exp.params, doc="the global model's parameters now")
+    round = property(lambda self: self._exp.round)
+
+
 class Experiment:
     """One run: its parts (`build_parts`), trackers, state, the runner of its rounds and, if asked for, its
     simulated clock. `clock(cfg, parts)` builds the clock (fedlase.simtime.clock_for; the caller hands it in);
@@ -218,7 +235,8 @@ class Experiment:
         self.coverage, self.owners = p.server.coverage, p.server.owners
         self.state = RunState(0, {k: v.detach().clone() for k, v in self.model.named_parameters()},
                               {k: v.detach().clone() for k, v in self.model.named_buffers()})
-        self.trackers = [TRACKERS.get(name)(self, opts) for name, opts in check_analysis(cfg.analysis).items()]
+        view = RunView(self)   # what a tracker may read: never the run's parts or state themselves
+        self.trackers = [TRACKERS.get(name)(view, opts) for name, opts in check_analysis(cfg.analysis).items()]
         self.runner = runner or (BatchedRounds() if trains_batched(cfg, p) else SequentialRounds())
         self._broken = False
         self.clock = clock(cfg, p) if clock is not None else None
@@ -249,7 +267,7 @@ class Experiment:
         return {lvl: self.method.submodel(self.state.params, lvl, rnd).to(self.device)
                 for lvl in sorted(set(levels), key=lambda lv: lv.index)}
 
-    def _attacked(self, u: Update, subs, rnd: int) -> Update:
+    def receive(self, u: Update, subs, rnd: int) -> Update:
         """An update as the server receives it (`attack`, fedlase/server_step.py). Applied here, after any runner,
         so the embedded, batched and Flower paths are attacked alike."""
         return self.server.receive(u, subs, self.state.params, rnd)
@@ -273,7 +291,7 @@ class Experiment:
         subs = self.submodels([lvl for _, lvl in picked], rnd)
         result = self.runner.train(self, rnd, picked, subs)
         # the server step (fedlase/server_step.py): simulated attacks, the screen, then the rule makes the new model
-        updates = [self._attacked(u, subs, rnd) for u in result.updates]
+        updates = [self.receive(u, subs, rnd) for u in result.updates]
         return self.serve(rnd, updates, subs, {**result.stats, **sim})
 
     def serve(self, rnd: int, updates: list[Update], subs: dict[Level, Submodel], extra: dict,

@@ -162,7 +162,7 @@ def test_attackers_are_drawn_from_the_seed_per_level_and_the_noise_is_seeded(tmp
     exp = Experiment(cfg)
     u = Update(min(bad), cfg.levels.levels[1], {n: torch.zeros_like(p) for n, p in exp.params.items()}, 0.1)
     sub = exp.method.submodel(exp.params, u.level, 1)
-    a, b = exp._attacked(u, {u.level: sub}, 1), exp._attacked(u, {u.level: sub}, 1)
+    a, b = exp.receive(u, {u.level: sub}, 1), exp.receive(u, {u.level: sub}, 1)
     n = next(iter(sub.masks))
     assert torch.equal(a.delta[n], b.delta[n]) and bool((a.delta[n][~sub.masks[n]] == 0).all())
     assert float(a.delta[n].std()) > 0

@@ -408,3 +408,36 @@ def test_every_method_hook_the_evaluation_calls_is_declared():
             and n.value.id == "method"}
     assert {"personal_weights", "module_for", "held_params"} <= used
     assert all(hasattr(Method, a) for a in used), sorted(a for a in used if not hasattr(Method, a))
+
+
+def _members_read(path: Path, holder: str) -> set[str]:
+    """Every `<holder>.X` read in the file, where holder is a name (`exp`) or an attribute chain (`self.exp`)."""
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Attribute) and ast.unparse(node.value) == holder:
+            out.add(node.attr)
+    return out
+
+
+def _declared(cls) -> set[str]:
+    return {n for n in dir(cls) if not n.startswith("__")} | set(getattr(cls, "__annotations__", {}))
+
+
+def test_the_schedule_uses_only_its_server_port():
+    """The event loop (and Flower's, which extends it) reaches the run only through `ServerPort`: no private
+    member of the engine, nothing the port does not declare."""
+    from fedlase.asynchronous import ServerPort
+    port = _declared(ServerPort)
+    assert _members_read(PKG / "asynchronous.py", "exp")   # the check reads something
+    for path in (PKG / "asynchronous.py", PKG / "flower" / "buffered.py"):
+        used = _members_read(path, "exp")
+        assert used <= port, (path.name, sorted(used - port))
+
+
+def test_trackers_read_the_run_through_a_read_only_view():
+    from fedlase.engine import RunView
+    view = {n for n in dir(RunView) if isinstance(getattr(RunView, n), property)}
+    used = _members_read(PKG / "analysis.py", "self.exp")
+    assert used and used <= view, sorted(used - view)
+    with pytest.raises(AttributeError):   # a view has no setter: a tracker cannot replace what it reads
+        RunView(None).cfg = None
