@@ -73,9 +73,20 @@ class RoundResult:
     stats: dict = field(default_factory=dict)   # runner-specific figures for the metrics line
 
 
+class RunnerPort(Protocol):
+    """What a round runner may read of the run (the engine's `Experiment` is one): the config, the client trainer,
+    the global model's parameters and buffers, and the server step (whose checks a Flower runner applies to the
+    nodes' replies)."""
+    cfg: Config
+    trainer: Any
+    params: dict[str, torch.Tensor]
+    buffers: dict[str, torch.Tensor]
+    server: Any
+
+
 class RoundRunner(Protocol):
     """Trains one round's clients. The engine aggregates what it returns."""
-    def train(self, exp: Experiment, rnd: int, picked: list[tuple[int, Level]],
+    def train(self, exp: RunnerPort, rnd: int, picked: list[tuple[int, Level]],
               subs: dict[Level, Submodel]) -> RoundResult: ...
 
     def async_schedule(self, cfg: Config): ...
@@ -94,12 +105,12 @@ class SequentialRounds:
         from .asynchronous import AsyncSchedule
         return AsyncSchedule(cfg)
 
-    def train(self, exp, rnd, picked, subs):
+    def train(self, exp: RunnerPort, rnd, picked, subs):
         updates = []
         for client, lvl in picked:
-            sub = exp.trainer.submodel(client, subs[lvl], exp.state.params)
+            sub = exp.trainer.submodel(client, subs[lvl], exp.params)
             # a slice's delta stays small: the aggregator adds it into its block
-            delta, loss = exp.trainer.update(client, exp.state.params, exp.state.buffers, sub, rnd, scatter=False)
+            delta, loss = exp.trainer.update(client, exp.params, exp.buffers, sub, rnd, scatter=False)
             updates.append(Update(client, lvl, delta, loss, sub if sub is not subs[lvl] else None))
         return RoundResult(updates)
 
@@ -113,9 +124,9 @@ class SequentialRounds:
 class BatchedRounds(SequentialRounds):
     """The round's clients train together in vmapped groups (fedlase/batched.py); equal up to float rounding."""
 
-    def train(self, exp, rnd, picked, subs):
+    def train(self, exp: RunnerPort, rnd, picked, subs):
         from .batched import train_clients_batched  # torch.func.vmap machinery, loaded only when used
-        results = train_clients_batched(exp.trainer, exp.state.params, exp.state.buffers, picked, subs, rnd)
+        results = train_clients_batched(exp.trainer, exp.params, exp.buffers, picked, subs, rnd)
         return RoundResult([Update(c, lvl, d, loss) for (c, lvl), (d, loss) in zip(picked, results)])
 
 

@@ -441,3 +441,15 @@ def test_trackers_read_the_run_through_a_read_only_view():
     assert used and used <= view, sorted(used - view)
     with pytest.raises(AttributeError):   # a view has no setter: a tracker cannot replace what it reads
         RunView(None).cfg = None
+
+
+def test_round_runners_use_only_their_port():
+    """The embedded runners and Flower's read the run through `RunnerPort` only."""
+    from fedlase.engine import RunnerPort
+    port = _declared(RunnerPort)
+    tree = ast.parse((PKG / "engine.py").read_text())
+    runners = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name in ("SequentialRounds", "BatchedRounds")]
+    used = {a.attr for r in runners for a in ast.walk(r)
+            if isinstance(a, ast.Attribute) and ast.unparse(a.value) == "exp"}
+    used |= _members_read(PKG / "flower" / "rounds.py", "exp")
+    assert used and used <= port, sorted(used - port)

@@ -21,7 +21,7 @@ import time
 from flwr.app import ConfigRecord, Message, MessageType, RecordDict
 from flwr.serverapp import Grid
 
-from ..engine import RoundResult, Update
+from ..engine import RoundResult, RunnerPort, Update
 from ..levels import Level
 from ..privacy import client_bound, l2
 from .codec import ReplyError, encode_submodel, record_bytes, validate_reply
@@ -47,7 +47,7 @@ class NodeRounds:
         self.bound: float | None = None        # dp: the round's clip bound, which every reply must meet
 
     # ---- the runner interface ----------------------------------------------------------------------------------
-    def train(self, exp, rnd, picked, subs) -> RoundResult:
+    def train(self, exp: RunnerPort, rnd, picked, subs) -> RoundResult:
         msgs = self.prepare(exp, rnd, picked, subs)
         replies = self.exchange(msgs, self.reply_timeout) if msgs else []
         return self.collect(exp, rnd, replies)
@@ -171,20 +171,20 @@ class NodeRounds:
         self.nodes[pid] = nid
 
     # ---- one round -------------------------------------------------------------------------------------------
-    def prepare(self, exp, rnd: int, picked: list[tuple[int, Level]], subs: dict) -> list[Message]:
+    def prepare(self, exp: RunnerPort, rnd: int, picked: list[tuple[int, Level]], subs: dict) -> list[Message]:
         """One TRAIN message per sampled client's node, with that level's submodel of the global model."""
         # this round's sampled clients and rejected replies, for collect(); the metrics line reports them
         self.pending = self.messages(exp, rnd, picked, subs)
         self.last = {"sampled": [c for c, _ in picked], "rejected": {}}
         return [m for m, *_ in self.pending.values()]
 
-    def messages(self, exp, rnd: int, picked: list[tuple[int, Level]], subs: dict) -> dict[int, tuple]:
+    def messages(self, exp: RunnerPort, rnd: int, picked: list[tuple[int, Level]], subs: dict) -> dict[int, tuple]:
         """partition id -> (its TRAIN message, level, submodel, bytes sent) for each picked client a node holds;
         `rnd`: the round whose batches it trains."""
         self.cfg = exp.cfg
         self.discover(exp.cfg, wait=not self.nodes)
         payload = {lvl: encode_submodel(exp.params, exp.buffers, s) for lvl, s in subs.items()}
-        self.bound = client_bound(exp.server)   # dp: each node clips to it before it replies; checked in check()
+        self.bound = client_bound(exp.server)   # dp: each node clips to it before it replies; checked in update_from()
         task = {} if self.bound is None else {"dp-clip": float(self.bound)}
         out = {}
         for pid, lvl in picked:
@@ -198,7 +198,7 @@ class NodeRounds:
             out[pid] = (msg, lvl, sub, record_bytes(*data.array_records.values()))
         return out
 
-    def collect(self, exp, rnd: int, replies) -> RoundResult:
+    def collect(self, exp: RunnerPort, rnd: int, replies) -> RoundResult:
         """The good replies as updates, in partition-id order. A bad or missing reply leaves the model exactly
         as if that client had not been sampled; the metrics line says which clients failed or were rejected."""
         good, received = [], {}
@@ -232,7 +232,7 @@ class NodeRounds:
                  **self.take_events(), "bytes": b, "bytes_total": dict(self.bytes_total)}
         return RoundResult(good, stats)
 
-    def update_from(self, exp, rnd: int, pid: int, entry: tuple, reply: Message) -> Update:
+    def update_from(self, exp: RunnerPort, rnd: int, pid: int, entry: tuple, reply: Message) -> Update:
         """Partition `pid`'s reply (not an error) to the message of `entry` (`messages`), as an update; a
         ReplyError says why it is refused."""
         sent, lvl, sub, _ = entry
@@ -258,7 +258,7 @@ class NodeRounds:
             raise ReplyError(f"non-finite train-loss ({loss})")
         return Update(pid, lvl, delta, loss, sub)
 
-    def _bytes(self, exp, received: dict[int, int]) -> dict:
+    def _bytes(self, exp: RunnerPort, received: dict[int, int]) -> dict:
         """Bytes sent and received this round, in all and per level, against a dense exchange of the whole
         model (down: parameters and buffers; up: parameters)."""
         from flwr.app import ArrayRecord
