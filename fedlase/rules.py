@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections import Counter
 
 import torch
 
@@ -116,9 +117,8 @@ class Colluding(Attack):
         for i in bad:
             u = updates[i]
             sub = u.sub or subs[u.level]
-            small = any(d.shape != params[n].shape for n, d in u.delta.items())
-            t, k = (sub.gather(target), sub.gather(seen)) if small else (target, seen)
-            masks = (sub.inner() if small else sub).masks
+            t, masks = _in_shapes(target, u.delta, sub, params)
+            k, _ = _in_shapes(seen, u.delta, sub, params)
             delta = {}
             for n, d in u.delta.items():
                 v = torch.where(k[n], t[n], d)
@@ -207,16 +207,16 @@ class Clip(Screened):
         return self.args["bound"]
 
     def aggregate(self, params, updates, subs, rms, mode, coverage, owners):
-        clipped: dict[str, int] = {}
+        clipped: Counter[str] = Counter()
         kept = []
         for u, (delta, sub), r, ref in zip(updates, _pairs(updates, subs), rms, references(self, rms)):
             size = held(delta, sub, params)
             bound, norm = self.bound(size, ref), r * math.sqrt(size)
             if norm > bound:   # a bound of 0 or NaN (no reference: every update near zero) clips nothing
                 delta = {n: d * (bound / norm) for n, d in delta.items()}
-                clipped[level_key(u)] = clipped.get(level_key(u), 0) + 1
+                clipped[level_key(u)] += 1
             kept.append((delta, sub))
-        return aggregate(params, kept, mode, coverage, owners, [u.weight for u in updates]), {"clipped": clipped}
+        return aggregate(params, kept, mode, coverage, owners, [u.weight for u in updates]), {"clipped": dict(clipped)}
 
 
 @register_rule
@@ -270,7 +270,7 @@ class CenteredClip(Screened):
     def aggregate(self, params, updates, subs, rms, mode, coverage, owners):
         pairs, weights = _pairs(updates, subs), [u.weight for u in updates]
         center = self.center or {n: torch.zeros_like(p) for n, p in params.items()}
-        clipped: dict[str, int] = {}
+        clipped: Counter[str] = Counter()
         for it in range(self.args["iterations"]):
             # each update's center on its coordinates (its slice, its mask), and its difference from it
             near = [_restrict(center, delta, sub, params) for delta, sub in pairs]
@@ -284,13 +284,13 @@ class CenteredClip(Screened):
                 if x > bound:   # (a radius of 0: every update at the center, nothing to clip)
                     d = {n: v * (bound / x) for n, v in d.items()}
                     if it == self.args["iterations"] - 1:
-                        clipped[level_key(u)] = clipped.get(level_key(u), 0) + 1
+                        clipped[level_key(u)] += 1
                 moved.append(({n: c[n] + v for n, v in d.items()}, sub))
             zero = {n: torch.zeros_like(p) for n, p in params.items()}
             center = aggregate(zero, moved, "coverage", coverage, owners, weights)
         new = aggregate(params, moved, mode, coverage, owners, weights)
         self.center = {n: new[n] - p for n, p in params.items()}
-        return new, {"clipped": clipped}
+        return new, {"clipped": dict(clipped)}
 
     def state_dict(self) -> dict:
         return {"center": self.center}
@@ -299,12 +299,18 @@ class CenteredClip(Screened):
         self.center = state.get("center")
 
 
+def _in_shapes(full: dict, delta: dict, sub, params: dict) -> tuple[dict, dict]:
+    """The full-size tensors `full` in an update's delta shapes (its slice gathered, or full size as they are), and
+    the masks of those shapes."""
+    small = any(d.shape != params[n].shape for n, d in delta.items())
+    part = sub.gather({n: full[n] for n in delta}) if small else {n: full[n] for n in delta}
+    return part, (sub.inner() if small else sub).masks
+
+
 def _restrict(full: dict, delta: dict, sub, params: dict) -> dict:
     """The full-size tensors `full` on the coordinates an update holds, in its delta's shapes (a gathered slice,
     or masked at full size)."""
-    small = any(d.shape != params[n].shape for n, d in delta.items())
-    part = sub.gather({n: full[n] for n in delta}) if small else {n: full[n] for n in delta}
-    masks = (sub.inner() if small else sub).masks
+    part, masks = _in_shapes(full, delta, sub, params)
     return {n: t * masks[n] if n in masks else t for n, t in part.items()}
 
 

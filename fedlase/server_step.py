@@ -28,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -391,13 +392,14 @@ class ServerStep:
         if self.recent is not None:
             self.recent = (self.recent + v.solid)[-RECENT:]
         level = {str(u.client): level_key(u) for u in updates}
-        self._count("rejected", [level[c] for c in v.rejected])
-        self._count("near_zero", [level[str(c)] for c in v.near_zero])
+        self._count("rejected", Counter(level[c] for c in v.rejected))
+        self._count("near_zero", Counter(level[str(c)] for c in v.near_zero))
         return v.accepted, v.rejected, v.rms
 
-    def _count(self, kind: str, levels: list[str]) -> None:
-        for lv in levels:
-            self.totals[kind][lv] = self.totals[kind].get(lv, 0) + 1
+    def _count(self, kind: str, per_level: dict[str, int]) -> None:
+        """Add a step's counts per level to the running totals of `kind` (TOTALS)."""
+        for lv, k in per_level.items():
+            self.totals[kind][lv] = self.totals[kind].get(lv, 0) + k
 
     def new_model(self, params: dict, updates: list, subs: dict, rms: list[float], rnd: int) -> tuple[dict, dict]:
         """(the new global params, what the rule did for the metrics line) from the accepted updates."""
@@ -407,8 +409,7 @@ class ServerStep:
             rms = norms(updates, subs, params)[1]
         new, info = self.rule.aggregate(params, updates, subs, rms, self.mode, self.coverage, self.owners)
         if isinstance(info.get("clipped"), dict):   # the rule's clipped updates per level
-            for lv, k in info["clipped"].items():
-                self.totals["clipped"][lv] = self.totals["clipped"].get(lv, 0) + k
+            self._count("clipped", info["clipped"])
         for stage in self.stages:
             new = stage.model(params, new, rnd)
         if self.method is not None:
