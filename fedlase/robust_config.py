@@ -69,6 +69,8 @@ DP = {
     "count_noise": Option(None, "dp.adaptive: standard deviation of the noise on the unclipped count; unset: the "
                           "expected clients per round / 20", kind=float, low=0, low_open=True),
 }
+
+
 def default_delta(n: int) -> float:
     """dp.delta unset: min(1e-5, n^-1.1), well below 1/n (delta = 1/n allows a mechanism that publishes one
     client's data outright)."""

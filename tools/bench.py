@@ -736,8 +736,8 @@ def anchor_steps(device: torch.device, width: float, batch: int, bf16: bool, ste
 def section_gpu(args, data: dict) -> str:
     """Per method, the papers' round beside the plain-PyTorch limit (one fp32 step of batch 32 x the round's
     client-steps; on CUDA also ten clients' batches as one bf16 channels-last batch of 320 x the steps), the
-    projection of the papers' tables in hours, and `deterministic` on against off per model. Rows with
-    `precision=bf16 batched_clients=true` fail in their row where the engine has no such keys."""
+    projection of the papers' tables in hours, and `deterministic` on against off per model. A row that fails (a
+    method that refuses the model, an error) says so in its row and the section goes on."""
     from fedlase import determinism
     base, width, steps = papers_round(args, data)
     dev = torch.device(args.device)
