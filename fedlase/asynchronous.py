@@ -149,15 +149,32 @@ class AsyncSchedule:
 
     # ---- the loop ----------------------------------------------------------------------------------------------
     def step(self, exp: ServerPort, rnd: int) -> dict:
-        """Deliver arrivals and dispatch clients until the buffer is full, then take server step `rnd`."""
-        while len(self.buffer) < self.args["buffer"]:
-            self._fill(exp)
-            arrivals = self._arrivals(exp)
-            self.instant += bool(arrivals)
-            for f in arrivals:
-                f.instant = self.instant
-                self._deliver(exp, f)
-        return self._apply(exp, rnd)
+        """Deliver arrivals and dispatch clients until the buffer is full, then take server step `rnd`. A step that
+        would leave the model as it was (the screen rejected its updates, or kept fewer than min_replies) is not
+        taken: a step is a new model version, and staleness counts versions. The loop collects again instead, so a
+        fast client whose every update is rejected costs the run its own data, not the steps it would have taken
+        (docs/async.md); the step that follows reports how many were not taken (`not_taken`) and their rejections."""
+        rejected, not_taken = {}, 0
+        while True:
+            while len(self.buffer) < self.args["buffer"]:
+                self._fill(exp)
+                arrivals = self._arrivals(exp)
+                self.instant += bool(arrivals)
+                for f in arrivals:
+                    f.instant = self.instant
+                    self._deliver(exp, f)
+            stats = self._apply(exp, rnd)
+            if not stats.get("skipped"):
+                break
+            rejected.update(stats.get("rejected", {}))
+            not_taken += 1
+            if not_taken * self.args["buffer"] > 3 * exp.cfg.num_clients:   # every client had its chances
+                raise UserError(f"{self.kind}: {not_taken} server steps in a row left the model unchanged (every "
+                                f"update rejected, or fewer accepted than min_replies={exp.cfg.min_replies}); "
+                                "nothing can train")
+        if not_taken:
+            stats.update(rejected={**rejected, **stats.get("rejected", {})}, not_taken=not_taken)
+        return stats
 
     def _arrivals(self, exp: ServerPort) -> list[Flight]:
         """The flights that arrive next, together, in order (removed from `flight`; `now` moved to their time):

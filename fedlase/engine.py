@@ -303,7 +303,11 @@ class Experiment:
         result = self.runner.train(self, rnd, picked, subs)
         # the server step (fedlase/server_step.py): simulated attacks, the screen, then the rule makes the new model
         updates = [self.receive(u, subs, rnd) for u in result.updates]
-        return self.serve(rnd, updates, subs, {**result.stats, **sim})
+        stats = self.serve(rnd, updates, subs, {**result.stats, **sim})
+        if stats.get("skipped"):
+            log.warning("round %d: %d updates, fewer than min_replies=%d; global model unchanged",
+                        rnd, stats["clients"], self.cfg.min_replies)
+        return stats
 
     def serve(self, rnd: int, updates: list[Update], subs: dict[Level, Submodel], extra: dict,
               step_size: float = 1.0) -> dict:
@@ -334,9 +338,7 @@ class Experiment:
             trained = {u.level: subs.get(u.level) or u.sub for u in updates}
             for t in self.trackers:
                 t.on_round(rnd, [(u.client, u.level) for u in updates], trained, old, self.state.params)
-        else:
-            log.warning("round %d: %d updates, fewer than min_replies=%d; global model unchanged",
-                        rnd, len(updates), self.cfg.min_replies)
+        else:   # a synchronous round says so (run_round); an asynchronous schedule collects again
             stats["skipped"] = True
         stats.update(self.server.info(rnd))   # a stage's figures, e.g. dp's epsilon after this round
         return stats

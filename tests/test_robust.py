@@ -13,7 +13,7 @@ import torch
 from fedlase.aggregate import Aggregator
 from fedlase.config import load_config
 from fedlase.engine import Experiment, Update, run_experiment
-from fedlase.errors import ConfigError
+from fedlase.errors import ConfigError, UserError
 from fedlase.masks import Submodel
 from fedlase.methods.fedlase import water_fill
 from fedlase.robust_config import check_attack
@@ -259,6 +259,18 @@ def test_a_wild_client_is_rejected_under_every_schedule(tmp_path, schedule):
     assert any(arrived[1:])
     assert [("0" in x.get("rejected", {})) for x in lines] == arrived
     assert lines[-1]["robust_totals"]["rejected"]["1"] >= sum(arrived) and final["global_acc"] > 0.3
+    if schedule == "fedasync":   # a step its update would have taken is not taken: every step moves the model
+        assert all(x["clients"] == 1 for x in lines)
+        assert [x.get("not_taken", 0) > 0 for x in lines] == [a or x["round"] == 1 for a, x in zip(arrived, lines)]
+
+
+def test_an_asynchronous_run_whose_every_update_is_rejected_stops_with_one_line(tmp_path):
+    """Steps that would leave the model unchanged are not taken; when none can be, the run says so and stops."""
+    from fedlase.simtime import clock_for
+    cfg = load_config(None, [*DIGITS, "rounds=2", f"out={tmp_path / 'w'}", "attack=nan", "attack_args.fraction=1",
+                             "schedule=fedasync", "device_model={}"])
+    with pytest.raises(UserError, match="server steps in a row left the model unchanged"):
+        run_experiment(cfg, progress=False, clock=clock_for)
 
 
 def test_a_resumed_fedasync_run_keeps_its_running_reference_and_totals(tiny_cfg, tmp_path):
