@@ -49,18 +49,34 @@ RECORD = "arrivals.jsonl"   # the arrival record, in the run folder
 TOTALS = ("lost_offline", "failed", "offline_skipped", "too_stale")   # counted over the run (`totals`)
 
 
+class ScheduleClock(Protocol):
+    """What the event loop reads of the simulated clock (fedlase/simtime.py's SimClock)."""
+    def online(self, client: int, t: float) -> bool: ...
+
+    def next_online(self, t: float) -> float: ...
+
+    def dispatch(self, client: int, level_index: int, t: float) -> tuple[float, bool]:
+        """(when a client sent at time t arrives, whether it is lost on the way)."""
+
+
 class ServerPort(Protocol):
     """What the event loop may use of the run it schedules (the engine's `Experiment` is one): the run's
-    settings and levels, whom to draw (`sampling`) and when they are online and arrive (`clock`), the model
-    version (`round`), and four actions: a level's submodel of a version, training a draw's clients (`runner`), an
-    update as the server receives it (the attack), and a server step on arrived updates."""
+    settings, levels and device, whom to draw (`sampling`) and when they are online and arrive (`clock`), the
+    model version (`round`), and four actions: a level's submodel of a version, training a draw's clients
+    (`runner`), an update as the server receives it (the attack), and a server step on arrived updates. The loop
+    hands the port on to the runner (and Flower's to its nodes' messages): so it also carries what a runner reads
+    (fedlase.engine.RunnerPort: trainer, params, buffers, server)."""
     cfg: Any
     levels: list
     sampling: Any
-    clock: Any
-    runner: Any
+    clock: ScheduleClock
+    runner: Any     # the engine's RoundRunner
     device: Any
     round: int
+    trainer: Any    # these four: what the runner reads of the port it is handed
+    params: dict
+    buffers: dict
+    server: Any
 
     def submodels(self, levels, rnd: int) -> dict: ...
 
@@ -372,7 +388,7 @@ class AsyncSchedule:
                 "flight": [plain(f) for f in sorted(self.flight)], "buffer": [plain(f) for f in self.buffer],
                 "subs": table}
 
-    def load_state_dict(self, state: dict, exp, Update) -> None:
+    def load_state_dict(self, state: dict, exp: ServerPort, Update) -> None:
         """Back from `state_dict`; `Update`: the engine's (fedlase/engine.py, which imports this module)."""
         dev = exp.device
         table = [Submodel(masks={k: v.to(dev) for k, v in s["masks"].items()},

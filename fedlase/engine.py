@@ -207,6 +207,9 @@ class Clock(Protocol):
     def admit(self, picked: list[tuple[int, Level]], rnd: int) -> tuple[list[tuple[int, Level]], dict]:
         """(the clients that train, the round's metrics fields)."""
 
+    def elapsed(self, rnd: int) -> float:
+        """Simulated seconds at the end of round `rnd` (a synchronous run's `sim_time`)."""
+
     def record(self) -> dict:
         """What recomputes the run's simulated time without its data (written to sim.json)."""
 
@@ -231,13 +234,12 @@ class RunView:
 
 class Experiment:
     """One run: its parts (`build_parts`), trackers, state, the runner of its rounds and, if asked for, its
-    simulated clock. `clock(cfg, parts)` builds the clock (fedlase.simtime.clock_for; the caller hands it in);
-    `parts`: already built ones (default: built from `cfg`)."""
+    simulated clock. It is handed its parts and its clock already built (it makes only its trackers and, unless
+    given one, its runner; it starts no process); `from_config` builds both from a config."""
 
-    def __init__(self, cfg: Config, runner: RoundRunner | None = None,
-                 clock: Callable[[Config, Parts], Clock | None] | None = None, parts: Parts | None = None):
+    def __init__(self, cfg: Config, parts: Parts, runner: RoundRunner | None = None, clock: Clock | None = None):
         self.cfg = cfg
-        self.parts = p = parts or build_parts(cfg)
+        self.parts = p = parts
         self.device, self.data, self.model, self.method, self.trainer = p.device, p.data, p.model, p.method, p.trainer
         self.x_train, self.y_train, self.x_test, self.y_test = p.x_train, p.y_train, p.x_test, p.y_test
         self.client_train, self.client_test = p.client_train, p.client_test
@@ -250,12 +252,20 @@ class Experiment:
         self.trackers = [TRACKERS.get(name)(view, opts) for name, opts in check_analysis(cfg.analysis).items()]
         self.runner = runner or (BatchedRounds() if trains_batched(cfg, p) else SequentialRounds())
         self._broken = False
-        self.clock = clock(cfg, p) if clock is not None else None
+        self.clock = clock
         # fedbuff/fedasync: the event loop on the clock (fedlase/asynchronous.py), or the runner's own (Flower's
         # steps on its nodes' replies: fedlase/flower/buffered.py); sync: run_round
         self.schedule = None
         if cfg.schedule != "sync":
             self.schedule = self.runner.async_schedule(cfg)
+
+    @classmethod
+    def from_config(cls, cfg: Config, runner: RoundRunner | None = None,
+                    clock_for: Callable[[Config, Parts], Clock | None] | None = None) -> Experiment:
+        """The run of a validated config: its parts (`build_parts`), then its clock from `clock_for(cfg, parts)`
+        (fedlase.simtime.clock_for, which may measure memory in child processes; None: no clock)."""
+        parts = build_parts(cfg)
+        return cls(cfg, parts, runner, clock_for(cfg, parts) if clock_for is not None else None)
 
     # the global model, as trackers and runners read it
     @property
@@ -384,7 +394,7 @@ def run_experiment(cfg: Config, resume: bool = False, progress: bool = True, run
         raise UserError("device_model/deadline/population/schedule: simulated time needs a clock; run through "
                         "fedlase.run or pass clock=fedlase.simtime.clock_for")
     folder = RunFolder(cfg, resume)
-    exp = Experiment(cfg, runner, clock)
+    exp = Experiment.from_config(cfg, runner, clock)
     last = folder.open(exp)   # the last evaluated line (a resumed run's), or None
     cadence, bar = EvalCadence.of(cfg), Progress(cfg, exp.round, progress)
     stopped = None   # why the run ended before `rounds` (a stage's budget: dp.max_epsilon)
@@ -435,6 +445,6 @@ def evaluate_run(run_dir, overrides: list[str] = ()) -> dict:
     if "plugins" not in given:   # the run folder's own list imports nothing (fedlase/checkpoint.py)
         checkpoint.check_plugins(ckpt, raw.get("plugins", []), "name them yourself if you trust them: "
                                  f"fedlase evaluate {run_dir} 'plugins=[...]'")
-    exp = Experiment(config_from_dict(raw))
+    exp = Experiment.from_config(config_from_dict(raw))
     exp.load_state_dict(state)
     return {"round": exp.round, **exp.evaluate(exp.round)}

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 from . import checkpoint
 from .config import result_keys
@@ -16,6 +17,22 @@ from .errors import UserError
 from .util import atomic_write, lines_up_to, run_folder
 
 log = logging.getLogger("fedlase")
+
+
+class FolderPort(Protocol):
+    """What a run folder reads and restores of the run it writes (the engine's `Experiment` is one): its clock
+    (None without one), the model version, its state (the training seconds), the server step's figures, an
+    evaluation, and the whole state to save and load."""
+    clock: Any
+    round: int
+    state: Any      # the engine's RunState
+    server: Any
+
+    def evaluate(self, rnd: int) -> dict: ...
+
+    def state_dict(self) -> dict: ...
+
+    def load_state_dict(self, state: dict) -> None: ...
 
 
 class RunFolder:
@@ -28,7 +45,7 @@ class RunFolder:
         self.metrics = self.path / "metrics.jsonl"
         self.summary = self.path / "summary.json"
 
-    def open(self, exp) -> dict | None:
+    def open(self, exp: FolderPort) -> dict | None:
         """Write what describes the run, restore `exp` from the checkpoint when resuming (refusing one made under
         other settings), keep metrics.jsonl up to that checkpoint, and return its last evaluated line."""
         cfg = self.cfg
@@ -61,10 +78,10 @@ class RunFolder:
         every = self.cfg.checkpoint_every
         return bool(every) and (rnd % every == 0 or rnd == self.cfg.rounds)
 
-    def save(self, exp) -> None:
+    def save(self, exp: FolderPort) -> None:
         checkpoint.save(exp.state_dict(), self.checkpoint)
 
-    def finish(self, exp, last: dict, stopped: str | None) -> dict:
+    def finish(self, exp: FolderPort, last: dict, stopped: str | None) -> dict:
         """summary.json (and, for a run a stage stopped early, its final line and checkpoint); the summary."""
         cfg = self.cfg
         end = exp.round if stopped else cfg.rounds

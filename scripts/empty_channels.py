@@ -23,8 +23,8 @@ def main():
     a = ap.parse_args()
     marks = sorted(int(r) for r in a.rounds.split(","))
     for method in ("fiarse", "fedlase"):
-        exp = Experiment(load_config(None, ["checkpoint_every=0", "threads=1", "device=cpu", *a.overrides,
-                                            f"method={method}"]))
+        exp = Experiment.from_config(load_config(None, ["checkpoint_every=0", "threads=1", "device=cpu",
+                                                        *a.overrides, f"method={method}"]))
         macs = row_macs(exp.model, exp.x_test[:1])
         for r in range(0, marks[-1] + 1):
             if r:

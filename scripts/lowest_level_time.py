@@ -35,7 +35,7 @@ def method_overrides(spec: str) -> list[str]:
     return [f"method={name}", *(f"method_args.{a}" for a in args)]
 
 
-exps = {m: Experiment(load_config(None, [*base, *method_overrides(m), *extra])) for m in methods}
+exps = {m: Experiment.from_config(load_config(None, [*base, *method_overrides(m), *extra])) for m in methods}
 for exp in exps.values():
     exp.run_round(1)
 best = {m: float("inf") for m in methods}

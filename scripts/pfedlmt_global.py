@@ -20,7 +20,7 @@ def main(runs: list[str]) -> None:
         state = checkpoint.load(f"{run}/checkpoint.pt")   # weights-only, as `fedlase evaluate`
         raw = dict(state["config"])
         raw["out"], raw["method_args"] = run, {**raw["method_args"], "global_eval": True}
-        exp = Experiment(config_from_dict(raw))
+        exp = Experiment.from_config(config_from_dict(raw))
         exp.load_state_dict(state)
         ev = exp.evaluate(exp.round)
         levels = {k: v["global_acc"] for k, v in ev["levels"].items()}

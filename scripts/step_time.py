@@ -25,9 +25,10 @@ load_builtins()
 torch.set_num_threads(1)
 out = {}
 for method in sys.argv[2].split(","):
-    exp = Experiment(load_config(None, ["dataset=fashion_mnist", *sys.argv[3:], "participation=0.1",
-                                        "system={1,1/4,1/16,1/64}_{10,20,30,40}", "checkpoint_every=0", "seed=0",
-                                        "local_steps=10", "batch_size=32", f"method={method}", "threads=1"]))
+    exp = Experiment.from_config(load_config(None, ["dataset=fashion_mnist", *sys.argv[3:], "participation=0.1",
+                                                    "system={1,1/4,1/16,1/64}_{10,20,30,40}", "checkpoint_every=0",
+                                                    "seed=0", "local_steps=10", "batch_size=32", f"method={method}",
+                                                    "threads=1"]))
     exp.run_round(1)
     best = float("inf")
     for rnd in range(2, 5):

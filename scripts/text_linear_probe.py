@@ -53,7 +53,7 @@ def trained(run_dir: str) -> None:
     from fedlase.engine import Experiment
     load_builtins()
     state = checkpoint.load(f"{run_dir}/checkpoint.pt")   # weights-only
-    exp = Experiment(config_from_dict(state["config"]))
+    exp = Experiment.from_config(config_from_dict(state["config"]))
     exp.load_state_dict(state)
     model, params = exp.model.eval(), exp.state.params
     pick = torch.randperm(len(exp.y_train), generator=torch.Generator().manual_seed(0))[:600]

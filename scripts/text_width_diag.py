@@ -110,7 +110,7 @@ def trained(run_dir: str) -> None:
     from fedlase.evaluate import recompute_bn_stats
     load_builtins()
     state = checkpoint.load(f"{run_dir}/checkpoint.pt")   # weights-only
-    exp = Experiment(config_from_dict(state["config"]))
+    exp = Experiment.from_config(config_from_dict(state["config"]))
     exp.load_state_dict(state)
     model, params, buffers = exp.model.eval(), exp.state.params, exp.state.buffers
     bn_x, bs = exp.x_train[exp.eval_data.bn_sample], exp.eval_settings.batch

@@ -188,7 +188,7 @@ def test_engine_builds_registered_trackers_with_their_options(tiny_cfg):
         cfg = tiny_cfg("analysis.counter_test.every=2", "analysis.ratios=true")
         assert check_analysis(cfg.analysis) == {"ratios": {}, "counter_test": {"every": 2}}
         # Execute
-        exp = Experiment(cfg)
+        exp = Experiment.from_config(cfg)
         # Assert: registry order, options checked; the tracker is called once per round with the aggregated clients
         assert [type(t) for t in exp.trackers] == [Ratios, Counter] and exp.trackers[1].options == {"every": 2}
         for rnd in (1, 2):

@@ -155,7 +155,7 @@ def test_a_method_with_its_own_local_objective_declares_only_the_sequential_roun
     models = METHODS.get(name).models   # a method that runs on some models only: the first of them
     argv = [f"{k}={v}" for k, v in BASE.items()] + [f"method={name}", f"out={tmp_path / 'run'}"] + \
         ([f"model={models[0]}"] if models else [])
-    exp = Experiment(load_config(None, argv))
+    exp = Experiment.from_config(load_config(None, argv))
     local = any(exp.method.submodel(exp.state.params, lvl, 1).local is not None for lvl in exp.levels)
     if local:
         assert tuple(METHODS.get(name).runs_on) == ("embedded",), METHODS.get(name).runs_on

@@ -21,7 +21,7 @@ def _round_both_ways(tiny_cfg, *overrides, rounds=1):
     """Params after `rounds` rounds, sequential and batched, from the same start."""
     out = []
     for batched in (False, True):
-        exp = Experiment(tiny_cfg(*ALL, *overrides, f"batched_clients={str(batched).lower()}"))
+        exp = Experiment.from_config(tiny_cfg(*ALL, *overrides, f"batched_clients={str(batched).lower()}"))
         stats = [exp.run_round(r) for r in range(1, rounds + 1)]
         out.append((exp.params, stats))
     return out
@@ -50,7 +50,7 @@ def test_batched_round_equals_sequential(tiny_cfg, overrides, tol):
     (seq, seq_stats), (bat, bat_stats) = _round_both_ways(tiny_cfg, *overrides, rounds=2)
     assert _max_diff(seq, bat) < tol
     # and training really moved the model, so the comparison means something
-    start = Experiment(tiny_cfg(*ALL, *overrides)).params
+    start = Experiment.from_config(tiny_cfg(*ALL, *overrides)).params
     assert _max_diff(seq, start) > 1e-3
     assert seq_stats[-1]["train_loss"] == pytest.approx(bat_stats[-1]["train_loss"], rel=1e-4)
 
@@ -62,16 +62,16 @@ def test_ragged_last_batch_trains_in_one_group(tiny_cfg, monkeypatch):
     # steps a rounding difference flips coordinates near the threshold, and the runs drifted 1.9e-3 apart on
     # the portable kernels (below 1e-4 on AVX2); its batched round is compared over 2 steps above.
     args = [*ALL, "method=heterofl", "sliced=false", "local_epochs=1", "batch_size=50"]
-    exp = Experiment(tiny_cfg(*args))
+    exp = Experiment.from_config(tiny_cfg(*args))
     assert len(exp.client_train[0]) % 50 != 0
     exp.run_round(1)
     def no_sequential(*a, **k):
         raise AssertionError("a client fell back to sequential training")
-    bat = Experiment(tiny_cfg(*args, "batched_clients=true"))
+    bat = Experiment.from_config(tiny_cfg(*args, "batched_clients=true"))
     monkeypatch.setattr(bat.trainer, "update", no_sequential)
     bat.run_round(1)
     assert _max_diff(exp.params, bat.params) < 1e-6
-    assert _max_diff(exp.params, Experiment(tiny_cfg(*args)).params) > 1e-3   # and training moved the model
+    assert _max_diff(exp.params, Experiment.from_config(tiny_cfg(*args)).params) > 1e-3   # and training moved the model
 
 
 def test_clients_with_different_steps_fall_into_groups(tiny_cfg):
@@ -81,7 +81,7 @@ def test_clients_with_different_steps_fall_into_groups(tiny_cfg):
 
 
 def test_hook_returns_clients_in_picked_order(tiny_cfg):
-    exp = Experiment(tiny_cfg(*ALL))
+    exp = Experiment.from_config(tiny_cfg(*ALL))
     picked = exp.sample(1)
     subs = exp.submodels([lvl for _, lvl in picked], 1)
     batched = train_clients_batched(exp.trainer, exp.params, exp.buffers, picked, subs, 1)
@@ -122,7 +122,7 @@ def test_mixed_thresholds_in_one_group_is_refused():
 
 
 def test_dropout_model_is_a_config_error(tiny_cfg):
-    exp = Experiment(tiny_cfg(*ALL, "batched_clients=true"))
+    exp = Experiment.from_config(tiny_cfg(*ALL, "batched_clients=true"))
     exp.model.features.append(torch.nn.Dropout(0.5))
     with pytest.raises(ConfigError, match="batched_clients"):
         exp.run_round(1)

@@ -17,7 +17,7 @@ def costs_of(exp):
 
 
 def _costs(tiny_cfg, method):
-    exp = Experiment(tiny_cfg(*FOUR, f"method={method}"))
+    exp = Experiment.from_config(tiny_cfg(*FOUR, f"method={method}"))
     return exp, costs_of(exp)
 
 
@@ -57,7 +57,7 @@ def test_memory_is_measured_in_a_child(tiny_cfg):
 
 def test_client_time_and_round_time(tiny_cfg):
     cfg = tiny_cfg(*FOUR, "method=fiarse", "device_model.speed=2e6", "device_model.bandwidth=1e5")
-    exp = Experiment(cfg)
+    exp = Experiment.from_config(cfg)
     costs, steps = costs_of(exp), client_steps(exp.trainer)
     dense, sparse = SimClock(cfg, costs, steps, "dense"), SimClock(cfg, costs, steps, "sparse")
     c = costs[2]   # level 1/16: speed and bandwidth 1/16 of level 1's
@@ -70,7 +70,7 @@ def test_client_time_and_round_time(tiny_cfg):
 
 
 def test_deadline_drops_and_records_the_slow_clients(tiny_cfg, tmp_path):
-    probe = Experiment(tiny_cfg(*FOUR, "method=fiarse", "device_model={}"), clock=clock_for)
+    probe = Experiment.from_config(tiny_cfg(*FOUR, "method=fiarse", "device_model={}"), clock_for=clock_for)
     times = sorted(probe.clock.client_time(c, lvl.index) for c, lvl in probe.clock.round(1)["kept"])
     deadline = (times[0] + times[-1]) / 2   # between the fastest and the slowest client
     cfg = tiny_cfg(*FOUR, "method=fiarse", "device_model={}", f"deadline={deadline}", "rounds=1")
@@ -88,7 +88,7 @@ def test_sim_time_recomputes_from_the_config(tiny_cfg, tmp_path):
     cfg = tiny_cfg(*FOUR, "method=heterofl", "device_model={}")
     run_experiment(cfg, progress=False, clock=clock_for)
     lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    again = Experiment(config_from_dict(json.loads((tmp_path / "run" / "config.json").read_text())))
+    again = Experiment.from_config(config_from_dict(json.loads((tmp_path / "run" / "config.json").read_text())))
     clock = SimClock(again.cfg, costs_of(again), client_steps(again.trainer))
     assert [x["sim_time"] for x in lines] == pytest.approx([clock.elapsed(x["round"]) for x in lines])
     assert "over_memory" not in lines[-1]   # no memory in the device model: nothing to exceed
@@ -97,7 +97,7 @@ def test_sim_time_recomputes_from_the_config(tiny_cfg, tmp_path):
 def test_a_client_over_its_device_memory_is_flagged(tiny_cfg):
     import dataclasses
     cfg = tiny_cfg(*FOUR, "method=fiarse", "device_model.memory=4e8")   # a level-l device: l x 400 MB
-    exp = Experiment(tiny_cfg(*FOUR, "method=fiarse"))
+    exp = Experiment.from_config(tiny_cfg(*FOUR, "method=fiarse"))
     costs = [dataclasses.replace(c, peak_bytes=int(2e8)) for c in costs_of(exp)]   # every level needs 200 MB
     fate = SimClock(cfg, costs, client_steps(exp.trainer)).round(1)
     assert fate["over_memory"] == [c for c, lvl in fate["kept"] if lvl.fraction < 0.5]

@@ -60,7 +60,7 @@ def test_deterministic_false_gives_the_settings_up_with_the_same_cpu_result(monk
     seen = probe(monkeypatch, ClientTrainer, "update")
     params = []
     for value in ("false", "true"):
-        exp = Experiment(load_config(None, [*BASE, f"deterministic={value}"]))
+        exp = Experiment.from_config(load_config(None, [*BASE, f"deterministic={value}"]))
         exp.run_round(1)
         params.append(exp.state.params)
         assert seen and all(s == (value == "true") for s in seen) and torch.backends.cudnn.benchmark != seen[-1]

@@ -177,7 +177,7 @@ def test_level_name_and_derive_seed():
 def exp20():
     """An experiment of 20 clients at three levels (not run: for sampling and evaluation)."""
     cfg = load_config(None, [*TINY, "system={1,1/4,1/16}_{4,6,10}", "participation={0.1,0.25,0.5}", "out=/nonexistent"])
-    return Experiment(cfg)
+    return Experiment.from_config(cfg)
 
 
 def test_sampling_is_deterministic_and_per_round(exp20):
@@ -252,7 +252,7 @@ def test_evaluate_reports_every_level(exp20):
 
 @pytest.mark.parametrize("assignment", ["random", "dynamic"])
 def test_evaluate_random_assignment_uses_every_client(tiny_cfg, assignment):
-    exp = Experiment(tiny_cfg("system={1,1/4}_{1,3}", f"assignment={assignment}"))
+    exp = Experiment.from_config(tiny_cfg("system={1,1/4}_{1,3}", f"assignment={assignment}"))
     res = exp.evaluate(0)
     assert [v["clients"] for v in res["levels"].values()] == [4, 4]
 
@@ -313,7 +313,7 @@ class RecordingRunner(SequentialRounds):
 def test_a_round_extracts_each_level_once(tiny_cfg, monkeypatch):
     # the method is asked once per distinct level of the round's clients, never per client (the bench used to
     # check this; a test does now)
-    exp = Experiment(tiny_cfg("participation=1.0", "method=fiarse"))
+    exp = Experiment.from_config(tiny_cfg("participation=1.0", "method=fiarse"))
     calls = []
     extract = exp.method.submodel
     monkeypatch.setattr(exp.method, "submodel", lambda p, lvl, rnd: calls.append((lvl, rnd)) or extract(p, lvl, rnd))
@@ -341,12 +341,12 @@ def test_a_runner_plugs_into_the_round_loop(tmp_path):
 
 
 def test_fewer_replies_than_min_replies_leave_the_model_unchanged(tiny_cfg):
-    exp = Experiment(tiny_cfg("min_replies=2"), runner=RecordingRunner(keep=1))
+    exp = Experiment.from_config(tiny_cfg("min_replies=2"), runner=RecordingRunner(keep=1))
     before = {k: v.clone() for k, v in exp.params.items()}
     stats = exp.run_round(1)
     assert stats["skipped"] and stats["clients"] == 1 and stats["kept"] == 1
     assert all(torch.equal(exp.params[k], before[k]) for k in before)
-    exp2 = Experiment(tiny_cfg("min_replies=1"), runner=RecordingRunner(keep=1))
+    exp2 = Experiment.from_config(tiny_cfg("min_replies=1"), runner=RecordingRunner(keep=1))
     stats = exp2.run_round(1)
     assert "skipped" not in stats and any(not torch.equal(exp2.params[k], before[k]) for k in before)
 

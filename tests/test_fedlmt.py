@@ -99,7 +99,7 @@ def test_two_rounds_on_the_embedded_engine(tiny_cfg, args):
 
 
 def test_fedlmt_averages_the_factors_not_their_product(tiny_cfg):
-    exp = Experiment(tiny_cfg("method=fedlmt", "robust=screen"))   # the plain mean (the default clips)
+    exp = Experiment.from_config(tiny_cfg("method=fedlmt", "robust=screen"))   # the plain mean (the default clips)
     old = {n: t.clone() for n, t in exp.params.items()}
     picked = exp.sample(1)
     subs = exp.submodels([lvl for _, lvl in picked], 1)
@@ -114,7 +114,7 @@ def test_fedlmt_averages_the_factors_not_their_product(tiny_cfg):
 
 
 def test_pfedlmt_keeps_each_clients_part_and_averages_the_prefix(tiny_cfg):
-    exp = Experiment(tiny_cfg("method=pfedlmt"))
+    exp = Experiment.from_config(tiny_cfg("method=pfedlmt"))
     seed = {n: t.clone() for n, t in exp.params.items()}
     picked = exp.sample(1)
     exp.run_round(1)
@@ -174,7 +174,7 @@ def test_resnet18_trains_at_its_own_size(cls):
 @pytest.mark.parametrize("method", ["fedlmt", "pfedlmt"])
 def test_cost_and_clock_charge_each_level_its_own_model(tiny_cfg, method):
     cfg = tiny_cfg(f"method={method}", "device_model.speed=2e6", "device_model.bandwidth=1e5")
-    exp = Experiment(cfg)
+    exp = Experiment.from_config(cfg)
     costs = level_costs(exp.model, exp.method, exp.trainer, exp.levels, exp.level_clients, exp.params, exp.buffers)
     for c, lvl in zip(costs, exp.levels):
         sub = exp.method.submodel(exp.params, lvl, 1)

@@ -397,8 +397,8 @@ def test_client_settings_read_the_typed_config(tiny_cfg):
 def test_label_split_trains_and_credits_only_the_clients_classes(tiny_cfg):
     from fedlase.engine import Experiment
     from fedlase.train import classifier_names
-    exp = Experiment(tiny_cfg("method=heterofl", "partition=pathological", "classes_per_client=2",
-                              "label_split=true"))
+    exp = Experiment.from_config(tiny_cfg("method=heterofl", "partition=pathological", "classes_per_client=2",
+                                          "label_split=true"))
     weight, bias = classifier_names(exp.model)
     old = {k: v.clone() for k, v in exp.params.items()}
     picked = exp.sample(1)

@@ -105,7 +105,7 @@ METHODS = ["fiarse", "fedlase", "heterofl", "fedrolex", "fedavg", "fedavg_small"
 @pytest.mark.parametrize("method", [*METHODS, "fiarse method_args.ste=fixed"])
 def test_submodel_round_trip_is_exact(tmp_path, method):
     name, *args = method.split()
-    exp = Experiment(small_cfg(tmp_path, "system={1,1/4}_{1,1}", f"method={name}", *args))
+    exp = Experiment.from_config(small_cfg(tmp_path, "system={1,1/4}_{1,1}", f"method={name}", *args))
     sub = exp.method.submodel(exp.params, 0.25, 3)
     params, buffers, back = decode_submodel(encode_submodel(exp.params, exp.buffers, sub), exp.params)
     assert back.thresholds == sub.thresholds and back.ste == sub.ste
@@ -176,7 +176,7 @@ BAD = ["shape", "dtype", "nan", "inf", "outside-mask", "dense", "oversized", "lo
 
 @pytest.mark.parametrize("kind", BAD)
 def test_bad_reply_is_rejected(tmp_path, kind):
-    exp = Experiment(small_cfg(tmp_path, "system={1,1/4}_{1,1}"))
+    exp = Experiment.from_config(small_cfg(tmp_path, "system={1,1/4}_{1,1}"))
     sub = exp.method.submodel(exp.params, 0.25, 1)
     delta, _ = exp.trainer.update(1, exp.params, exp.buffers, sub, 1)
     arrays = encode_delta(delta, sub)
@@ -233,7 +233,7 @@ def _round(cfg, rnd=1, spoil=None, drop=(), dead=()):
         return replies
 
     runner.grid = type("Wire", (), {"send_and_receive": staticmethod(deliver), "get_node_ids": grid.get_node_ids})()
-    exp = Experiment(cfg, runner)
+    exp = Experiment.from_config(cfg, runner)
     stats = exp.run_round(rnd)   # the engine's line ("skipped" under min_replies) over the runner's details
     return exp.params, stats
 
@@ -241,7 +241,7 @@ def _round(cfg, rnd=1, spoil=None, drop=(), dead=()):
 def _embedded(cfg, rnd=1, without=(), rounds=None):
     """The embedded engine's round `rnd` (or its `rounds`, one after another), with clients taken out of the
     sample: `without` holds client ids (out of every round run) or (round, client) pairs (out of that round)."""
-    exp = Experiment(cfg)
+    exp = Experiment.from_config(cfg)
     sample = exp.sample
     exp.sample = lambda r: [(c, lvl) for c, lvl in sample(r) if c not in without and (r, c) not in without]
     for r in rounds or (rnd,):
@@ -290,7 +290,7 @@ def test_missing_reply_dead_node_and_min_replies(tmp_path, task_identity):
     params, stats = _round(cfg, dead={0})
     assert stats["failed"] == [0] and same_params(params, _embedded(cfg, without={0}))
     params, stats = _round(cfg, drop={0, 1, 2})
-    assert stats.get("skipped") and same_params(params, Experiment(cfg).params)
+    assert stats.get("skipped") and same_params(params, Experiment.from_config(cfg).params)
 
 
 def test_dp_nodes_clip_the_server_adds_the_noise_and_an_unclipped_node_is_caught(tmp_path, task_identity,
@@ -410,7 +410,7 @@ def test_partitions_are_pinned_to_node_keys(tmp_path, task_identity):
                              "get_nodes": staticmethod(lambda: [NodeInfo(node_id=n, public_key=pem(k))
                                                                  for n, k in keys.items()])})
     runner = NodeRounds(wire(), reply_timeout=2, pins=pins)   # partition 2 has no node: wait 2 s for one
-    exp = Experiment(cfg, runner)
+    exp = Experiment.from_config(cfg, runner)
     stats = exp.run_round(1)
     assert runner.nodes == {0: 100, 1: 101}
     refused = stats["refused"]["103"]

@@ -15,7 +15,7 @@ ALL = ["participation=1.0", "rounds=1"]
 
 def _round(tiny_cfg, *overrides):
     """The params after one round, and the dtypes the first conv's output had in the local steps."""
-    exp = Experiment(tiny_cfg(*ALL, *overrides))
+    exp = Experiment.from_config(tiny_cfg(*ALL, *overrides))
     seen = set()
     conv = next(m for m in exp.trainer.model.modules() if isinstance(m, nn.Conv2d))
     conv.register_forward_hook(lambda mod, inp, out: seen.add(out.dtype) if mod.training else None)
@@ -26,7 +26,7 @@ def _round(tiny_cfg, *overrides):
 @pytest.mark.numerics
 @pytest.mark.parametrize("method", ["fedlase", "fedavg"])   # the masked forward, and the whole model's own copy
 def test_bf16_autocasts_the_local_steps_and_keeps_fp32_state(tiny_cfg, method):
-    start = Experiment(tiny_cfg(*ALL, f"method={method}")).params
+    start = Experiment.from_config(tiny_cfg(*ALL, f"method={method}")).params
     fp32, fp32_seen = _round(tiny_cfg, f"method={method}")
     bf16, bf16_seen = _round(tiny_cfg, f"method={method}", "precision=bf16")
     assert fp32.cfg.precision == "fp32" and fp32_seen == {torch.float32}
@@ -53,7 +53,8 @@ def test_channels_last_leaves_a_cpu_run_alone():
 def test_batched_clients_auto_batches_on_cuda_only_where_allowed(tiny_cfg):
     cfg = tiny_cfg()
     assert cfg.batched_clients == "auto"   # the default
-    assert isinstance(Experiment(cfg).runner, SequentialRounds)   # a CPU run: sequential, bit for bit as before
+    # a CPU run: sequential, bit for bit as before
+    assert isinstance(Experiment.from_config(cfg).runner, SequentialRounds)
     plain = nn.Sequential(nn.Linear(2, 2))
     cuda, cpu = torch.device("cuda"), torch.device("cpu")   # a device name only: nothing runs on it
     assert trains_batched(cfg, SimpleNamespace(device=cuda, model=plain))

@@ -48,7 +48,7 @@ def expected_denominators(exp, subs, rnd) -> dict[str, torch.Tensor]:
 def test_the_noise_per_coordinate_is_z_c_over_the_public_denominator(tiny_cfg):
     """Zero updates through the stage: what moves the model is the noise alone, z C / D_j on coordinate j, with
     D_j the expected number of sampled clients holding j (HeteroFL's nested slices: two values of D)."""
-    exp = Experiment(tiny_cfg("method=heterofl", "coverage=mask", *DP))
+    exp = Experiment.from_config(tiny_cfg("method=heterofl", "coverage=mask", *DP))
     stage, rnd = exp.server.stages[0], 1
     picked = exp.sample(rnd)
     subs = exp.submodels([lv for _, lv in picked], rnd)
@@ -79,7 +79,8 @@ def test_without_noise_the_step_is_the_clipped_sum_over_the_public_denominator(t
     count (one round of real training, computed again here). robust=clip composes: a smaller bound of its own
     clips the clipped updates again; the default rule (bounded) is then the plain mean. Under the `mean` mode
     (overlap=false) D_j is m wherever a level holds j."""
-    exp = Experiment(tiny_cfg("method=fiarse", "coverage=mask", "dp.clip=0.05", "dp.noise_multiplier=0", *rule))
+    exp = Experiment.from_config(tiny_cfg("method=fiarse", "coverage=mask", "dp.clip=0.05", "dp.noise_multiplier=0",
+                                          *rule))
     old = {n: p.clone() for n, p in exp.params.items()}
     picked = exp.sample(1)
     subs = exp.submodels([lv for _, lv in picked], 1)
@@ -119,8 +120,8 @@ def test_epsilon_in_every_line_matches_the_library_and_max_epsilon_stops_the_run
 
 def test_adaptive_clipping_spends_what_z_alone_would(tiny_cfg):
     """The sum's and the count's noise together (composed by the accountant) cost the epsilon of z alone."""
-    fixed = Experiment(tiny_cfg(*DP)).server.stages[0]
-    adaptive = Experiment(tiny_cfg(*DP, "dp.adaptive=true", "dp.count_noise=5")).server.stages[0]
+    fixed = Experiment.from_config(tiny_cfg(*DP)).server.stages[0]
+    adaptive = Experiment.from_config(tiny_cfg(*DP, "dp.adaptive=true", "dp.count_noise=5")).server.stages[0]
     assert adaptive.z_sum > 2 and fixed.z_sum == 2
     assert adaptive.accountant.epsilon(3) == pytest.approx(fixed.accountant.epsilon(3), rel=1e-6)
 
@@ -144,7 +145,7 @@ def test_a_resumed_dp_run_is_bit_identical(tiny_cfg, tmp_path):
 
 def _round_seen_by_dp(cfg) -> tuple[dict, list]:
     """(round 1's metrics fields, the updates dp's stage received: after the attack, before its clip)."""
-    exp = Experiment(cfg)
+    exp = Experiment.from_config(cfg)
     stage, seen = exp.server.stages[0], []
     clip = stage.updates
     stage.updates = lambda updates, *rest: seen.extend(updates) or clip(updates, *rest)

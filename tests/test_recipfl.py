@@ -153,7 +153,7 @@ def test_bad_combinations_are_one_line_errors(tiny_cfg, override, key):
 def test_the_hypernetwork_steps_in_the_server_step_on_the_accepted_uploads(tiny_cfg):
     """Training the round's clients records their uploads and steps nothing (a getter changes no state); the
     server step (after the rule) takes one Adam step on the uploads it accepted, and drops the others."""
-    exp = Experiment(tiny_cfg(*RECIP, "participation=1.0"))
+    exp = Experiment.from_config(tiny_cfg(*RECIP, "participation=1.0"))
     method = exp.method
     picked = exp.sample(1)
     subs = exp.submodels([lvl for _, lvl in picked], 1)

@@ -215,5 +215,5 @@ def test_an_image_dataset_is_checked_right_after_loading(tmp_path, overrides, ke
     cfg = load_config(None, ["dataset=digits", "model=cnn", "width=0.25", "threads=1", f"out={tmp_path / 'run'}",
                              *overrides])
     with pytest.raises(ConfigError) as e:
-        Experiment(cfg)
+        Experiment.from_config(cfg)
     assert e.value.key == key and "1437 training samples" in str(e.value)

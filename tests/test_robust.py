@@ -61,10 +61,10 @@ def test_one_client_x50_leaves_the_default_within_2_points_and_breaks_the_old_sc
 
 def test_nan_updates_and_nan_losses_are_rejected_and_leave_the_honest_round(tmp_path):
     base = [*DIGITS, "rounds=1", "system={1,1/4}_{2,2}", f"out={tmp_path / 'r'}"]
-    nan = Experiment(load_config(None, [*base, "attack=nan", "attack_args.clients=[1]"]))
+    nan = Experiment.from_config(load_config(None, [*base, "attack=nan", "attack_args.clients=[1]"]))
     stats = nan.run_round(1)
     assert list(stats["rejected"]) == ["1"] and "non-finite value" in stats["rejected"]["1"] and stats["clients"] == 3
-    honest = Experiment(load_config(None, base))
+    honest = Experiment.from_config(load_config(None, base))
     sample = honest.sample
     honest.sample = lambda r: [(c, lv) for c, lv in sample(r) if c != 1]
     honest.run_round(1)
@@ -159,7 +159,7 @@ def test_attackers_are_drawn_from_the_seed_per_level_and_the_noise_is_seeded(tmp
     bad = attackers(cfg.attack, args, cfg.levels, cfg.seed)
     assert len(bad) == 3 and all(c >= 10 for c in bad) and bad == attackers(cfg.attack, args, cfg.levels, 0)
     assert bad != attackers(cfg.attack, args, cfg.levels, 1)
-    exp = Experiment(cfg)
+    exp = Experiment.from_config(cfg)
     u = Update(min(bad), cfg.levels.levels[1], {n: torch.zeros_like(p) for n, p in exp.params.items()}, 0.1)
     sub = exp.method.submodel(exp.params, u.level, 1)
     a, b = exp.receive(u, {u.level: sub}, 1), exp.receive(u, {u.level: sub}, 1)

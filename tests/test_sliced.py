@@ -47,7 +47,7 @@ UPDATE_GAP = 1e-3
 def _two_rounds(tiny_cfg, *overrides):
     # the plain mean: the default rule (bounded) rescales every update by a factor read from all of them, so the
     # two paths' rounding reached the accuracies (one test sample of 360 on the portable kernels)
-    exp = Experiment(tiny_cfg(*ALL_LEVELS, "robust=screen", *overrides))
+    exp = Experiment.from_config(tiny_cfg(*ALL_LEVELS, "robust=screen", *overrides))
     for r in (1, 2):
         exp.run_round(r)
     return exp
@@ -61,7 +61,7 @@ def test_sliced_equals_masked_after_two_rounds(tiny_cfg, method, arch, bn):
     sliced, masked = _two_rounds(tiny_cfg, *args), _two_rounds(tiny_cfg, *args, "sliced=false")
     sub = sliced.method.submodel(sliced.params, sliced.levels[-1], 2)
     assert sub.slices and not masked.cfg.sliced   # the two paths really differ
-    start = Experiment(tiny_cfg(*ALL_LEVELS, *args)).params
+    start = Experiment.from_config(tiny_cfg(*ALL_LEVELS, *args)).params
     assert _max_diff(sliced.params, start) > 1e-3   # training moved the model
     assert _update_gap(sliced.params, masked.params, start) < UPDATE_GAP
     ev_s, ev_m = sliced.evaluate(2), masked.evaluate(2)   # each level: the sliced model vs the masked one
@@ -76,7 +76,7 @@ def test_batched_sliced_equals_sequential_masked(tiny_cfg, method):
     args = [f"method={method}", "bn=static", "system={1,1/4,1/16}_{2,2,2}", "participation=1.0"]
     exps = []
     for extra in (["batched_clients=true"], ["sliced=false"]):
-        exp = Experiment(tiny_cfg(*args, *extra))
+        exp = Experiment.from_config(tiny_cfg(*args, *extra))
         for r in (1, 2):
             exp.run_round(r)
         exps.append(exp)

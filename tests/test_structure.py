@@ -453,3 +453,75 @@ def test_round_runners_use_only_their_port():
             if isinstance(a, ast.Attribute) and ast.unparse(a.value) == "exp"}
     used |= _members_read(PKG / "flower" / "rounds.py", "exp")
     assert used and used <= port, sorted(used - port)
+
+
+def test_the_schedule_hands_on_a_runners_port_and_reads_only_its_clocks_members():
+    """The loop hands its port to the runner (and Flower's to its nodes' messages), so the port declares what a
+    runner reads; of the clock it reads only what `ScheduleClock` declares, the engine and the run folder only
+    what the engine's `Clock` does."""
+    from fedlase.asynchronous import ScheduleClock, ServerPort
+    from fedlase.engine import Clock, RunnerPort
+    assert _declared(RunnerPort) <= _declared(ServerPort), sorted(_declared(RunnerPort) - _declared(ServerPort))
+    for path in (PKG / "asynchronous.py", PKG / "flower" / "buffered.py"):
+        used = _members_read(path, "exp.clock")
+        assert used <= _declared(ScheduleClock), (path.name, sorted(used - _declared(ScheduleClock)))
+    used = _members_read(PKG / "engine.py", "self.clock") | _members_read(PKG / "run_dir.py", "exp.clock")
+    assert used and used <= _declared(Clock), sorted(used - _declared(Clock))
+
+
+def test_the_run_folder_uses_only_its_port():
+    from fedlase.run_dir import FolderPort
+    used = _members_read(PKG / "run_dir.py", "exp")
+    assert used and used <= _declared(FolderPort), sorted(used - _declared(FolderPort))
+
+
+def _experiment_class() -> ast.ClassDef:
+    tree = ast.parse((PKG / "engine.py").read_text())
+    return next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Experiment")
+
+
+def test_the_experiment_has_every_member_its_ports_declare():
+    """What `__init__` sets (`self.x = ...`) and what the class defines cover RunnerPort, ServerPort, FolderPort
+    and what RunView reads: a port cannot name what the engine's run does not have."""
+    from fedlase.asynchronous import ServerPort
+    from fedlase.engine import RunnerPort
+    from fedlase.run_dir import FolderPort
+    cls = _experiment_class()
+    init = next(n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == "__init__")
+    has = {n.name for n in cls.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+    has |= {t.attr for n in ast.walk(init) if isinstance(n, ast.Assign) for tgt in n.targets
+            for t in ast.walk(tgt) if isinstance(t, ast.Attribute) and ast.unparse(t.value) == "self"}
+    wanted = {n for c in (RunnerPort, ServerPort, FolderPort) for n in _declared(c) if not n.startswith("_")}
+    wanted |= _members_read(PKG / "engine.py", "self._exp")   # RunView's
+    assert {"cfg", "params", "clock", "serve", "state"} <= wanted
+    assert wanted <= has, sorted(wanted - has)
+
+
+def _builds_in_init(cls: ast.ClassDef) -> list[str]:
+    """Calls in the class's `__init__` that build the run's parts or call one of its arguments (a factory, such
+    as a clock's, which can start child processes)."""
+    init = next(n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == "__init__")
+    args = {a.arg for a in [*init.args.args, *init.args.kwonlyargs]} - {"self"}
+    out = []
+    for node in ast.walk(init):
+        if isinstance(node, ast.Call):
+            name = ast.unparse(node.func)
+            if name.split(".")[-1] in ("build_parts", "clock_for") or name in args:
+                out.append(f"line {node.lineno}: {ast.unparse(node)}")
+    return out
+
+
+def test_the_experiment_is_handed_its_parts_and_clock():
+    """`Experiment.__init__` builds no parts and calls no clock factory; `Experiment.from_config` does both."""
+    cls = _experiment_class()
+    assert not _builds_in_init(cls), _builds_in_init(cls)
+    init = next(n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == "__init__")
+    assert [a.arg for a in init.args.args[:3]] == ["self", "cfg", "parts"] and len(init.args.defaults) == 2
+
+
+def test_the_construction_check_catches_a_build_and_a_factory_call():
+    old = ("class Experiment:\n    def __init__(self, cfg, runner=None, clock=None, parts=None):\n"
+           "        self.parts = parts or build_parts(cfg)\n"
+           "        self.clock = clock(cfg, self.parts) if clock is not None else None\n")
+    found = _builds_in_init(ast.parse(old).body[0])
+    assert len(found) == 2 and "build_parts(cfg)" in found[0] and "clock(cfg, self.parts)" in found[1]

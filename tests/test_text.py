@@ -626,7 +626,7 @@ def test_head_norm_run_resumes_bit_identically(hf_folder, tmp_path, cache):
     run(make_config(**{**settings, "rounds": 1}, out=str(tmp_path / "cut")))
     resumed = run(make_config(**settings, out=str(tmp_path / "cut")), resume=True)
     assert json.dumps(whole["final"]["levels"]) == json.dumps(resumed["final"]["levels"])
-    exp = Experiment(make_config(**settings, out=str(tmp_path / "x")))
+    exp = Experiment.from_config(make_config(**settings, out=str(tmp_path / "x")))
     assert isinstance(exp.model.norm, torch.nn.BatchNorm1d) and "norm.running_mean" in exp.buffers
     from fedlase.evaluate import recompute_bn_stats
     stats = []
@@ -640,7 +640,7 @@ def test_head_norm_needs_a_text_model():
     from fedlase.api import make_config
     from fedlase.engine import Experiment
     with pytest.raises(ConfigError) as e:
-        Experiment(make_config(dataset="digits", model="cnn", head_norm="batch"))
+        Experiment.from_config(make_config(dataset="digits", model="cnn", head_norm="batch"))
     assert "head_norm" in one_line(e)
 
 

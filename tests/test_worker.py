@@ -130,7 +130,7 @@ class Wire:
 
 
 def flower_round(cfg, folder, rnd=2, run_id=7):
-    exp = Experiment(cfg, NodeRounds(Wire(cfg, folder, run_id)))
+    exp = Experiment.from_config(cfg, NodeRounds(Wire(cfg, folder, run_id)))
     stats = exp.run_round(rnd)
     return exp, stats
 
@@ -145,11 +145,11 @@ def test_the_worker_trains_bit_for_bit_as_the_clientapp(tmp_path, served, task_i
     embedded engine's weights bit for bit; so does the ClientApp that trains in its own process."""
     folder, proc = served
     cfg = cfg_of(tmp_path)
-    exp = Experiment(cfg, NodeRounds(Wire(cfg, folder)))
+    exp = Experiment.from_config(cfg, NodeRounds(Wire(cfg, folder)))
     for rnd in (1, 2):
         stats = exp.run_round(rnd)
         assert stats["clients"] == 2 and not stats["failed"], stats
-    emb = Experiment(cfg_of(tmp_path))
+    emb = Experiment.from_config(cfg_of(tmp_path))
     emb.run_round(1)
     emb.run_round(2)
     assert same(exp.params, emb.params)
@@ -216,7 +216,7 @@ def _server_contents(cfg, rnd) -> dict:
                 captured.update({m.content.config_records["task"]["partition-id"]: m.content for m in messages})
                 return []
             return super().send_and_receive(messages)
-    Experiment(cfg, NodeRounds(Capture(cfg, None))).run_round(rnd)
+    Experiment.from_config(cfg, NodeRounds(Capture(cfg, None))).run_round(rnd)
     return captured
 
 
@@ -237,10 +237,10 @@ def test_a_worker_refuses_another_run_or_partition(tmp_path, served, task_identi
 def test_no_worker_trains_in_process_and_says_so_once(tmp_path, wdir, task_identity, capfd):
     """A node whose worker folder holds no worker: the same weights, one line in the node's log for the run."""
     cfg = cfg_of(tmp_path)
-    exp = Experiment(cfg, NodeRounds(Wire(cfg, wdir)))
+    exp = Experiment.from_config(cfg, NodeRounds(Wire(cfg, wdir)))
     exp.run_round(1)
     exp.run_round(2)
-    emb = Experiment(cfg_of(tmp_path))
+    emb = Experiment.from_config(cfg_of(tmp_path))
     emb.run_round(1)
     emb.run_round(2)
     assert same(exp.params, emb.params)

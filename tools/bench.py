@@ -232,7 +232,7 @@ def measure_overhead(overrides: list[str], method: str, rounds: int, repeats: in
     from fedlase.config import load_config
     from fedlase.engine import Experiment
     from fedlase.registry import METHODS
-    exp = Experiment(load_config(None, [*overrides, f"method={method}"]))
+    exp = Experiment.from_config(load_config(None, [*overrides, f"method={method}"]))
     cfg = exp.cfg
     probe = METHODS.get(cfg.method)(exp.model, cfg.levels, run_seed=cfg.seed, **cfg.method_args)
     model = deepcopy(exp.model)   # the tight loop's own module; the engine's stays untouched
@@ -413,7 +413,7 @@ def memory_child(spec: dict) -> dict:
     from fedlase.config import load_config
     from fedlase.engine import Experiment
     t0 = time.process_time()
-    exp = Experiment(load_config(None, spec["overrides"]))
+    exp = Experiment.from_config(load_config(None, spec["overrides"]))
     init = time.process_time() - t0
     rss_init = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024   # Linux: KiB
     exp.run_round(1)   # warm-up, outside the timing
@@ -459,7 +459,7 @@ def async_child(spec: dict) -> dict:
     from fedlase.engine import Experiment
     from fedlase.simtime import clock_for
     t0 = time.process_time()
-    exp = Experiment(load_config(None, spec["overrides"]), clock=clock_for)
+    exp = Experiment.from_config(load_config(None, spec["overrides"]), clock_for=clock_for)
     init = time.process_time() - t0
     rss_init = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024   # Linux: KiB
     spent = {"train": 0.0, "serve": 0.0, "extract": 0.0}
@@ -595,7 +595,7 @@ def paired_rounds(opts, overrides: list[str], key: str, values: tuple[str, str])
     after a round)."""
     from fedlase.config import load_config
     from fedlase.engine import Experiment
-    exps = [Experiment(load_config(None, [*overrides, f"{key}={v}"])) for v in values]
+    exps = [Experiment.from_config(load_config(None, [*overrides, f"{key}={v}"])) for v in values]
     warm = []
     for e in exps:
         e.run_round(1)   # warm-up
@@ -672,7 +672,7 @@ def timed_rounds(overrides: list[str], rounds: int) -> float:
     """Seconds per round of a run of `overrides` (the fastest of `rounds` after a warm-up round)."""
     from fedlase.config import load_config
     from fedlase.engine import Experiment
-    exp = Experiment(load_config(None, overrides))
+    exp = Experiment.from_config(load_config(None, overrides))
     exp.run_round(1)   # warm-up: allocator, cuDNN's choices, lazy initialisation
     best = math.inf
     for rnd in range(2, 2 + rounds):
@@ -689,7 +689,8 @@ def deterministic_cost(overrides: list[str], rounds: int, repeats: int) -> tuple
     from fedlase import determinism
     from fedlase.config import load_config
     from fedlase.engine import Experiment
-    exps = {v: Experiment(load_config(None, [*overrides, f"deterministic={str(v).lower()}"])) for v in (True, False)}
+    exps = {v: Experiment.from_config(load_config(None, [*overrides, f"deterministic={str(v).lower()}"]))
+            for v in (True, False)}
     warm = {}
     for v, e in exps.items():
         determinism.apply(v)

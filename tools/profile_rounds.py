@@ -38,8 +38,8 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     opts = argparse.Namespace(quick=False, device="cpu", threads=1)
     with tempfile.TemporaryDirectory() as tmp:
-        exp = Experiment(load_config(None, [*bench.scenarios(opts, bench.data_overrides(Path(tmp)))[args.scenario],
-                                            f"method={args.method}"]))
+        scenario = bench.scenarios(opts, bench.data_overrides(Path(tmp)))[args.scenario]
+        exp = Experiment.from_config(load_config(None, [*scenario, f"method={args.method}"]))
         model = deepcopy(exp.model)
         exp.run_round(1)
         exp.state.round = 1

@@ -30,7 +30,7 @@ import heapq
 import logging
 import time
 
-from ..asynchronous import AsyncSchedule, Flight, by_draw, credited
+from ..asynchronous import AsyncSchedule, Flight, ServerPort, by_draw, credited
 from ..errors import UserError
 from ..masks import Submodel
 from .codec import ReplyError
@@ -57,10 +57,10 @@ class NodeSchedule(AsyncSchedule):
             self.start = time.monotonic()
         return time.monotonic() - self.start
 
-    def _dispatch(self, exp, client: int, level: int) -> tuple[float, bool]:
+    def _dispatch(self, exp: ServerPort, client: int, level: int) -> tuple[float, bool]:
         return self._wall(), False   # when it was sent: its arrival is whenever its reply comes
 
-    def _launch(self, exp, trainees: list[Flight], subs: dict) -> None:
+    def _launch(self, exp: ServerPort, trainees: list[Flight], subs: dict) -> None:
         """Push one TRAIN message per dispatched client (its draw's batches, its level's submodel)."""
         stripped: dict[int, Submodel] = {}
         for draw, group, picked in by_draw(exp, trainees):
@@ -84,7 +84,7 @@ class NodeSchedule(AsyncSchedule):
         f.failed = why
         self.ready.append(f)
 
-    def _arrivals(self, exp) -> list[Flight]:
+    def _arrivals(self, exp: ServerPort) -> list[Flight]:
         """The next reply (or failure), as one arrival: pulled every POLL seconds until there is one."""
         while not self.ready:
             if not self.sent:   # cannot happen while a slot is taken; a loop waiting on nothing would never end
@@ -98,7 +98,7 @@ class NodeSchedule(AsyncSchedule):
         self.now = f.arrival = self._wall()
         return [f]
 
-    def _pull(self, exp) -> None:
+    def _pull(self, exp: ServerPort) -> None:
         """The replies there are now into `ready` (checked: an update, or why it failed), and the messages past
         their reply_timeout given up."""
         if self.sent:
@@ -126,6 +126,6 @@ class NodeSchedule(AsyncSchedule):
     def _stats(self) -> dict:
         return self.nodes.take_events()
 
-    def load_state_dict(self, state: dict, exp, Update) -> None:
+    def load_state_dict(self, state: dict, exp: ServerPort, Update) -> None:
         raise UserError(f"resume: a {self.kind} run on Flower cannot resume: the messages it had in flight were the "
                         "SuperLink's, and are gone; start it again in another out folder")
