@@ -349,3 +349,20 @@ def test_building_a_run_sets_no_attribute_on_the_model(tabular, method, model_na
         assert p.facts.known_groups() and p.facts.example is not None and not hasattr(model, "channel_groups")
     else:   # the low-rank plan is the method's: each level's rank ratio, nested
         assert p.method.alphas["1"] >= p.method.alphas["1/4"] > 0
+
+
+def test_a_plugin_method_of_any_signature_reads_the_runs_facts_in_its_constructor():
+    class Explicit(fedlase.Method):   # today's signature without **options: built through Method.build unchanged
+        name = "explicit_t"
+
+        def __init__(self, model, system, run_seed=None):
+            super().__init__(model, system, run_seed=run_seed)
+            self.groups = self.facts.channel_groups(self.name)
+
+    model = nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Linear(6, 2))
+    facts = ModelFacts.of(model, SimpleNamespace(x_train=torch.randn(3, 4)))
+    method = Explicit.build(model, LEVELS, facts, run_seed=1)
+    assert method.facts is facts and method.seed == 1 and method.groups["0.weight"] == ("0.weight:0", None)
+    with pytest.raises(ConfigError, match=r"explicit_t slices channels; model Sequential declares no "
+                       r"channel_groups\(\) and was built outside a run"):
+        Explicit(model, LEVELS)   # built directly: the model's own hooks alone, no sample to trace with
