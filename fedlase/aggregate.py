@@ -29,27 +29,28 @@ from torch import nn
 
 from .layers import BatchNorm
 from .masks import Submodel, slice_block
+from .model_facts import ModelFacts
 from .robust_config import COVERAGES
 
 AGGREGATIONS = ("coverage", "mean")
 
 
-def channel_owners(model: nn.Module) -> dict[str, list[str]]:
+def channel_owners(model: nn.Module, facts: ModelFacts | None = None) -> dict[str, list[str]]:
     """Per-channel parameter name -> the conv/linear weights whose output channels decide its `kept` credit.
 
     A conv/linear bias follows its own layer's weight. A BatchNorm's weight and bias follow every weight
-    (a parameter of two or more dims) that the model's `channel_groups()` puts in the same output group; a
-    model without `channel_groups()` names no BN owner. Anything else (LayerNorm, embeddings) has no owner
-    and is credited by its mask."""
+    (a parameter of two or more dims) that the model's channel groups put in the same output group: its
+    `channel_groups()`, or those the run's width method traced (`facts`, the run's ModelFacts); a model with
+    neither names no BN owner. Anything else (LayerNorm, embeddings) has no owner and is credited by its mask."""
     owners: dict[str, list[str]] = {}
     for mod_name, mod in model.named_modules():
         if isinstance(mod, (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Linear)) and mod.bias is not None:
             prefix = f"{mod_name}." if mod_name else ""
             owners[f"{prefix}bias"] = [f"{prefix}weight"]
-    if not hasattr(model, "channel_groups"):
+    groups = (facts or ModelFacts(model)).known_groups()
+    if groups is None:
         return owners
     shapes = {n: p.dim() for n, p in model.named_parameters()}
-    groups = model.channel_groups()
     producers: dict[str, list[str]] = {}
     for name, (out_g, _) in groups.items():
         if out_g is not None and shapes.get(name, 0) > 1:

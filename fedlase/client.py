@@ -45,13 +45,11 @@ def client_splits(cfg: Config, y_train: np.ndarray, y_test: np.ndarray, num_clas
 
 
 def build_model_for(cfg: Config, data) -> torch.nn.Module:
-    """The global model, initialised from the run's seed. A model that declares no channel groups keeps two training
-    samples to be traced with, should a width method need its groups (fedlase/models/trace.py)."""
-    from .models.trace import remember_example  # here: importing fedlase.models registers the built-in models
+    """The global model, initialised from the run's seed (what fedlase learns about it is kept beside it:
+    fedlase/model_facts.py)."""
+    from . import models  # noqa: F401 -- here: importing fedlase.models registers the built-in models
     torch.manual_seed(cfg.seed)
-    model = MODELS.get(cfg.model).build(cfg, data)
-    remember_example(model, data)
-    return model
+    return MODELS.get(cfg.model).build(cfg, data)
 
 
 @dataclass(frozen=True)

@@ -31,6 +31,7 @@ from .evaluate import EvalData, EvalSettings, evaluate_levels
 from .levels import Level
 from .machine import apply_threads
 from .masks import Submodel
+from .model_facts import ModelFacts
 from .privacy import stages_for
 from .registry import DATASETS, METHODS, TRACKERS, check_analysis
 from .resources import check_loaded
@@ -155,6 +156,7 @@ class Parts:
     client_train: list                          # each client's training indices (the partition)
     client_test: list                           # and local test indices
     model: torch.nn.Module
+    facts: ModelFacts                           # what fedlase knows of the model (fedlase/model_facts.py)
     method: Any                                 # the fedlase.methods.base.Method (through the registry)
     trainer: ClientTrainer
     levels: tuple[Level, ...]
@@ -177,8 +179,9 @@ def build_parts(cfg: Config) -> Parts:
     x_test, y_test = d.x_test.to(device), d.y_test.to(device)
     client_train, client_test = client_splits(cfg, d.y_train.numpy(), d.y_test.numpy(), d.num_classes)
     model = build_model_for(cfg, d).to(device)
+    facts = ModelFacts.of(model, d)   # kept beside the model, never on it; traced only if a width method asks
     system = cfg.levels
-    method = METHODS.get(cfg.method)(model, system, run_seed=cfg.seed, **cfg.method_args)
+    method = METHODS.get(cfg.method).build(model, system, facts, run_seed=cfg.seed, **cfg.method_args)
     method.bind_data(d.y_train, client_train, d.num_classes)   # what clients tell the server (RecipFL's histograms)
     trainer = ClientTrainer(ClientSettings.from_config(cfg), model, x_train, y_train,
                             {c: torch.as_tensor(i, device=device) for c, i in enumerate(client_train)}, d.augment)
@@ -192,13 +195,13 @@ def build_parts(cfg: Config) -> Parts:
     level_clients = {lvl: [c for c in range(cfg.num_clients) if cfg.assignment != "fixed" or owner[c] == lvl.index]
                      for lvl in system.levels}
     coverage = cfg.coverage or method.coverage
-    owners = channel_owners(model) if coverage == "kept" else None
+    owners = channel_owners(model, facts) if coverage == "kept" else None
     plan = Sampling.from_config(cfg)
     stages = stages_for(cfg, method, plan, method.aggregation, coverage, owners, device)   # dp (fedlase/privacy.py)
     server = ServerStep.of(cfg.robust, cfg.robust_args, cfg.attack, cfg.attack_args, system, cfg.seed,
                            method.aggregation, coverage, owners, stages, method, running=cfg.schedule != "sync")
-    return Parts(device, d, x_train, y_train, x_test, y_test, client_train, client_test, model, method, trainer,
-                 system.levels, level_clients, plan, eval_data, EvalSettings.from_config(cfg), server)
+    return Parts(device, d, x_train, y_train, x_test, y_test, client_train, client_test, model, facts, method,
+                 trainer, system.levels, level_clients, plan, eval_data, EvalSettings.from_config(cfg), server)
 
 
 class Clock(Protocol):

@@ -108,9 +108,11 @@ def _check_method(cfg: Config, data: dict) -> None:
             data[key] = None
     if data[key] is not None:
         from .client import build_model_for
+        from .model_facts import ModelFacts
         with torch.random.fork_rng(devices=[]):   # the sweep's own process: leave torch's stream as it was
             model = build_model_for(cfg, data[key])
-        METHODS.get(cfg.method)(model, cfg.levels, run_seed=cfg.seed, **cfg.method_args)
+        METHODS.get(cfg.method).build(model, cfg.levels, ModelFacts.of(model, data[key]), run_seed=cfg.seed,
+                                      **cfg.method_args)
 
 
 def _plain(d: dict) -> dict:

@@ -88,6 +88,7 @@ def kept() -> None:
     from fedlase.levels import level_name
     from fedlase.masks import Submodel
     from fedlase.methods.slicing import width_rate, width_slices
+    from fedlase.model_facts import ModelFacts
     from fedlase.models.transformer import build_minilm
     model = build_minilm(types.SimpleNamespace(model="minilm", max_length=32, seed=0, word_embeddings="whole"),
                          types.SimpleNamespace(num_classes=5))
@@ -98,7 +99,7 @@ def kept() -> None:
           "| slice | width rate | kept | kept / budget | kept / the level's budget |\n|---|---|---|---|---|")
     for name, level, rate in [*((f"level {level_name(lv)}", lv, width_rate(lv)) for lv in LEVELS[1:]),
                               ("smallest (1 head, 1 unit)", LEVELS[-1], 1e-9)]:
-        k = Submodel(width_slices(model, params, rate)[0]).kept(names, params)
+        k = Submodel(width_slices(ModelFacts(model), params, rate)[0]).kept(names, params)
         print(f"| {name} | {rate:.4g} | {k:,} | 1/{budget / k:.1f} | {k / (level * budget):.1f}x |")
 
 

@@ -53,6 +53,19 @@ def test_decompose_is_the_best_rank_r_approximation_and_nested():
     assert torch.linalg.matrix_norm(naive - as_matrix(w)) > float(s[3:].norm()) * 1.01
 
 
+@pytest.mark.parametrize("cls", [FedLMT, PFedLMT])
+@pytest.mark.parametrize("arch, shape", [("cnn", (1, 10, 0.5, "batch", 28)), ("resnet18", (3, 10, 0.125, "batch", 8))])
+def test_the_plan_read_off_the_factorized_model_is_the_dense_ones(cls, arch, shape):
+    # the method plans its ranks again on the model prepare_model_for factorized (nothing is kept on the model):
+    # the same ratios, shares and rule as planned on the dense model, exactly
+    system = System.parse("{1,1/4}_{1,1}")
+    dense = build_model(arch, *shape)
+    planned = cls.ranks_for(dense, {}, system)
+    method = cls(cls.prepare_model_for(dense, {}, system), system)
+    assert any(isinstance(m, FactorizedConv2d) for m in method.model.modules())
+    assert (method.alphas, method.shares, method.rule) == planned[:3]
+
+
 def test_ranks_follow_the_budget_and_the_weakest_level_sets_fedlmts():
     system = System.parse("{1,1/4,1/16}_{1,1,1}")
     dense = build_model("cnn", 1, 10, 1.0, "batch", 28)

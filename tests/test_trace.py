@@ -14,9 +14,9 @@ import fedlase
 from fedlase.errors import ConfigError
 from fedlase.levels import System
 from fedlase.methods.heterofl import HeteroFL
-from fedlase.methods.slicing import width_slices
+from fedlase.model_facts import ModelFacts
 from fedlase.models import ResNet18, SmallCNN
-from fedlase.models.trace import DerivedGroups, ensure_groups, remember_example, trace_groups
+from fedlase.models.trace import trace_groups
 from fedlase.registry import DATASETS, METHODS, MODELS, temporary
 
 LEVELS = (1.0, 0.25)
@@ -34,11 +34,11 @@ def traced(model: nn.Module, shape: tuple) -> dict:
     return trace_groups(model, torch.randn(2, *shape))
 
 
-def derive(model: nn.Module, shape: tuple) -> nn.Module:
-    """The model as a width method sees it: two samples kept, groups and `sliceable` derived."""
-    remember_example(model, SimpleNamespace(x_train=torch.randn(2, *shape)))
-    ensure_groups(model, "heterofl", width_slices)
-    return model
+def derive(model: nn.Module, shape: tuple) -> ModelFacts:
+    """The model's facts as a width method sees them: two samples kept, groups and `sliceable` derived."""
+    facts = ModelFacts.of(model, SimpleNamespace(x_train=torch.randn(2, *shape)))
+    facts.channel_groups("heterofl")
+    return facts
 
 
 # ---- the built-in models: derived == hand-written ------------------------------------------------------------
@@ -102,9 +102,10 @@ def test_unseen_residual_blocks_get_the_groups_written_by_hand():
              f"{p}.conv3.weight": (E, "M"), f"{p}.bn3.weight": (E, None), f"{p}.bn3.bias": (E, None),
              f"{p}.downsample.0.weight": (E, S), f"{p}.downsample.1.weight": (E, None),
              f"{p}.downsample.1.bias": (E, None), "fc.weight": (None, E)}
-    model = derive(TinyTorchvisionNet(), (3, 8, 8))
-    assert canonical(model.channel_groups(), model) == canonical(want, model)
-    assert model.sliceable is True   # global pooling before fc: the slice trains as the smaller tensors
+    model = TinyTorchvisionNet()
+    facts = derive(model, (3, 8, 8))
+    assert canonical(facts.channel_groups(), model) == canonical(want, model)
+    assert facts.sliceable() is True   # global pooling before fc: the slice trains as the smaller tensors
 
 
 def test_concatenated_and_flattened_channels_stay_whole():
@@ -151,11 +152,12 @@ def test_a_forward_that_cannot_take_the_smaller_tensors_trains_masked():
         def forward(self, x):
             return self.fc2(torch.relu(self.norm(self.fc1(x))))
 
-    model = derive(Normed(), (6,))
-    assert model.channel_groups()["norm.weight"] == model.channel_groups()["fc1.weight"]
-    assert model.sliceable is False
+    model = Normed()
+    facts = derive(model, (6,))
+    assert facts.channel_groups()["norm.weight"] == facts.channel_groups()["fc1.weight"]
+    assert facts.sliceable() is False
     quarter = System.parse("{1,1/4}_{1,1}").levels[1]
-    sub = HeteroFL(model, LEVELS).submodel(dict(model.named_parameters()), quarter, 1)
+    sub = HeteroFL.build(model, LEVELS, facts).submodel(dict(model.named_parameters()), quarter, 1)
     assert not sub.slices and int(sub.masks["fc1.weight"].any(1).sum()) == 4   # masks: half of the 8 channels
 
 
@@ -197,8 +199,8 @@ def test_a_channel_shuffle_is_refused_in_one_line(kind):
 
 
 def test_the_same_net_without_the_shuffle_slices():
-    model = derive(shuffled_net(""), (1, 8, 8))
-    assert model.sliceable is True
+    facts = derive(shuffled_net(""), (1, 8, 8))
+    assert facts.sliceable() is True
 
 
 def test_a_masked_model_whose_channels_stay_in_place_passes_the_check():
@@ -211,8 +213,8 @@ def test_a_masked_model_whose_channels_stay_in_place_passes_the_check():
             h = torch.relu(self.fc1(x)).view(-1, 8)
             return self.fc3(torch.relu(self.fc2(h)))
 
-    model = derive(FixedView(), (6,))
-    assert model.sliceable is False and model.channel_groups()["fc2.weight"][1] is not None
+    facts = derive(FixedView(), (6,))
+    assert facts.sliceable() is False and facts.channel_groups()["fc2.weight"][1] is not None
 
 
 # ---- own hooks win; failures are one line ------------------------------------------------------------------------
@@ -224,8 +226,8 @@ def test_a_models_own_hooks_win_and_built_ins_never_import_torch_pruning():
     class Declared(nn.Sequential):
         sliceable = False   # its own choice, kept although the trace would allow slicing
 
-    model = derive(Declared(nn.Linear(4, 6), nn.ReLU(), nn.Linear(6, 2)), (4,))
-    assert isinstance(model.channel_groups, DerivedGroups) and model.sliceable is False
+    facts = derive(Declared(nn.Linear(4, 6), nn.ReLU(), nn.Linear(6, 2)), (4,))
+    assert facts.known_groups() is not None and facts.sliceable() is False
 
 
 def test_a_model_that_cannot_be_traced_gets_one_line():
@@ -302,8 +304,65 @@ def test_the_mlp_trains_as_the_smaller_dense_model(tabular):
     from fedlase.client import build_model_for
     cfg = fedlase.make_config(dataset="tabular_t", model="mlp_t", method="heterofl", system="{1,1/4}_{1,1}",
                               out="unused")
-    model = build_model_for(cfg, _load_tabular(cfg))
-    sub = HeteroFL(model, cfg.levels).submodel(dict(model.named_parameters()), cfg.levels.levels[1], 1)
+    data = _load_tabular(cfg)
+    model = build_model_for(cfg, data)
+    method = HeteroFL.build(model, cfg.levels, ModelFacts.of(model, data))
+    sub = method.submodel(dict(model.named_parameters()), cfg.levels.levels[1], 1)
     small = sub.gather(dict(model.named_parameters()))
-    assert model.sliceable is True   # width rate 1/2 of a 1/4 level: hidden layers of 128
+    assert method.facts.sliceable() is True   # width rate 1/2 of a 1/4 level: hidden layers of 128
     assert [tuple(small[f"{i}.weight"].shape) for i in (0, 2, 4)] == [(128, 30), (128, 128), (5, 128)]
+
+
+# ---- what fedlase learns about a model is kept beside it (fedlase/model_facts.py), never set on it -----------------
+def _attributes(model: nn.Module) -> tuple[set, set]:
+    return set(model.__dict__), set(vars(type(model)))
+
+
+@pytest.mark.parametrize("method, model_name", [("fjord", "mlp_t"), ("fedlase_width", "mlp_t"),
+                                                ("fedlmt", "cnn_t"), ("pfedlmt", "cnn_t")])
+def test_building_a_run_sets_no_attribute_on_the_model(tabular, method, model_name, tmp_path):
+    from fedlase.engine import build_parts
+    from fedlase.models import build_model
+    seen = []
+
+    def recorded(dense):
+        def build(cfg, data):   # the model as its builder made it, before the method prepares or reads it
+            model = dense(cfg, data)
+            seen.append((model, _attributes(model)))
+            return METHODS.get(cfg.method).prepare_model_for(model, cfg.method_args, cfg.levels)
+        return build
+
+    fedlase.register_model("cnn_t", recorded(lambda cfg, d: build_model("cnn", d.in_channels, d.num_classes, cfg.width,
+                                                                        cfg.bn, d.image_size)))
+    fedlase.register_model("mlp_t", recorded(_mlp), replace=True)
+    dataset = "tabular_t" if model_name == "mlp_t" else "digits"
+    cfg = fedlase.make_config(dataset=dataset, model=model_name, method=method, system="{1,1/4}_{1,1}", width=0.25,
+                              threads=1, device="cpu", out=str(tmp_path / "run"))
+    p = build_parts(cfg)
+    params = dict(p.model.named_parameters())
+    for lvl in p.levels:
+        p.method.submodel(params, lvl, 1)
+    model, before = seen[-1]   # (the config's validation builds one on torch's meta device first)
+    assert p.model is model and p.method.facts is p.facts
+    assert _attributes(model) == before
+    if model_name == "mlp_t":   # traced: the groups and the samples are in the facts, not on the model
+        assert p.facts.known_groups() and p.facts.example is not None and not hasattr(model, "channel_groups")
+    else:   # the low-rank plan is the method's: each level's rank ratio, nested
+        assert p.method.alphas["1"] >= p.method.alphas["1/4"] > 0
+
+
+def test_a_plugin_method_of_any_signature_reads_the_runs_facts_in_its_constructor():
+    class Explicit(fedlase.Method):   # today's signature without **options: built through Method.build unchanged
+        name = "explicit_t"
+
+        def __init__(self, model, system, run_seed=None):
+            super().__init__(model, system, run_seed=run_seed)
+            self.groups = self.facts.channel_groups(self.name)
+
+    model = nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Linear(6, 2))
+    facts = ModelFacts.of(model, SimpleNamespace(x_train=torch.randn(3, 4)))
+    method = Explicit.build(model, LEVELS, facts, run_seed=1)
+    assert method.facts is facts and method.seed == 1 and method.groups["0.weight"] == ("0.weight:0", None)
+    with pytest.raises(ConfigError, match=r"explicit_t slices channels; model Sequential declares no "
+                       r"channel_groups\(\) and was built outside a run"):
+        Explicit(model, LEVELS)   # built directly: the model's own hooks alone, no sample to trace with

@@ -19,6 +19,7 @@ from torch import nn
 from ..config import ENGINES
 from ..levels import System, as_system
 from ..masks import Submodel, kth_largest, maskable_names
+from ..model_facts import ModelFacts
 from ..options import Option, check_options
 
 __all__ = ["LocalObjective", "Method", "Option", "ThresholdMethod"]
@@ -92,10 +93,15 @@ class Method:
     # a personalized method's global accuracy: the mean of its clients' own models' on the whole test set, or,
     # False, not computed (NaN)
     global_eval: bool = True
+    # what fedlase knows of the model (its channel groups, declared or traced: fedlase/model_facts.py); the run's,
+    # handed in by `build`, else the model's own hooks alone (a method built directly on a model)
+    facts: ModelFacts | None = None
 
     def __init__(self, model: nn.Module, system: System | list = (1.0,), *, run_seed: int | None = None,
                  **options):
         self.model = model
+        if self.facts is None:
+            self.facts = ModelFacts(model)
         self.system = as_system(system)
         self.maskable = maskable_names(model)
         self.args = check_options("method_args", self.options, options, self.name)
@@ -115,6 +121,16 @@ class Method:
                 raise ValueError(f"level {level} is not one of the system's levels")
             index = found.index
         return torch.Generator().manual_seed(derive_seed(self.seed, round, Stream.METHOD, int(index)))
+
+    @classmethod
+    def build(cls, model: nn.Module, system, facts: ModelFacts, **kwargs) -> Method:
+        """`cls(model, system, **kwargs)` reading `facts`, the run's ModelFacts of `model` (fedlase.engine.build_parts
+        calls this): they are in place before the constructor runs, so the constructor reads them as `self.facts`
+        and keeps its signature (a plugin's too)."""
+        method = cls.__new__(cls)
+        method.facts = facts
+        method.__init__(model, system, **kwargs)
+        return method
 
     @classmethod
     def check_args(cls, options: dict) -> dict:

@@ -25,7 +25,7 @@ class FedAvgSmall(Method):
 
     def __init__(self, model, system=(1.0,), **options):
         super().__init__(model, system, **options)
-        self.slicer = WidthSlicer(model, method=self.name)
+        self.slicer = WidthSlicer(self.facts, method=self.name)
         state_widths(self, lambda lvl: width_rate(float(self.system.smallest)))
 
     def submodel(self, params, level, round):

@@ -21,7 +21,7 @@ from ..layers import BatchNorm
 from ..masks import Submodel
 from ..registry import register_method
 from .base import LocalObjective, Method, Option
-from .slicing import channel_groups, group_keep, state_widths, width_rate, width_slices
+from .slicing import group_keep, state_widths, width_rate, width_slices
 
 
 def top_channels(score: torch.Tensor, keep: int) -> torch.Tensor:
@@ -69,7 +69,7 @@ class FedDSE(Method):
 
     def __init__(self, model, system=(1.0,), **options):
         super().__init__(model, system, **options)
-        self.groups = channel_groups(model, "feddse")
+        self.groups = self.facts.channel_groups("feddse")
         # which BN layer scores which group: the group of its weight (a residual stage: the mean of its BNs)
         self.scored = {name: self.groups[f"{name}.weight"][0] for name, mod in model.named_modules()
                        if isinstance(mod, BatchNorm) and f"{name}.weight" in self.groups}
@@ -106,7 +106,7 @@ class FedDSE(Method):
                 h.remove()
         scores = {g: s / seen[g] for g, s in sums.items()}
         # a group no BN follows (none in the bundled models) keeps its first channels
-        first = group_keep(self.model, self.groups, params, 1.0)
+        first = group_keep(self.facts, self.groups, params, 1.0)
         return {g: scores.get(g, torch.zeros(k.numel(), device=k.device)) for g, k in first.items()}
 
     def record(self, level, round: int, keep: dict[str, torch.Tensor]) -> None:
@@ -122,7 +122,7 @@ class FedDSE(Method):
         if float(level) >= 1:
             return Submodel()
         rate = width_rate(float(level))
-        keep = group_keep(self.model, self.groups, params, rate)   # first channels
+        keep = group_keep(self.facts, self.groups, params, rate)   # first channels
         _, counts = self.counts.get(level.index, (None, {}))
         if self.args["eval"] == "selected" and counts:
             keep = {g: top_channels(counts[g].float(), int(k.sum())).to(k.device) if g in counts else k
@@ -133,7 +133,7 @@ class FedDSE(Method):
         """The submodel keeping these channels: trained and evaluated as the smaller dense model where the model
         can slice (the same network as its masks: a dropped channel's conv, BN and next-layer inputs are all
         zero under the masks), else as masks."""
-        masks, slices = width_slices(self.model, params, 0.0, keep=keep)
+        masks, slices = width_slices(self.facts, params, 0.0, keep=keep)
         return Submodel(masks, slices=slices)
 
     def state_dict(self) -> dict:

@@ -50,7 +50,7 @@ from ..registry import register_method
 from .base import Method, Option
 from .feddse import top_channels
 from .fedlase import FedLASE
-from .slicing import channel_groups, group_sizes, held, width_rate, width_slices
+from .slicing import group_sizes, held, width_rate, width_slices
 
 log = logging.getLogger("fedlase")
 SCORING = ("score", "log", "transform", "extract_all_layers", "edge_layers")   # FedLASE's switches that apply
@@ -75,11 +75,10 @@ class FedLASEWidth(Method):
 
     def __init__(self, model, system=(1.0,), **options):
         super().__init__(model, system, **options)
-        channel_groups(model, "fedlase_width")   # the one-line error of a model that declares none
+        self.groups = self.facts.channel_groups(self.name)   # traced where the model declares none, or one line
         # FedLASE's layer budgets, from its own code; system (1,) so its masked-only check (edges kept whole
         # must fit the smallest level) does not apply: edge layers here are not kept whole
         self.scorer = FedLASE(model, (1.0,), run_seed=self.seed, **{k: self.args[k] for k in SCORING})
-        self.groups = model.channel_groups()
         params = dict(model.named_parameters())
         self.sizes = group_sizes(self.groups, params)
         # budget=both only: each weight's uses in one forward pass (one pass at start-up) and the full model's work
@@ -193,5 +192,5 @@ class FedLASEWidth(Method):
                 keep[g] = top_channels(scores[g], counts[g]).to(device)
             else:
                 keep[g] = torch.arange(K, device=device) < counts[g]
-        masks, slices = width_slices(self.model, params, 0.0, keep=keep)
+        masks, slices = width_slices(self.facts, params, 0.0, keep=keep)
         return Submodel(masks, slices=slices)

@@ -60,7 +60,10 @@ def min_ratio(plan: dict) -> float:
 
 
 class LowRank(Method):
-    """What FedLMT and pFedLMT share: the factorized model, planned on the dense one by `prepare_model_for`."""
+    """What FedLMT and pFedLMT share: the factorized model, planned on the dense one by `prepare_model_for`.
+    The plan (each level's rank ratio and share, the decom_rule: `ranks_for`) is a function of the model's
+    shapes and the options, the same on the dense and the factorized model (fedlase/models/factorized.py,
+    `budget_share`), so the method plans it again rather than reading it off the model."""
 
     @classmethod
     def default_rule(cls, model) -> int:
@@ -96,6 +99,12 @@ class LowRank(Method):
         plan, budgeted, rule = cls._plan(model, args)
         return args, plan, budgeted, rule, {lvl.name: cls._ratio(model, plan, budgeted, lvl, rule) for lvl in levels}
 
+    @classmethod
+    def ranks_for(cls, model, options, system) -> tuple[dict, dict, int, dict]:
+        """({level name: rank ratio}, {level name: share of the dense model's budgeted parameters}, decom_rule,
+        the convolutions factorized) of `model`, dense or factorized; the one-line refusals of what cannot run."""
+        raise NotImplementedError
+
     @staticmethod
     def is_factorized(model) -> bool:
         return any(isinstance(m, fz.FactorizedConv2d) for m in model.modules())
@@ -104,8 +113,8 @@ class LowRank(Method):
         if not self.is_factorized(model):   # a model built without the run's builder is factorized here
             self.prepare_model_for(model, options, as_system(system))
         super().__init__(model, system, run_seed=run_seed, **options)
-        self.alphas = dict(model.lmt_alphas)   # level name -> rank ratio
-        self.shares = dict(model.lmt_shares)   # level name -> share of the dense model's budgeted parameters
+        # level name -> rank ratio, and -> share of the dense model's budgeted parameters
+        self.alphas, self.shares, self.rule, _ = self.ranks_for(model, options, self.system)
 
 
 @register_method
@@ -122,11 +131,9 @@ class FedLMT(LowRank):
     }
 
     @classmethod
-    def prepare_model_for(cls, model, options, system):
-        if cls.is_factorized(model):
-            return model
+    def ranks_for(cls, model, options, system):
         weakest = system.smallest
-        args, plan, budgeted, _, fits = cls._fit(model, options, [weakest])
+        args, plan, budgeted, rule, fits = cls._fit(model, options, [weakest])
         fit = fits[weakest.name]
         alpha = fit if args["rank_ratio"] is None else args["rank_ratio"]
         if alpha < min_ratio(plan):
@@ -136,10 +143,14 @@ class FedLMT(LowRank):
         if share > float(weakest) + 1e-12:
             raise ConfigError("method_args.rank_ratio", f"{alpha} gives fedlmt's model 1/{1 / share:.1f} of the "
                               f"dense parameters, over the weakest level {weakest.name}; at most {fit:.4f} fits it")
-        fz.factorize(model, plan, alpha)
-        model.lmt_alphas = {lvl.name: alpha for lvl in system.levels}
-        model.lmt_shares = {lvl.name: share for lvl in system.levels}
-        return model
+        return {lvl.name: alpha for lvl in system.levels}, {lvl.name: share for lvl in system.levels}, rule, plan
+
+    @classmethod
+    def prepare_model_for(cls, model, options, system):
+        if cls.is_factorized(model):
+            return model
+        alphas, _, _, plan = cls.ranks_for(model, options, system)
+        return fz.factorize(model, plan, alphas[system.smallest.name])
 
     def submodel(self, params, level, round):
         return Submodel()   # the same (small) model at every level
@@ -212,11 +223,15 @@ class PFedLMT(LowRank):
         return 5 if isinstance(model, ResNet18) else 1
 
     @classmethod
+    def ranks_for(cls, model, options, system):
+        _, plan, budgeted, rule, alphas = cls._fit(model, options, system.levels)
+        return alphas, {n: fz.budget_share(model, plan, a, budgeted) for n, a in alphas.items()}, rule, plan
+
+    @classmethod
     def prepare_model_for(cls, model, options, system):
         if cls.is_factorized(model):
             return model
-        _, plan, budgeted, rule, alphas = cls._fit(model, options, system.levels)
-        shares = {n: fz.budget_share(model, plan, a, budgeted) for n, a in alphas.items()}
+        alphas, _, _, plan = cls.ranks_for(model, options, system)
         fz.factorize(model, plan, max(alphas.values()))
         meta = next(model.parameters()).is_meta   # sizes only (fedlase/resources.py): no values to seed
         with torch.no_grad():   # the authors' meta_round 0: the SVD of each composed W, in the permuted layout
@@ -225,17 +240,16 @@ class PFedLMT(LowRank):
                 first, second = fz.decompose(fz.compose(fac.first.weight, fac.second.weight), fac.first.out_channels)
                 fac.first.weight.copy_(first)
                 fac.second.weight.copy_(second)
-        model.lmt_alphas, model.lmt_shares, model.lmt_rule = alphas, shares, rule
         return model
 
     def __init__(self, model, system=(1.0,), *, run_seed=None, **options):
         super().__init__(model, system, run_seed=run_seed, **options)
         blocks = fz.factor_blocks(model)
-        prefixes = tuple(p for block in fz.block_prefixes(model)[model.lmt_rule:] for p in block)
+        prefixes = tuple(p for block in fz.block_prefixes(model)[self.rule:] for p in block)
         head = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)][-1] + "."
         # the client's own part: its factorized blocks (with their BN and shortcuts) and the classifier
         self.custom = [n for n, _ in model.named_parameters() if n.startswith(prefixes + (head,))]
-        self.factored = {c: model.get_submodule(c) for block in blocks[model.lmt_rule:] for c in block}
+        self.factored = {c: model.get_submodule(c) for block in blocks[self.rule:] for c in block}
         self.own: dict[str, dict[int, dict[str, torch.Tensor]]] = {}   # level name -> client -> name -> tensor
         self._subs: dict = {}
         self.global_eval = bool(self.args["global_eval"])   # fedlase/evaluate.py reads it

@@ -18,7 +18,7 @@ from ..errors import ConfigError
 from ..masks import Submodel
 from ..registry import register_method
 from .base import LocalObjective, Method, Option
-from .slicing import channel_groups, state_widths, width_rate, width_slices
+from .slicing import state_widths, width_rate, width_slices
 
 UNIFORM5 = (0.2, 0.4, 0.6, 0.8, 1.0)   # FjORD's own width set ("uniform-5")
 
@@ -75,7 +75,7 @@ class FjORD(Method):
 
     def __init__(self, model, system=(1.0,), **options):
         super().__init__(model, system, **options)
-        channel_groups(model, "fjord")
+        self.facts.channel_groups("fjord")   # traced now where the model declares none, or its one-line error
         spec = self.args["widths"]
         rates = ([width_rate(float(lv)) for lv in self.system.levels] if spec == "levels"
                  else UNIFORM5 if spec == "uniform5" else [float(v) for v in spec.split(",")])
@@ -105,5 +105,5 @@ class FjORD(Method):
         return dataclasses.replace(self._slice(params, top), local=local)
 
     def _slice(self, params, rate: float) -> Submodel:
-        masks, slices = width_slices(self.model, params, rate)
+        masks, slices = width_slices(self.facts, params, rate)
         return Submodel(masks, slices=slices)

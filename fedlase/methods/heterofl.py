@@ -38,7 +38,7 @@ class HeteroFL(Method):
             raise ConfigError("method_args.scaler", f"model {type(model).__name__} declares no scaler_names(); "
                               "leave method_args.scaler unset or false")
         self.scaler = bool(scaler)
-        self.slicer = WidthSlicer(model, model.scaler_names() if self.scaler else (), self.name)
+        self.slicer = WidthSlicer(self.facts, model.scaler_names() if self.scaler else (), self.name)
         state_widths(self, lambda lvl: width_rate(float(lvl)))   # a level is a width: say what it really holds
 
     def roll(self, round: int) -> int:

@@ -1,15 +1,15 @@
 """Width slices for structured methods (HeteroFL, FedRolex, FedAvg on the small model), as masks.
 
 A model declares, per parameter, which channel group its output and input dimensions belong to
-(`channel_groups()`); a slice keeps a window of ceil(rate * K) channels of every group of size K, so a conv's
-kept input channels are exactly the kept output channels of the layer that feeds it."""
+(`channel_groups()`; derived by tracing where it declares none: the run's `ModelFacts`, fedlase/model_facts.py,
+from which everything here reads them); a slice keeps a window of ceil(rate * K) channels of every group of size
+K, so a conv's kept input channels are exactly the kept output channels of the layer that feeds it."""
 from __future__ import annotations
 
 import logging
 import math
 
 import torch
-from torch import nn
 
 from ..levels import level_name
 from ..masks import Submodel
@@ -34,7 +34,7 @@ def channel_window(size: int, rate: float, roll: int = 0) -> torch.Tensor:
 
 def group_sizes(groups: dict, params: dict[str, torch.Tensor]) -> dict[str, int]:
     """Channel group -> its channel count, read off the weights that produce or consume it (`groups`:
-    `model.channel_groups()`, weight name -> (output group, input group))."""
+    the model's channel groups, weight name -> (output group, input group))."""
     sizes: dict[str, int] = {}
     for name, (out_g, in_g) in groups.items():
         for g, dim in ((out_g, 0), (in_g, 1)):
@@ -66,10 +66,10 @@ def state_widths(method, rate_of, units: bool = True) -> dict[str, int]:
     few percent), or a group cut to a single channel, makes the line a warning.
     `rate_of(level)`: the level's width rate; `units`: whether the window counts in the model's `group_units()`.
     Returns level name -> parameters held."""
-    model, params = method.model, {n: p.detach() for n, p in method.model.named_parameters()}
-    groups = model.channel_groups()
+    facts, params = method.facts, {n: p.detach() for n, p in method.model.named_parameters()}
+    groups = facts.channel_groups(method.name)
     sizes = group_sizes(groups, params)
-    unit = model.group_units() if units and hasattr(model, "group_units") else {}
+    unit = facts.group_units() if units else {}
     total = sum(params[n].numel() for n in method.maskable)
     holds, parts, single, over = {}, [], [], False
     if not total:   # nothing budgeted: nothing to state
@@ -93,15 +93,15 @@ def state_widths(method, rate_of, units: bool = True) -> dict[str, int]:
     return holds
 
 
-def group_keep(model: nn.Module, groups: dict, params: dict[str, torch.Tensor], rate: float,
+def group_keep(facts, groups: dict, params: dict[str, torch.Tensor], rate: float,
                roll: int = 0) -> dict[str, torch.Tensor]:
     """Channel group -> bool vector of its kept channels at `rate`, the window rolled by `roll` channels (0: the
-    first channels); `groups` is `model.channel_groups()`.
+    first channels); `groups` is `facts.channel_groups()` (`facts`: the model's ModelFacts).
 
     A model may declare `group_units()` -> {group: unit size}: such a group is cut in whole units of that
     many consecutive channels (a transformer's attention heads: unit = head size), the window counting and
     rolling in units. Groups it does not name have unit 1 (single channels)."""
-    units = model.group_units() if hasattr(model, "group_units") else {}
+    units = facts.group_units()
     sizes = group_sizes(groups, params)
     keep = {g: torch.zeros(k, dtype=torch.bool) for g, k in sizes.items()}
     for g, k in sizes.items():
@@ -129,35 +129,25 @@ def _masks(groups, params, keep) -> dict[str, torch.Tensor]:
     return masks
 
 
-def channel_groups(model: nn.Module, method: str) -> dict[str, tuple]:
-    """`model.channel_groups()`; a model that declares none gets them derived by tracing it, once
-    (fedlase/models/trace.py: also its `sliceable`), or the one-line ConfigError of a method that cuts channels
-    (`method`: its name, for the message) on a model that cannot be traced."""
-    if not hasattr(model, "channel_groups"):
-        # Torch-Pruning is imported only for such a model
-        from ..models.trace import ensure_groups
-        ensure_groups(model, method, width_slices)
-    return model.channel_groups()
-
-
-def width_slices(model: nn.Module, params: dict[str, torch.Tensor], rate: float, roll: int = 0,
+def width_slices(facts, params: dict[str, torch.Tensor], rate: float, roll: int = 0,
                  keep: dict[str, torch.Tensor] | None = None) -> tuple[dict[str, torch.Tensor], dict[str, tuple]]:
     """(masks, slices) of the width slice: the masks of the kept channels (`group_keep`), and per sliced parameter
     (and BN running statistic of a sliced BN) the kept indices of its output and input dims, for
     `Submodel.slices`. Indices are sorted:
     a permutation applied to every tensor of a group alike leaves the network's function unchanged.
 
-    Slices only for a model that declares `sliceable = True` (its forward takes every shape from the
-    tensors, e.g. global pooling before the classifier); otherwise no slices and the masks train. `keep`: the
-    kept channels of every group (bool vectors, FedDSE's own choice) in place of the window."""
-    groups = model.channel_groups()
-    keep = group_keep(model, groups, params, rate, roll) if keep is None else keep
+    `facts`: the model's ModelFacts. Slices only for a sliceable model (`sliceable = True`, declared or found by
+    the trace: its forward takes every shape from the tensors, e.g. global pooling before the classifier);
+    otherwise no slices and the masks train. `keep`: the kept channels of every group (bool vectors, FedDSE's own
+    choice) in place of the window."""
+    groups = facts.channel_groups()
+    keep = group_keep(facts, groups, params, rate, roll) if keep is None else keep
     masks = _masks(groups, params, keep)
-    if not getattr(model, "sliceable", False):
+    if not facts.sliceable():
         return masks, {}
     device = next(iter(params.values())).device
     index = {g: torch.nonzero(k).flatten().to(device) for g, k in keep.items()}   # sorted kept indices
-    buffers = {n for n, _ in model.named_buffers()}
+    buffers = {n for n, _ in facts.model.named_buffers()}
     slices: dict[str, tuple] = {}
     for name, (out_g, in_g) in groups.items():
         if name not in masks:
@@ -185,9 +175,9 @@ class WidthSlicer:
     `scaled`: the parameters HeteroFL's scaler multiplies in training (the model's `scaler_names()`); a slice
     at rate r carries them as `Submodel.scales` of 1/r."""
 
-    def __init__(self, model: nn.Module, scaled: list[str] = (), method: str = "width slices"):
-        channel_groups(model, method)
-        self.model, self.scaled = model, list(scaled)
+    def __init__(self, facts, scaled: list[str] = (), method: str = "width slices"):
+        facts.channel_groups(method)   # traced now where the model declares none, or its one-line error
+        self.facts, self.scaled = facts, list(scaled)
         self._last: dict = {}
 
     def __call__(self, params: dict[str, torch.Tensor], level, roll: int = 0) -> Submodel:
@@ -200,7 +190,7 @@ class WidthSlicer:
         name = level_name(level)   # an exact fraction's name, never a float key
         hit = self._last.get(name)
         if hit is None or hit[0] != key:
-            masks, slices = width_slices(self.model, params, rate, roll)
+            masks, slices = width_slices(self.facts, params, rate, roll)
             hit = self._last[name] = (key, Submodel(masks, slices=slices,
                                                     scales={n: 1.0 / rate for n in self.scaled}))
         return hit[1]

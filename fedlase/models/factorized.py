@@ -124,8 +124,14 @@ def layer_plan(model: nn.Module, decom_rule: int) -> dict[str, tuple[int, int, i
 
 def budget_share(model: nn.Module, plan: dict, alpha: float, budgeted: list[str]) -> float:
     """The share of the dense model's budgeted parameters (conv and linear weights and biases) the model holds
-    with `plan`'s convolutions factorized at ratio alpha: counted, not built."""
+    with `plan`'s convolutions factorized at ratio alpha: counted, not built. `model`: the dense one or the one
+    `factorize` made of it (each FactorizedConv2d counted as the bias-free 3x3 convolution it replaced), so the
+    methods plan the same ranks on either."""
     sizes = dict((n, p.numel()) for n, p in model.named_parameters())
+    for name, m in model.named_modules():
+        if isinstance(m, FactorizedConv2d):   # both factors are budgeted: the dense weight's count in their place
+            sizes[f"{name}.first.weight"] = 9 * m.first.in_channels * m.second.out_channels
+            sizes[f"{name}.second.weight"] = 0
     dense = sum(sizes[n] for n in budgeted)
     held = dense
     for cin, cout, _ in plan.values():

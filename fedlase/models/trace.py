@@ -4,7 +4,8 @@ Width methods (HeteroFL, FedRolex, FedAvg-small, FjORD, FedDSE, fedlase_width) c
 parameter, the channel group of its dim 0 and of its dim 1 (`fedlase/methods/slicing.py`). A model may declare
 them (`channel_groups()`, `group_units()`, `sliceable`); its own hooks always win. Where it declares none, they are
 derived here, once, from Torch-Pruning's dependency graph (PyPI `torch-pruning`, DepGraph): a trace of one forward
-pass on two training samples, which the registry keeps with every model it builds (`remember_example`).
+pass on two training samples, which the run keeps with its model (fedlase/model_facts.py, where the result is kept
+too: nothing is set on the model).
 
 The mapping (docs/methods-structured.md, "Groups derived by tracing"):
 - every Torch-Pruning group (the channels cut together: a layer's outputs, the BatchNorm/LayerNorm after it, the
@@ -36,49 +37,24 @@ from torch import nn
 from ..errors import ConfigError
 from ..layers import BatchNorm, Conv
 
-EXAMPLE = "_fedlase_example_input"   # the model attribute holding the samples a trace runs on
 _CACHE: dict[tuple, tuple[dict, bool]] = {}   # (class, parameter shapes, input shape, dtype) -> (groups, sliceable)
 _TRIAL_RATE = 0.5   # the width of the slice whose smaller-tensor forward is checked against its masks
 
 
-def remember_example(model, data) -> None:
-    """Keep two of the dataset's training samples on a model that declares no channel groups, for a later trace
-    (client.build_model_for calls this on every model it builds; a build without real data keeps nothing)."""
-    x = getattr(data, "x_train", None)
-    if isinstance(model, nn.Module) and isinstance(x, torch.Tensor) and len(x) and not _declares(model) \
-            and x.device.type != "meta":
-        object.__setattr__(model, EXAMPLE, x[:2].detach().clone())   # a copy: never a view of the whole dataset
-
-
-def _declares(model) -> bool:
-    return hasattr(model, "channel_groups") or hasattr(model, "group_units")
-
-
-class DerivedGroups:
-    """A model's `channel_groups()` hook, derived by tracing (a picklable callable, not a lambda)."""
-
-    def __init__(self, groups: dict[str, tuple]):
-        self.groups = groups
-
-    def __call__(self) -> dict[str, tuple]:
-        return dict(self.groups)
-
-
-def ensure_groups(model: nn.Module, method: str, width_slices) -> None:
-    """Give `model` a `channel_groups()` (and `sliceable`, unless it declares one) derived by tracing, if it
-    declares none; a one-line ConfigError naming what failed and the hook to write instead. `width_slices`:
-    fedlase/methods/slicing.py's, handed in (slicing calls this module, so it does not import slicing back)."""
-    if hasattr(model, "channel_groups"):
-        return
+def derive_groups(model: nn.Module, example: torch.Tensor | None, method: str, width_slices) -> tuple[dict, bool]:
+    """(channel groups, sliceable) of a model that declares no `channel_groups()`, derived by tracing it on
+    `example` (its ModelFacts' samples); a one-line ConfigError naming what failed and the hook to write instead.
+    Nothing is set on the model (fedlase/model_facts.py keeps the result). `width_slices`: fedlase/methods/slicing.py's,
+    handed in (slicing calls this module, so it does not import slicing back)."""
     kind = type(model).__name__
     if hasattr(model, "group_units"):
         raise ConfigError("model", f"{method} slices channels; model {kind} declares group_units() but no "
                           "channel_groups(): write channel_groups() too (docs/library.md, 'The model protocol')")
-    example = getattr(model, EXAMPLE, None)
     if example is None:
         raise ConfigError("model", f"{method} slices channels; model {kind} declares no channel_groups() and was "
-                          "built outside fedlase's model registry, so there is no sample to trace it with: "
-                          "register it (fedlase.register_model) or write channel_groups()")
+                          "built outside a run (fedlase's model registry), so there is no sample to trace it with: "
+                          "register it (fedlase.register_model), build the method with its facts "
+                          "(Method.build(model, system, ModelFacts.of(model, data))) or write channel_groups()")
     params = dict(model.named_parameters())
     key = (type(model), tuple((n, tuple(p.shape)) for n, p in params.items()), tuple(example.shape), example.dtype)
     if key not in _CACHE:
@@ -87,10 +63,12 @@ def ensure_groups(model: nn.Module, method: str, width_slices) -> None:
         if not sliceable:   # masked training needs only that each consumer reads its producers' kept channels
             _check_channel_flow(model, groups, example, method, width_slices)
         _CACHE[key] = (groups, sliceable)
-    groups, sliceable = _CACHE[key]
-    object.__setattr__(model, "channel_groups", DerivedGroups(groups))
-    if not hasattr(model, "sliceable"):   # a model's own choice wins
-        object.__setattr__(model, "sliceable", sliceable)
+    return _CACHE[key]
+
+
+def _trial(model: nn.Module, groups: dict, sliceable: bool) -> SimpleNamespace:
+    """A stand-in for the model's ModelFacts with the groups on trial, sliced or not, whatever the model declares."""
+    return SimpleNamespace(model=model, channel_groups=lambda: groups, sliceable=lambda: sliceable, group_units=dict)
 
 
 def _fail(method: str, model: nn.Module, what: str) -> ConfigError:
@@ -230,9 +208,7 @@ def _slices_match(model: nn.Module, groups: dict, example: torch.Tensor, method:
     params = {n: p.detach() for n, p in model.named_parameters()}
     buffers = {n: b.detach().clone() for n, b in model.named_buffers()}
     x = example.to(next(iter(params.values())).device)
-    # a stand-in with the hooks width_slices reads, so that the model itself is not touched
-    trial = SimpleNamespace(channel_groups=DerivedGroups(groups), sliceable=True, named_buffers=model.named_buffers)
-    masks, slices = width_slices(trial, params, _TRIAL_RATE)
+    masks, slices = width_slices(_trial(model, groups, True), params, _TRIAL_RATE)
     sub = Submodel(masks, slices=slices)
     modes = {m: m.training for m in model.modules()}
     model.eval()
@@ -279,8 +255,7 @@ def _check_channel_flow(model: nn.Module, groups: dict, example: torch.Tensor, m
     the model's wiring alone, not on its weights; a pre-hook on each consumer compares its input's live channels
     with the ones it keeps."""
     params = {n: p.detach() for n, p in model.named_parameters()}
-    trial = SimpleNamespace(channel_groups=DerivedGroups(groups), sliceable=False, named_buffers=model.named_buffers)
-    keep = _kept_channels(groups, width_slices(trial, params, _TRIAL_RATE)[0])
+    keep = _kept_channels(groups, width_slices(_trial(model, groups, False), params, _TRIAL_RATE)[0])
     gen = torch.Generator().manual_seed(0)
     wrong: list[str] = []
 

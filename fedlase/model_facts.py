@@ -1,0 +1,73 @@
+"""What fedlase learns about a run's model, kept beside it, never set on it: `ModelFacts`.
+
+A model's own hooks say most of it (`channel_groups()`, `group_units()`, `sliceable`: docs/library.md, "The model
+protocol"), and they always win. What a model does not declare fedlase finds out and keeps here: the channel groups
+and the sliced-or-masked decision derived by tracing it (fedlase/models/trace.py), and the two training samples the
+trace runs on. fedlase.engine.build_parts builds them with the model (`ModelFacts.of`, `Parts.facts`) and hands
+them to the method (`Method.build`), which reads them as `self.facts`; the width slicing (fedlase/methods/slicing.py)
+and the `kept` coverage rule's owners read them from there. The trace is lazy: it runs when a width method first
+asks for the groups, so a method that does not slice never traces."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+__all__ = ["ModelFacts"]
+
+
+@dataclass(frozen=True, eq=False)
+class ModelFacts:
+    """The facts of one model. `example`: two training samples to trace it with, kept only for a model that
+    declares no channel groups (None: built outside a run, so a trace has nothing to run on)."""
+    model: nn.Module
+    example: torch.Tensor | None = None
+    _traced: dict = field(default_factory=dict, init=False, repr=False)   # "groups", "sliceable", once traced
+
+    @classmethod
+    def of(cls, model: nn.Module, data) -> ModelFacts:
+        """The facts of a model built for a run on `data` (a fedlase Dataset): a copy of two of its training
+        samples for a model that declares no channel groups (never a view of the whole dataset)."""
+        x = getattr(data, "x_train", None)
+        keep = isinstance(x, torch.Tensor) and len(x) and x.device.type != "meta" and not declares_groups(model)
+        return cls(model, x[:2].detach().clone() if keep else None)
+
+    def channel_groups(self, method: str = "width slices") -> dict[str, tuple]:
+        """Parameter name -> (group of dim 0, group of dim 1): the model's `channel_groups()`, or derived by
+        tracing it (once), or the one-line ConfigError of `method` (its name, for the message) cutting the
+        channels of a model that cannot be traced."""
+        if hasattr(self.model, "channel_groups"):
+            return self.model.channel_groups()
+        return dict(self._trace(method)[0])
+
+    def sliceable(self, method: str = "width slices") -> bool:
+        """Whether a width slice trains as the physically smaller tensors: the model's own `sliceable`, else the
+        trace's trial; a model that declares its groups but not `sliceable` trains masked."""
+        if hasattr(self.model, "sliceable"):
+            return bool(self.model.sliceable)
+        return not hasattr(self.model, "channel_groups") and self._trace(method)[1]
+
+    def group_units(self) -> dict[str, int]:
+        """Group -> channels per unit, for groups cut in whole units (the model's `group_units()`; else none)."""
+        return self.model.group_units() if hasattr(self.model, "group_units") else {}
+
+    def known_groups(self) -> dict[str, tuple] | None:
+        """The channel groups where the model declares them or a width method has traced them; None otherwise
+        (asking never traces: the `kept` coverage rule names no BN owner of a model nothing sliced)."""
+        if hasattr(self.model, "channel_groups"):
+            return self.model.channel_groups()
+        return dict(self._traced["groups"]) if self._traced else None
+
+    def _trace(self, method: str) -> tuple[dict, bool]:
+        if not self._traced:
+            # Torch-Pruning is imported only for such a model
+            from .methods.slicing import width_slices
+            from .models.trace import derive_groups
+            groups, sliceable = derive_groups(self.model, self.example, method, width_slices)
+            self._traced.update(groups=groups, sliceable=sliceable)
+        return self._traced["groups"], self._traced["sliceable"]
+
+
+def declares_groups(model) -> bool:
+    return hasattr(model, "channel_groups") or hasattr(model, "group_units")
