@@ -4,7 +4,7 @@ A model's own hooks say most of it (`channel_groups()`, `group_units()`, `slicea
 protocol"), and they always win. What a model does not declare fedlase finds out and keeps here: the channel groups
 and the sliced-or-masked decision derived by tracing it (fedlase/models/trace.py), and the two training samples the
 trace runs on. fedlase.engine.build_parts builds them with the model (`ModelFacts.of`, `Parts.facts`) and hands
-them to the method (`Method.build`), which reads them as `self.facts`; the width slicing (fedlase/methods/slicing.py)
+them to the method (`Method.build`), which reads them as `self.facts`; the width slicing (fedlase/slicing.py)
 and the `kept` coverage rule's owners read them from there. The trace is lazy: it runs when a width method first
 asks for the groups, so a method that does not slice never traces."""
 from __future__ import annotations
@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+
+from .slicing import width_slices
 
 __all__ = ["ModelFacts"]
 
@@ -61,9 +63,7 @@ class ModelFacts:
 
     def _trace(self, method: str) -> tuple[dict, bool]:
         if not self._traced:
-            # Torch-Pruning is imported only for such a model
-            from .methods.slicing import width_slices
-            from .models.trace import derive_groups
+            from .models.trace import derive_groups  # Torch-Pruning is imported only for such a model
             groups, sliceable = derive_groups(self.model, self.example, method, width_slices)
             self._traced.update(groups=groups, sliceable=sliceable)
         return self._traced["groups"], self._traced["sliceable"]

@@ -87,9 +87,9 @@ def pretrained(scaler: bool = True) -> None:
 def kept() -> None:
     from fedlase.levels import level_name
     from fedlase.masks import Submodel
-    from fedlase.methods.slicing import width_rate, width_slices
     from fedlase.model_facts import ModelFacts
     from fedlase.models.transformer import build_minilm
+    from fedlase.slicing import width_rate, width_slices
     model = build_minilm(types.SimpleNamespace(model="minilm", max_length=32, seed=0, word_embeddings="whole"),
                          types.SimpleNamespace(num_classes=5))
     params = {n: p.detach() for n, p in model.named_parameters()}

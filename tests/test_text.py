@@ -293,8 +293,8 @@ def test_fedrolex_rolls_whole_heads():
 def test_derived_groups_differ_from_the_hand_written_ones_only_where_docs_say():
     """docs/methods-structured.md, "Groups derived by tracing": the trace finds the heads and feed-forward groups
     of the hand-written channel_groups(), and cuts the residual stream and the pooler's outputs besides."""
-    from fedlase.methods.slicing import width_slices
     from fedlase.models.trace import _slices_match, trace_groups
+    from fedlase.slicing import width_slices
     model = tiny_model()
     x = torch.randint(1, 1000, (2, 6))
 

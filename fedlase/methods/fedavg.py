@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from ..masks import Submodel
 from ..registry import register_method
+from ..slicing import WidthSlicer, state_widths, width_rate
 from .base import Method
-from .slicing import WidthSlicer, state_widths, width_rate
 
 
 @register_method

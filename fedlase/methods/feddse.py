@@ -20,8 +20,8 @@ import torch.nn.functional as F
 from ..layers import BatchNorm
 from ..masks import Submodel
 from ..registry import register_method
+from ..slicing import group_keep, state_widths, width_rate, width_slices
 from .base import LocalObjective, Method, Option
-from .slicing import group_keep, state_widths, width_rate, width_slices
 
 
 def top_channels(score: torch.Tensor, keep: int) -> torch.Tensor:

@@ -47,10 +47,10 @@ from ..layers import forward_uses
 from ..levels import level_name
 from ..masks import Submodel
 from ..registry import register_method
+from ..slicing import group_sizes, held, width_rate, width_slices
 from .base import Method, Option
 from .feddse import top_channels
 from .fedlase import FedLASE
-from .slicing import group_sizes, held, width_rate, width_slices
 
 log = logging.getLogger("fedlase")
 SCORING = ("score", "log", "transform", "extract_all_layers", "edge_layers")   # FedLASE's switches that apply

@@ -17,8 +17,8 @@ import torch.nn.functional as F
 from ..errors import ConfigError
 from ..masks import Submodel
 from ..registry import register_method
+from ..slicing import state_widths, width_rate, width_slices
 from .base import LocalObjective, Method, Option
-from .slicing import state_widths, width_rate, width_slices
 
 UNIFORM5 = (0.2, 0.4, 0.6, 0.8, 1.0)   # FjORD's own width set ("uniform-5")
 

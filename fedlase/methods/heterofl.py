@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from ..errors import ConfigError
 from ..registry import register_method
+from ..slicing import WidthSlicer, state_widths, width_rate
 from .base import Method, Option
-from .slicing import WidthSlicer, state_widths, width_rate
 
 
 @register_method

@@ -1,7 +1,7 @@
 """Channel groups derived by tracing, for a model that declares no `channel_groups()`.
 
 Width methods (HeteroFL, FedRolex, FedAvg-small, FjORD, FedDSE, fedlase_width) cut channels in groups: per
-parameter, the channel group of its dim 0 and of its dim 1 (`fedlase/methods/slicing.py`). A model may declare
+parameter, the channel group of its dim 0 and of its dim 1 (`fedlase/slicing.py`). A model may declare
 them (`channel_groups()`, `group_units()`, `sliceable`); its own hooks always win. Where it declares none, they are
 derived here, once, from Torch-Pruning's dependency graph (PyPI `torch-pruning`, DepGraph): a trace of one forward
 pass on two training samples, which the run keeps with its model (fedlase/model_facts.py, where the result is kept
@@ -44,7 +44,7 @@ _TRIAL_RATE = 0.5   # the width of the slice whose smaller-tensor forward is che
 def derive_groups(model: nn.Module, example: torch.Tensor | None, method: str, width_slices) -> tuple[dict, bool]:
     """(channel groups, sliceable) of a model that declares no `channel_groups()`, derived by tracing it on
     `example` (its ModelFacts' samples); a one-line ConfigError naming what failed and the hook to write instead.
-    Nothing is set on the model (fedlase/model_facts.py keeps the result). `width_slices`: fedlase/methods/slicing.py's,
+    Nothing is set on the model (fedlase/model_facts.py keeps the result). `width_slices`: fedlase/slicing.py's,
     handed in (slicing calls this module, so it does not import slicing back)."""
     kind = type(model).__name__
     if hasattr(model, "group_units"):

@@ -11,8 +11,8 @@ import math
 
 import torch
 
-from ..levels import level_name
-from ..masks import Submodel
+from .levels import level_name
+from .masks import Submodel
 
 log = logging.getLogger("fedlase")
 
