@@ -258,6 +258,7 @@ class CenteredClip(Screened):
     of center + clipped difference, so an uncredited coordinate stays where it is."""
     name = "centered_clip"
     weighted = True   # the streaming mean's weights (a staleness weight under schedule=fedbuff)
+    compares = True   # its radius: the step's median distance
     options = {"screen": SCREEN,
                "tau": Option(1.0, "centered_clip: clip radius around the center, as a multiple of the step's "
                              "lower median distance per coordinate held", low=0, low_open=True),
@@ -319,6 +320,7 @@ class Median(Screened):
     """The coordinate-wise median over the clients credited with each coordinate."""
     name = "median"
     weighted = False
+    compares = True
     options = {"screen": SCREEN}
 
     def aggregate(self, params, updates, subs, rms, mode, coverage, owners):
@@ -339,6 +341,7 @@ class MultiKrum(Screened):
     """The streaming mean of the updates closest to their neighbours on shared coordinates."""
     name = "multikrum"
     weighted = False
+    compares = True
     options = {"screen": SCREEN, "faulty": Option(0.2, "multikrum: fraction f/n of a round's updates assumed "
                                                   "faulty, in [0, 0.5)", low=0, high=0.5, high_open=True)}
 

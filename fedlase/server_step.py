@@ -58,6 +58,10 @@ class Rule:
     # whether its result (as `privately`, if set) moves by at most one clipped update when one client changes, so
     # dp may run with it (fedlase/robust_config.py, check_dp); never inherited: a subclass says so itself
     dp_safe: ClassVar[bool] = False
+    # whether it judges a step's updates against each other (a median, a trimmed mean, Krum's neighbours, centered
+    # clipping's radius), which a step of one update (fedasync) leaves nothing to do: refused there
+    # (fedlase/sim_config.py); the screen's rules judge an arrival against the recent ones instead
+    compares: ClassVar[bool] = False
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)

@@ -170,6 +170,12 @@ def check_schedule(cfg, participation) -> dict:
         raise ConfigError("deadline", f"a synchronous round's; schedule={cfg.schedule} waits for no round "
                           "(schedule_args.max_staleness drops late updates)")
     from .registry import RULES
+    if args["buffer"] == 1 and RULES.get(cfg.robust).compares:   # declared by the rule (Rule.compares)
+        judged = ", ".join(name for name, rule in RULES.items() if not rule.compares and "screen" in rule.options)
+        raise ConfigError("robust", f"robust={cfg.robust} compares a step's updates with each other; a step of one "
+                          f"update (schedule={cfg.schedule}{'' if cfg.schedule == 'fedasync' else ' with buffer 1'}"
+                          f") leaves it nothing to compare, so it would let anything the screen passes through; "
+                          f"use {judged}, which judge an arrival against the recent ones")
     if cfg.schedule == "fedbuff" and args["staleness"] != "constant" and not RULES.get(cfg.robust).weighted:
         raise ConfigError("schedule_args.staleness", f"robust={cfg.robust} takes no weighted updates; use "
                           "schedule_args.staleness=constant or a weighted rule (screen, none)")

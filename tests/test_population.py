@@ -134,7 +134,11 @@ def test_a_malicious_trace_is_refused_in_one_line_and_never_runs(tmp_path, capsy
     ("schedule=fedbuff schedule_args.replay=/no/such", "schedule_args.replay"),
     ("schedule=fedbuff schedule_args.replay=. population.speed_spread=0.5", "schedule_args.replay"),
     ("schedule=fedbuff schedule_args.buffer=1 min_replies=2", "min_replies"),
-    ("schedule=fedasync min_replies=2", "min_replies")])
+    ("schedule=fedasync min_replies=2", "min_replies"),
+    # a rule that compares a step's updates has nothing to compare in a step of one (issue 48, item 8)
+    ("schedule=fedasync robust=median", "robust"), ("schedule=fedasync robust=trimmed_mean", "robust"),
+    ("schedule=fedasync robust=multikrum", "robust"),
+    ("schedule=fedbuff schedule_args.buffer=1 robust=centered_clip schedule_args.staleness=constant", "robust")])
 def test_bad_population_or_schedule_is_a_one_line_config_error(tiny_cfg, bad, key):
     with pytest.raises(ConfigError) as e:
         tiny_cfg(*FOUR, *bad.split())
