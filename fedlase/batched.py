@@ -18,6 +18,10 @@ back. Clients of one level share a slice (FedAvg-small: every client), so a roun
 level with a single client trains alone with the sequential `local_train` (sliced too). A balanced partition, or
 `local_steps * batch_size` within every client's data, gives one group.
 
+Label split (`label_split=true`): each client trains its own submodel (its level's, restricted to its classes'
+classifier rows: `ClientTrainer.submodel`), so its row masks stack with the rest, and its logit mask is one more
+stacked input of the vmapped loss; the runner credits each client with its own submodel, as the sequential one.
+
 The result equals the sequential engine's up to float rounding (a batched conv sums in another order); the
 batches and augmentation draws are exactly the sequential ones. See docs/benchmarks.md for when it pays."""
 from __future__ import annotations
@@ -34,7 +38,7 @@ from torch.func import functional_call, vmap
 from .errors import ConfigError
 from .layers import BatchNorm, Dropout
 from .masks import Submodel
-from .train import LocalWork, has_tied_weights, make_optimizer
+from .train import LocalWork, has_tied_weights, label_mask_logits, make_optimizer
 
 _TRAINING_COPIES: weakref.WeakKeyDictionary[nn.Module, nn.Module] = weakref.WeakKeyDictionary()
 
@@ -59,8 +63,10 @@ def _stack(tensors: list[torch.Tensor]) -> torch.Tensor:
 
 def local_train_batched(model: nn.Module, global_params: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor],
                         subs: list[Submodel], x: torch.Tensor, y: torch.Tensor, batches: list[list[torch.Tensor]],
-                        work: LocalWork, augments: list[Callable | None] | None = None) -> list[tuple[dict, float]]:
-    """`local_train` for C clients at once: client c trains subs[c] on batches[c] (index tensors into x, y).
+                        work: LocalWork, augments: list[Callable | None] | None = None,
+                        classes: list[torch.Tensor] | None = None) -> list[tuple[dict, float]]:
+    """`local_train` for C clients at once: client c trains subs[c] on batches[c] (index tensors into x, y),
+    its loss masking the logits outside classes[c] (a bool vector over the classes) when `classes` is given.
     Every client's t-th batch must have the same size, and for each parameter either every client or none
     carries a threshold (with one `ste`). Returns each client's (delta, mean loss), as `local_train` does."""
     C, steps = len(subs), len(batches[0])
@@ -75,17 +81,19 @@ def local_train_batched(model: nn.Module, global_params: dict[str, torch.Tensor]
     if subs[0].slices:   # one slice for the whole group (grouped so): train the gathered smaller tensors
         sl = subs[0]
         outs = local_train_batched(model, sl.gather(global_params), sl.gather(buffers), [s.inner() for s in subs],
-                                   x, y, batches, work, augments)
+                                   x, y, batches, work, augments, classes)
         return [(s.scatter(d, global_params), loss) for s, (d, loss) in zip(subs, outs)]
     stacked = Submodel.stack(subs, global_params)   # every client's masked forward in one
     tie = has_tied_weights(model)
+    keep = None if classes is None else torch.stack([c.to(dev) for c in classes])   # (C, classes): label split
 
-    def client_loss(p, b, xb, yb):
+    def client_loss(p, b, xb, yb, keep):
         if work.precision == "bf16":   # autocast does not reach into vmap: the forward cast to bf16 by hand
             p, b, xb = _bf16(p), _bf16(b), xb.to(torch.bfloat16)
-        return F.cross_entropy(functional_call(model, (p, b), (xb,), tie_weights=tie).float(), yb)
+        logits = functional_call(model, (p, b), (xb,), tie_weights=tie).float()
+        return F.cross_entropy(logits if keep is None else label_mask_logits(logits, keep), yb)
 
-    batched_loss = vmap(client_loss)
+    batched_loss = vmap(client_loss, in_dims=(0, 0, 0, 0, None if keep is None else 0))
     opt = make_optimizer(list(params.values()), work)
     model.train()
     total = torch.zeros(C, dtype=torch.float64, device=dev)
@@ -97,7 +105,7 @@ def local_train_batched(model: nn.Module, global_params: dict[str, torch.Tensor]
                 xb = augments[c](xb)
             xs.append(xb)
         ys = torch.stack([y[batches[c][t]] for c in range(C)])
-        losses = batched_loss(stacked.apply(params, train=True), bufs, torch.stack(xs), ys)   # (C,)
+        losses = batched_loss(stacked.apply(params, train=True), bufs, torch.stack(xs), ys, keep)   # (C,)
         opt.zero_grad(set_to_none=True)
         losses.sum().backward()
         if work.clip_norm is not None:
@@ -146,31 +154,37 @@ def dropout_refused(model: nn.Module) -> str | None:
 
 
 def train_clients_batched(trainer, params: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor],
-                          picked: list, subs: dict, rnd: int) -> list[tuple[dict, float]]:
+                          picked: list, subs: list[Submodel], rnd: int) -> list[tuple[dict, float]]:
     """(delta, loss) of every picked (client, level), in `picked` order, trained group by group with the
-    trainer's model, data and batches (`ClientTrainer` of fedlase/client.py)."""
+    trainer's model, data and batches (`ClientTrainer` of fedlase/client.py). subs[i]: the submodel picked[i]
+    trains (`ClientTrainer.submodel`: its level's, or under label_split its own)."""
     if why := dropout_refused(trainer.model):
         raise ConfigError("batched_clients", why)
-    if any(s.local is not None for s in subs.values()):   # a method's own local objective is sequential only
+    if any(s.local is not None for s in subs):   # a method's own local objective is sequential only
         raise ConfigError("batched_clients", "this method trains with its own local objective (Submodel.local), "
                           "which the vmapped step does not run; set batched_clients=false")
     jobs = [trainer.job(client, rnd) for client, _ in picked]
-    subs = {lvl: trainer.trained(s) for lvl, s in subs.items()}   # sliced=false: masks over the full model
+    # sliced=false: masks over the full model; once per distinct submodel (clients of a level share theirs
+    # unless label_split gives each its own), and so is its group key
+    trained, keys = {}, {}
+    for s in subs:
+        if id(s) not in trained:
+            t = trained[id(s)] = trainer.trained(s)
+            keys[id(s)] = (frozenset(t.thresholds or ()), t.ste if t.thresholds else None, _slice_key(t))
     groups: dict[tuple, list[int]] = {}
-    for i, ((_, lvl), (batches, _)) in enumerate(zip(picked, jobs)):
-        sub = subs[lvl]
-        key = (tuple(len(b) for b in batches), frozenset(sub.thresholds or ()), sub.ste if sub.thresholds else None,
-               _slice_key(sub))
-        groups.setdefault(key, []).append(i)
+    for i, (batches, _) in enumerate(jobs):
+        groups.setdefault((tuple(len(b) for b in batches), keys[id(subs[i])]), []).append(i)
+    classes = trainer.classes   # label_split: each client's classes, its logit mask
     results: list = [None] * len(picked)
     for members in groups.values():
         if len(members) == 1:   # nothing to batch with: the sequential code, exactly
             i = members[0]
-            results[i] = trainer.update(picked[i][0], params, buffers, subs[picked[i][1]], rnd)
+            results[i] = trainer.update(picked[i][0], params, buffers, subs[i], rnd)
             continue
-        outs = local_train_batched(trainer.model, params, buffers, [subs[picked[i][1]] for i in members],
+        outs = local_train_batched(trainer.model, params, buffers, [trained[id(subs[i])] for i in members],
                                    trainer.x, trainer.y, [jobs[i][0] for i in members], trainer.work,
-                                   [jobs[i][1] for i in members])
+                                   [jobs[i][1] for i in members],
+                                   None if classes is None else [classes[picked[i][0]] for i in members])
         for i, o in zip(members, outs):
             results[i] = o
     return results

@@ -127,8 +127,10 @@ class BatchedRounds(SequentialRounds):
 
     def train(self, exp: RunnerPort, rnd, picked, subs):
         from .batched import train_clients_batched  # torch.func.vmap machinery, loaded only when used
-        results = train_clients_batched(exp.trainer, exp.params, exp.buffers, picked, subs, rnd)
-        return RoundResult([Update(c, lvl, d, loss) for (c, lvl), (d, loss) in zip(picked, results)])
+        own = [exp.trainer.submodel(client, subs[lvl], exp.params) for client, lvl in picked]   # as sequential
+        results = train_clients_batched(exp.trainer, exp.params, exp.buffers, picked, own, rnd)
+        return RoundResult([Update(c, lvl, d, loss, sub if sub is not subs[lvl] else None)
+                            for (c, lvl), sub, (d, loss) in zip(picked, own, results)])
 
 
 def trains_batched(cfg: Config, parts: Parts) -> bool:

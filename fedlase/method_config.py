@@ -39,6 +39,4 @@ def batching_refused(cfg) -> str | None:
         return f"method {cfg.method} runs on {', '.join(method.runs_on)} only (its runs_on), not batched_clients=true"
     if model.kind == "text":   # the forward trims batches with a data-dependent size
         return f"{cfg.model} is a text model, which vmap cannot batch; set batched_clients=false"
-    if cfg.label_split:   # per-client submodels: not in the vmapped step
-        return "label_split needs the sequential path; set batched_clients=false"
     return None

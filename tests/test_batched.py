@@ -84,11 +84,52 @@ def test_hook_returns_clients_in_picked_order(tiny_cfg):
     exp = Experiment.from_config(tiny_cfg(*ALL))
     picked = exp.sample(1)
     subs = exp.submodels([lvl for _, lvl in picked], 1)
-    batched = train_clients_batched(exp.trainer, exp.params, exp.buffers, picked, subs, 1)
+    batched = train_clients_batched(exp.trainer, exp.params, exp.buffers, picked, [subs[lvl] for _, lvl in picked], 1)
     for (client, lvl), (delta, loss) in zip(picked, batched):
         ref_delta, ref_loss = exp.trainer.update(client, exp.params, exp.buffers, subs[lvl], 1)
         assert _max_diff(ref_delta, delta) < 1e-5
         assert loss == pytest.approx(ref_loss, rel=1e-5)
+
+
+# label_split: each client trains, returns and is credited with its own classes' classifier rows; FIARSE's
+# threshold forward ignores the row masks, so there only the stacked logit mask keeps the absent classes out
+LABEL_SPLIT = [*ALL, "partition=pathological", "classes_per_client=2", "label_split=true"]
+
+
+@pytest.mark.parametrize("overrides", [["method=heterofl"], ["method=heterofl", "sliced=false"], ["method=fedrolex"],
+                                       ["method=fiarse"]])
+def test_label_split_batched_round_equals_sequential(tiny_cfg, monkeypatch, overrides):
+    from fedlase.engine import BatchedRounds, SequentialRounds
+    from fedlase.train import classifier_names
+    cfg = tiny_cfg(*LABEL_SPLIT, *overrides)
+    seq = Experiment.from_config(cfg, runner=SequentialRounds())
+    bat = Experiment.from_config(tiny_cfg(*LABEL_SPLIT, *overrides, "batched_clients=true"))
+    assert isinstance(bat.runner, BatchedRounds)
+    def no_sequential(*a, **k):
+        raise AssertionError("a client fell back to sequential training")
+    monkeypatch.setattr(bat.trainer, "update", no_sequential)   # every client trains in a vmapped group
+    picked = seq.sample(1)
+    assert picked == bat.sample(1)
+    subs = seq.submodels([lvl for _, lvl in picked], 1)
+    ups = [exp.runner.train(exp, 1, picked, subs).updates for exp in (seq, bat)]
+    weight, bias = classifier_names(seq.model)
+    for s, b in zip(*ups):
+        assert (s.client, s.level) == (b.client, b.level)
+        assert s.sub is not None and b.sub is not None   # each credited with its own submodel ...
+        assert s.sub.masks.keys() == b.sub.masks.keys()  # ... the same coordinates
+        assert all(torch.equal(s.sub.masks[n], b.sub.masks[n]) for n in s.sub.masks)
+        small = any(d.shape != seq.params[n].shape for n, d in s.delta.items())   # sequential: a slice's stays small
+        delta = s.sub.scatter(s.delta, seq.params) if small else s.delta
+        assert _max_diff(delta, b.delta) < 1e-4
+        assert s.loss == pytest.approx(b.loss, rel=1e-4)
+        absent = ~bat.trainer.classes[b.client]
+        assert absent.any() and torch.all(b.delta[weight][absent] == 0) and torch.all(b.delta[bias][absent] == 0)
+        assert b.delta[weight][~absent].abs().max() > 0   # its own rows trained
+    # a whole round: the server credits the same coordinates, so the models agree
+    seq.run_round(1)
+    bat.run_round(1)
+    assert _max_diff(seq.params, bat.params) < 1e-4
+    assert _max_diff(seq.params, Experiment.from_config(cfg).params) > 1e-3   # and training moved the model
 
 
 def test_local_train_batched_by_hand():

@@ -61,6 +61,6 @@ def test_batched_clients_auto_batches_on_cuda_only_where_allowed(tiny_cfg):
     assert not trains_batched(cfg, SimpleNamespace(device=cpu, model=plain))
     assert not trains_batched(cfg, SimpleNamespace(device=cuda, model=nn.Sequential(nn.Dropout(0.5))))
     assert not trains_batched(tiny_cfg("method=fjord"), SimpleNamespace(device=cuda, model=plain))   # runs_on
-    assert not trains_batched(tiny_cfg("label_split=true"), SimpleNamespace(device=cuda, model=plain))
+    assert trains_batched(tiny_cfg("label_split=true"), SimpleNamespace(device=cuda, model=plain))   # batches too
     assert trains_batched(tiny_cfg("batched_clients=true"), SimpleNamespace(device=cpu, model=plain))
     assert not trains_batched(tiny_cfg("batched_clients=false"), SimpleNamespace(device=cuda, model=plain))
