@@ -22,7 +22,7 @@ from .aggregate import Aggregator, aggregate
 from .options import Option
 from .registry import register_attack, register_rule
 from .robust_config import SCREEN, WHO
-from .server_step import Attack, Rule, held, level_key, low_median
+from .server_step import Attack, Rule, held, level_key, low_median, squared_norms
 
 
 # ---- the attacks -------------------------------------------------------------------------------------------------
@@ -277,7 +277,7 @@ class CenteredClip(Screened):
             near = [_restrict(center, delta, sub, params) for delta, sub in pairs]
             diff = [{n: d - c[n] for n, d in delta.items()} for (delta, _), c in zip(pairs, near)]
             sizes = [max(held(delta, sub, params), 1) for delta, sub in pairs]
-            dist = [math.sqrt(sum(float(x.double().square().sum()) for x in d.values())) for d in diff]
+            dist = [math.sqrt(ss) for ss in squared_norms(diff)]
             radius = self.args["tau"] * low_median([x / math.sqrt(k) for x, k in zip(dist, sizes)])
             moved = []
             for u, d, c, x, k, (_, sub) in zip(updates, diff, near, dist, sizes, pairs):

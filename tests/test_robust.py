@@ -329,3 +329,26 @@ def test_centered_clipping_clips_around_the_last_step_and_keeps_it_across_a_chec
     radius = sorted(dist)[1]
     want = c + sum((u.delta["w"] - c) * min(1, radius / d) for u, d in zip(ups, dist)) / 3
     assert torch.allclose(again.aggregate(W, kept, {}, rms, "coverage", "mask", None)[0]["w"], want)
+
+
+@pytest.mark.parametrize("rule", ["bounded", "centered_clip"])
+def test_the_server_step_reads_the_device_per_update_not_per_tensor(tiny_cfg, monkeypatch, rule):
+    """On a GPU every scalar read is a wait for the device: the screen and the clip read an update's norms and
+    its submodel's sizes in one transfer each (fedlase.server_step.on_host), not one per parameter tensor."""
+    exp = Experiment.from_config(tiny_cfg("participation=1.0", f"robust={rule}"))
+    picked = exp.sample(1)
+    subs = exp.submodels([lv for _, lv in picked], 1)
+    updates = exp.runner.train(exp, 1, picked, subs).updates
+    reads = []
+    for name in ("__float__", "__int__", "__index__", "item", "tolist"):
+        real = getattr(torch.Tensor, name)
+        monkeypatch.setattr(torch.Tensor, name, lambda self, *a, _real=real, _name=name:
+                            (reads.append(_name), _real(self, *a))[1])
+    kept, _, rms = exp.server.screen(updates, subs, exp.params)
+    exp.server.new_model(exp.params, kept, subs, rms, 1)
+    monkeypatch.undo()
+    tensors = sum(len(u.delta) for u in updates)
+    assert len(kept) == len(updates) >= 4 and tensors >= 8 * len(updates)
+    # the screen: one read of the norms, one of the model's, one per distinct submodel's size; the rule: one per
+    # update (its size), and centered clipping one more for the distances (before: one per tensor, >= `tensors`)
+    assert len(reads) <= 3 + len(subs) + len(updates), reads
