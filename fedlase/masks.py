@@ -48,7 +48,7 @@ class Submodel:
         DepthFL's exits, FedDSE's per-client mask); None: plain cross-entropy of one forward (fedlase/train.py).
     """
     masks: dict[str, torch.Tensor] = field(default_factory=dict)
-    thresholds: dict[str, float] | None = None
+    thresholds: dict[str, float | torch.Tensor] | None = None   # a 0-d tensor on a GPU (kth_largest)
     ste: str = "official"
     buffers: dict[str, torch.Tensor] = field(default_factory=dict)
     slices: dict[str, tuple] = field(default_factory=dict)
@@ -89,7 +89,8 @@ class Submodel:
             if any(has_tau):
                 if not all(has_tau):
                     raise ValueError(f"{n}: some clients of a batched group have a threshold, others not")
-                thresholds[n] = torch.tensor([s.thresholds[n] for s in subs], dtype=g.dtype, device=g.device).view(view)
+                thresholds[n] = torch.stack([torch.as_tensor(s.thresholds[n], dtype=g.dtype, device=g.device)
+                                             for s in subs]).view(view)   # a float, or a device's 0-d tensor
             if any(n in s.masks for s in subs):
                 masks[n] = torch.stack([s.masks[n] if n in s.masks else torch.ones_like(g, dtype=torch.bool)
                                         for s in subs]).to(g.device)
@@ -149,7 +150,9 @@ class Submodel:
         return sum(int(self.masks[n].sum()) if n in self.masks else params[n].numel() for n in names)
 
     def to(self, device) -> Submodel:
-        return Submodel({k: v.to(device) for k, v in self.masks.items()}, self.thresholds, self.ste,
+        thresholds = None if self.thresholds is None else {
+            k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in self.thresholds.items()}
+        return Submodel({k: v.to(device) for k, v in self.masks.items()}, thresholds, self.ste,
                         {k: v.to(device) for k, v in self.buffers.items()},
                         {k: tuple(None if i is None else i.to(device) for i in v) for k, v in self.slices.items()},
                         self.scales, self.local)
@@ -208,16 +211,25 @@ def threshold_mask(w: torch.Tensor, tau: float | torch.Tensor, ste: str = "offic
 _BRACKET_MIN = 1 << 16   # below this size a plain kthvalue is as fast
 
 
-def kth_largest(values: torch.Tensor, k: int) -> float:
+_DEVICE_SIDE = frozenset({"cuda", "xpu", "mps"})   # devices on which a threshold stays a tensor (kth_largest)
+
+
+def kth_largest(values: torch.Tensor, k: int) -> float | torch.Tensor:
     """The k-th largest entry of a 1-D tensor by partial selection, not a full sort. Exact.
 
     torch.kthvalue costs ~30-40 ns an entry on a CPU (0.3-0.4 s for ResNet-18's 11.2M weights, per level and
     round), so a large input is narrowed first: a strided sample brackets the k-th largest, and kthvalue runs
     only on the entries inside the bracket, after counting those above it. If the bracket misses (the sample
-    is only an estimate), the plain kthvalue over everything answers: the value is the same either way."""
+    is only an estimate), the plain kthvalue over everything answers: the value is the same either way.
+
+    On a GPU the value is a 0-d tensor on the device: a threshold is only ever compared with weights there,
+    and reading it (and the bracket's data-dependent sizes) would make the host wait for the device once or
+    more per layer, level and round; the GPU's own selection needs no bracket."""
     n = values.numel()
     if not 1 <= k <= n:
         raise ValueError(f"k={k} outside 1..{n}")
+    if values.device.type in _DEVICE_SIDE:
+        return torch.kthvalue(values, n - k + 1).values
     if k == n:
         return float(values.min())
     if n >= _BRACKET_MIN:

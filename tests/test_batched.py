@@ -235,3 +235,36 @@ def test_each_client_is_clipped_to_its_own_norm():
         for p, q in zip(stacked, params):
             torch.testing.assert_close(p.grad[c], q.grad)
     assert torch.equal(stacked[1].grad[2], grads[2][1])
+
+
+@pytest.mark.parametrize("method,batched", [("fedlase", "false"), ("fedlase", "true"), ("fiarse", "true")])
+def test_thresholds_kept_on_the_device_read_the_host_once_per_level(tiny_cfg, monkeypatch, method, batched):
+    """On a GPU a threshold method's extraction keeps each layer's threshold on the device (masks.kth_largest)
+    and reads its layer scores in one transfer: a round's extraction then waits for the device about once per
+    level, not several times per layer. Forced on the CPU here, that path must give the same round, bit for bit."""
+    import fedlase.masks as masks
+
+    def one_round(device_side: bool):
+        if device_side:
+            monkeypatch.setattr(masks, "_DEVICE_SIDE", frozenset({"cpu"}))
+        exp = Experiment.from_config(tiny_cfg(f"method={method}", "participation=1.0", f"batched_clients={batched}"))
+        picked = exp.sample(1)
+        reads = []
+        for name in ("__float__", "__int__", "__index__", "__bool__", "item", "tolist"):
+            real = getattr(torch.Tensor, name)
+            monkeypatch.setattr(torch.Tensor, name, lambda self, *a, _real=real, _name=name:
+                                (reads.append(_name), _real(self, *a))[1])
+        subs = exp.submodels([lv for _, lv in picked], 1)
+        monkeypatch.undo()
+        taus = [t for s in subs.values() for t in (s.thresholds or {}).values()]
+        exp.run_round(1)
+        return exp.params, reads, taus, len(subs)
+
+    params, reads, taus, _ = one_round(False)
+    on_device, device_reads, device_taus, levels = one_round(True)
+    assert all(isinstance(t, float) for t in taus) and taus
+    assert all(isinstance(t, torch.Tensor) and t.dim() == 0 for t in device_taus if t != float("inf"))
+    assert all(torch.equal(params[n], on_device[n]) for n in params)
+    # the CPU path reads each group's threshold (FedLASE: a layer, FIARSE: the model) and FedLASE's scores; the
+    # device path reads FedLASE's scores once per level and nothing else
+    assert len(device_reads) <= (levels if method == "fedlase" else 0) < len(reads), (device_reads, reads)

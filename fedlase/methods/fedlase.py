@@ -113,9 +113,9 @@ class FedLASE(ThresholdMethod):
         if score == "equal":
             weights = [float(s) for s in sizes]
         else:
-            with torch.no_grad():
-                s = [float(params[n].abs().mean() if score == "mean" else params[n].abs().max())
-                     for n in self.extracted]
+            with torch.no_grad():   # one host read for all the layers' scores, not one per layer
+                s = torch.stack([params[n].abs().mean() if score == "mean" else params[n].abs().max()
+                                 for n in self.extracted]).double().tolist()
             if self.args["transform"] == "share":
                 weights = [math.log1p(n * si) if log else n * si for n, si in zip(sizes, s)]
             else:
