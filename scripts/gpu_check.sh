@@ -4,7 +4,8 @@
 # papers' round per method against a plain-PyTorch anchor, and the projection of the papers' tables in hours).
 #
 #   OUT=DIR scripts/gpu_check.sh                 on a CUDA machine (DEVICE=cuda, the default)
-#   OUT=DIR DEVICE=cpu scripts/gpu_check.sh      the rehearsal on a CPU, in under five minutes
+#   OUT=DIR DEVICE=cpu PYTHON=.venv/bin/python scripts/gpu_check.sh   the rehearsal on a CPU (about a minute)
+#   (on a GPU machine use a Python whose torch is a CUDA build: `make setup`'s .venv holds the CPU build)
 #
 # Needs python3 (PYTHON=...) with torch, numpy, scipy, scikit-learn, matplotlib, pyyaml and tqdm; no install of
 # fedlase (it runs from this checkout). Wheels in the checkout's wheels/ folder (dp-accounting and dm-tree, flwr)
