@@ -1,6 +1,7 @@
 """Shared fixtures and helpers for the core tests: a tiny, fast experiment on the bundled digits data, and tiny
 Fashion-MNIST IDX files. Test modules import the helpers with `from conftest import ...` (pytest puts tests/
 on sys.path)."""
+import contextlib
 import gzip
 import os
 import sys
@@ -37,6 +38,20 @@ def counted_over(acc: float, n: int) -> bool:
     """Whether `acc` is k/n for a whole k: an accuracy counted over n predictions (as the global accuracy is over
     the test set), not a mean of per-client accuracies nor one over a part of the set."""
     return abs(acc * n - round(acc * n)) < 1e-4 * n
+
+
+@contextlib.contextmanager
+def host_reads():
+    """Counts the tensor-to-Python reads made inside the block (float(), int(), bool(), .item(), .tolist()): on a
+    GPU each is a wait for the device. Yields the list of the reads' names."""
+    import torch
+    reads = []
+    with pytest.MonkeyPatch.context() as mp:
+        for name in ("__float__", "__int__", "__index__", "__bool__", "item", "tolist"):
+            real = getattr(torch.Tensor, name)
+            mp.setattr(torch.Tensor, name, lambda self, *a, _real=real, _name=name:
+                       (reads.append(_name), _real(self, *a))[1])
+        yield reads
 
 
 @pytest.fixture

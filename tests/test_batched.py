@@ -2,6 +2,7 @@
 import pytest
 import torch
 
+from conftest import host_reads
 from fedlase.batched import local_train_batched, train_clients_batched
 from fedlase.client import local_work
 from fedlase.engine import Experiment
@@ -249,15 +250,11 @@ def test_thresholds_kept_on_the_device_read_the_host_once_per_level(tiny_cfg, mo
             monkeypatch.setattr(masks, "_DEVICE_SIDE", frozenset({"cpu"}))
         exp = Experiment.from_config(tiny_cfg(f"method={method}", "participation=1.0", f"batched_clients={batched}"))
         picked = exp.sample(1)
-        reads = []
-        for name in ("__float__", "__int__", "__index__", "__bool__", "item", "tolist"):
-            real = getattr(torch.Tensor, name)
-            monkeypatch.setattr(torch.Tensor, name, lambda self, *a, _real=real, _name=name:
-                                (reads.append(_name), _real(self, *a))[1])
-        subs = exp.submodels([lv for _, lv in picked], 1)
-        monkeypatch.undo()
+        with host_reads() as reads:
+            subs = exp.submodels([lv for _, lv in picked], 1)
         taus = [t for s in subs.values() for t in (s.thresholds or {}).values()]
-        exp.run_round(1)
+        exp.run_round(1)   # still on the device path: the round trains with the tensor thresholds
+        monkeypatch.undo()
         return exp.params, reads, taus, len(subs)
 
     params, reads, taus, _ = one_round(False)

@@ -10,6 +10,7 @@ import math
 import pytest
 import torch
 
+from conftest import host_reads
 from fedlase.aggregate import Aggregator
 from fedlase.config import load_config
 from fedlase.engine import Experiment, Update, run_experiment
@@ -332,21 +333,16 @@ def test_centered_clipping_clips_around_the_last_step_and_keeps_it_across_a_chec
 
 
 @pytest.mark.parametrize("rule", ["bounded", "centered_clip"])
-def test_the_server_step_reads_the_device_per_update_not_per_tensor(tiny_cfg, monkeypatch, rule):
+def test_the_server_step_reads_the_device_per_update_not_per_tensor(tiny_cfg, rule):
     """On a GPU every scalar read is a wait for the device: the screen and the clip read an update's norms and
     its submodel's sizes in one transfer each (fedlase.server_step.on_host), not one per parameter tensor."""
     exp = Experiment.from_config(tiny_cfg("participation=1.0", f"robust={rule}"))
     picked = exp.sample(1)
     subs = exp.submodels([lv for _, lv in picked], 1)
     updates = exp.runner.train(exp, 1, picked, subs).updates
-    reads = []
-    for name in ("__float__", "__int__", "__index__", "item", "tolist"):
-        real = getattr(torch.Tensor, name)
-        monkeypatch.setattr(torch.Tensor, name, lambda self, *a, _real=real, _name=name:
-                            (reads.append(_name), _real(self, *a))[1])
-    kept, _, rms = exp.server.screen(updates, subs, exp.params)
-    exp.server.new_model(exp.params, kept, subs, rms, 1)
-    monkeypatch.undo()
+    with host_reads() as reads:
+        kept, _, rms = exp.server.screen(updates, subs, exp.params)
+        exp.server.new_model(exp.params, kept, subs, rms, 1)
     tensors = sum(len(u.delta) for u in updates)
     assert len(kept) == len(updates) >= 4 and tensors >= 8 * len(updates)
     # the screen: one read of the norms, one of the model's, one per distinct submodel's size; the rule: one per
