@@ -24,6 +24,7 @@ import torch
 
 from ..errors import ConfigError
 from ..registry import register_method
+from ..server_step import on_host
 from .base import Option, ThresholdMethod
 
 
@@ -114,8 +115,8 @@ class FedLASE(ThresholdMethod):
             weights = [float(s) for s in sizes]
         else:
             with torch.no_grad():   # one host read for all the layers' scores, not one per layer
-                s = torch.stack([params[n].abs().mean() if score == "mean" else params[n].abs().max()
-                                 for n in self.extracted]).double().tolist()
+                s = on_host([params[n].abs().mean() if score == "mean" else params[n].abs().max()
+                             for n in self.extracted])
             if self.args["transform"] == "share":
                 weights = [math.log1p(n * si) if log else n * si for n, si in zip(sizes, s)]
             else:
