@@ -8,7 +8,8 @@ update judged against the lower median of the whole round), the share of each le
 Each (method, seed) runs `configs/demo.yaml` (its 20 rounds; `threads=1`, evaluated at the last round only)
 twice: as it is, and with the per-level reference switched off (`server_step.PER_LEVEL` set beyond any level's
 size, so every level takes the round's). At every screen it records each finite update's level, its norm per
-coordinate held, and the references the rule used (the screen's; the clip's, over the figures the screen kept).
+coordinate held, and the clip's reference the rule used, or that the screen rejected it (`bounded` at its
+defaults: rejected beyond 3x its reference, clipped beyond 1x).
 Prints two markdown tables, pooled over the seeds, and the accuracies paired by seed."""
 import argparse
 import multiprocessing as mp
@@ -23,7 +24,8 @@ from fedlase.server_step import PER_LEVEL
 
 
 def one_run(spec: tuple[str, int, bool, list[str]]) -> tuple[list, dict]:
-    """(the figures seen at every screen: (level, figure, screen reference, clip reference), {level: global acc})."""
+    """(every screened update: (level, norm per coordinate held, clip reference; None, None if rejected),
+    {level: global acc})."""
     method, seed, per_level, extra = spec
     import torch
 
@@ -39,13 +41,10 @@ def one_run(spec: tuple[str, int, bool, list[str]]) -> tuple[list, dict]:
 
     def judge(updates, subs, full, factor, recent=None):
         v = real(updates, subs, full, factor, recent)
-        if factor is not None and recent is None:   # as the rule computes them (fedlase/server_step.py, judge)
-            figures = {c: (lv, r) for lv, c, r in v.solid}
-            step, level = server_step.references(figures, factor)
-            screen = {c: level.get(lv, step) for c, (lv, _) in figures.items()}
-            kept = {c: f for c, f in figures.items() if f[1] <= factor * screen[c]}
-            k_step, k_level = server_step.references(kept, factor)
-            seen.extend((lv, r, screen[c], k_level.get(lv, k_step)) for c, (lv, r) in figures.items())
+        if factor is not None and recent is None:   # what the screen decided: (level, figure, clip reference)
+            level = {str(u.client): server_step.level_key(u) for u in updates}
+            seen.extend((server_step.level_key(u), r, ref) for u, r, ref in zip(v.accepted, v.rms, v.refs))
+            seen.extend((level[c], None, None) for c in v.rejected)   # rejected (honest runs: beyond 3x)
         return v
     judge.real = real
     server_step.judge = judge
@@ -76,8 +75,8 @@ def main() -> int:
         results = pool.map(one_run, specs, chunksize=1)
     figures, acc = defaultdict(list), defaultdict(list)
     for (method, _, per_level, _), (seen, levels) in zip(specs, results):
-        for lv, r, screen, clip in seen:
-            figures[method, lv, per_level].append((r, screen, clip))
+        for lv, r, clip in seen:
+            figures[method, lv, per_level].append((r, clip))
         for lv, a in levels.items():
             acc[method, lv, per_level].append(a)
     keys = sorted({(m, lv) for m, lv, _ in figures}, key=lambda k: (k[0], Fraction(k[1])))
@@ -89,7 +88,7 @@ def main() -> int:
         cells = []
         for per_level in (True, False):
             rows = figures[method, lv, per_level]
-            accepted = [(r, clip) for r, screen, clip in rows if r <= 3 * screen]
+            accepted = [(r, clip) for r, clip in rows if r is not None]
             kept = sum(min(1.0, clip / r) for r, clip in accepted) / max(len(accepted), 1)
             cells += [f"{100 * (len(rows) - len(accepted)) / len(rows):.1f}%",
                       f"{100 * sum(r > clip for r, clip in accepted) / max(len(accepted), 1):.0f}%", f"{kept:.2f}"]
