@@ -281,7 +281,22 @@ def validate(cfg: Config) -> Config:
     check_schedule(cfg, participation)
     check_deployment(cfg, tagged("submitter"))
     check_run(cfg, data, model)   # sizes against the model, the data and the machine's memory (resources.py)
+    object.__setattr__(cfg, _VALIDATED, True)   # on this very object: a copy made by dataclasses.replace has none
     return cfg
+
+
+# The mark `validate` leaves on the config it returns. It lives in the instance's __dict__, not in a field, so
+# `dataclasses.replace`, `Config(...)` and `to_dict` never carry it, while pickling (sweep children, Ray tasks) does.
+_VALIDATED = "_fedlase_validated"
+
+
+def checked(cfg: Config) -> Config:
+    """`cfg` if `validate` made it, else its validated copy (or ConfigError): what every run starts from
+    (fedlase.dispatch.run_config, fedlase.engine.build_parts, Flower's ServerApp), so that a Config made by
+    `Config(...)` or changed by `dataclasses.replace` is checked before anything trains, whatever the path."""
+    if not isinstance(cfg, Config):
+        raise TypeError(f"expected a fedlase Config, got {type(cfg).__name__}")
+    return cfg if cfg.__dict__.get(_VALIDATED) else validate(cfg)
 
 
 def set_dotted(d: dict, key: str, value) -> None:

@@ -7,12 +7,13 @@ The summary a run writes is the config that ran, engine included."""
 from __future__ import annotations
 
 from .catalog import load_builtins
-from .config import Config
+from .config import Config, checked
 
 
 def run_config(cfg: Config, resume: bool = False, progress: bool = True) -> dict:
     """Run (or resume, with `resume`) the experiment `cfg` on its engine; returns summary.json's content."""
     load_builtins()   # idempotent: every process that runs a config has its choices registered
+    cfg = checked(cfg)   # Config(...) or dataclasses.replace(...) is validated here, on every engine's path
     if cfg.engine.startswith("flower"):
         from .flower import run_flower  # needs the `flower` extra
         return run_flower(cfg, resume=resume, progress=progress)

@@ -25,7 +25,7 @@ import torch
 from . import checkpoint, determinism
 from .aggregate import channel_owners
 from .client import ClientSettings, ClientTrainer, build_model_for, client_splits, pick_device
-from .config import Config, config_from_dict, parse_override, set_dotted, tagged
+from .config import Config, checked, config_from_dict, parse_override, set_dotted, tagged
 from .errors import UserError
 from .evaluate import EvalData, EvalSettings, evaluate_levels
 from .levels import Level
@@ -172,6 +172,7 @@ class Parts:
 def build_parts(cfg: Config) -> Parts:
     """Data, client splits, model, method, client trainer, evaluation data and server step of a validated config
     (the order is part of the result: the model is built from the run's seed before the method)."""
+    cfg = checked(cfg)   # a Config that `validate` did not make is checked here, before anything is built
     determinism.apply(cfg.deterministic)   # before anything touches CUDA (fedlase/determinism.py)
     device = pick_device(cfg.device)
     apply_threads(cfg.threads)   # 0: the CPUs this process may use (fedlase/resources.py)
@@ -269,6 +270,7 @@ class Experiment:
                     clock_for: Callable[[Config, Parts], Clock | None] | None = None) -> Experiment:
         """The run of a validated config: its parts (`build_parts`), then its clock from `clock_for(cfg, parts)`
         (fedlase.simtime.clock_for, which may measure memory in child processes; None: no clock)."""
+        cfg = checked(cfg)
         parts = build_parts(cfg)
         return cls(cfg, parts, runner, clock_for(cfg, parts) if clock_for is not None else None)
 
@@ -395,6 +397,7 @@ def run_experiment(cfg: Config, resume: bool = False, progress: bool = True, run
     `runner` trains the rounds (default: sequential, or batched with batched_clients; Flower passes its own).
     `clock(cfg, parts)` builds the simulated clock a config with `device_model` or `deadline` asks for
     (fedlase.simtime.clock_for: fedlase/dispatch.py and Flower's ServerApp hand it in)."""
+    cfg = checked(cfg)   # before the run folder is touched
     if clock is None and cfg.simulated:
         raise UserError("device_model/deadline/population/schedule: simulated time needs a clock; run through "
                         "fedlase.run or pass clock=fedlase.simtime.clock_for")

@@ -113,6 +113,30 @@ def check_loaded(cfg, data) -> None:
     """The counts of `check_counts` once the data is loaded (an image dataset learns its size only then, and
     a data_dir may hold any number of samples); the engine calls it before it trains."""
     check_counts(cfg, len(data.y_train))
+    check_work(cfg, len(data.y_train))   # local_epochs in steps, now that the data's size is known
+
+
+# The most local steps a run may take in all (every client's, summed over the run), about 12 days of training at
+# 1 ms a step: a count beyond it (rounds=1e30, local_steps=1e12) is a typo, not an experiment, and would run for ever.
+MAX_LOCAL_STEPS = 10**9
+
+
+def check_work(cfg, n_train: int | None) -> None:
+    """ConfigError when a lower bound on the run's local steps (rounds x clients a step trains x steps a client
+    takes) exceeds MAX_LOCAL_STEPS; the key named is the largest factor's."""
+    clients = cfg.levels.num_clients
+    per_step = math.ceil(min(cfg.participation) * clients) if cfg.schedule == "sync" else 1   # async: >= 1 a step
+    if cfg.local_epochs is not None:
+        per_client = max(1, math.floor(cfg.local_epochs * (n_train or 0) / clients / cfg.batch_size))
+        key = "local_epochs"
+    else:
+        per_client, key = cfg.local_steps, "local_steps"
+    total = cfg.rounds * per_step * per_client
+    if total > MAX_LOCAL_STEPS:
+        key = "rounds" if cfg.rounds >= per_client else key
+        raise ConfigError(key, f"the run would take at least {total:.3g} local steps in all (rounds={cfg.rounds:g} x "
+                          f"{per_step} clients x {per_client:g} steps), more than fedlase's limit of "
+                          f"{MAX_LOCAL_STEPS:.0e} (about 12 days at 1 ms a step); lower it")
 
 
 def check_run(cfg, data_entry, model_entry) -> None:
@@ -121,6 +145,7 @@ def check_run(cfg, data_entry, model_entry) -> None:
     data_info = (data_entry.check(cfg) if data_entry.check else None) or {}
     n_train, n_test = data_info.get("train"), data_info.get("test")
     clients = cfg.levels.num_clients
+    check_work(cfg, n_train)
     if n_train is not None:
         check_counts(cfg, n_train)
     available = available_memory()

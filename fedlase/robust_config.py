@@ -118,6 +118,10 @@ def check_dp(cfg) -> dict:
     n = cfg.levels.num_clients
     if out["delta"] is None:   # well below 1/n: a delta of 1/n allows publishing one client's data outright
         out["delta"] = default_delta(n)
+    elif out["delta"] >= 1 / n:
+        raise ConfigError("dp.delta", f"{out['delta']:g} is at least 1/num_clients (1/{n}): a mechanism may then "
+                          f"publish one client's data outright and still meet it; leave it unset for "
+                          f"{default_delta(n):.3g}, or give one well below 1/{n}")
     if out["adaptive"] and out["count_noise"] is None:
         expected = sum(max(1, round(p * n)) for p in cfg.participation) / len(cfg.participation)
         out["count_noise"] = expected / 20

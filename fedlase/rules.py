@@ -262,7 +262,8 @@ class CenteredClip(Screened):
     options = {"screen": SCREEN,
                "tau": Option(1.0, "centered_clip: clip radius around the center, as a multiple of the step's "
                              "lower median distance per coordinate held", low=0, low_open=True),
-               "iterations": Option(1, "centered_clip: clipping iterations per step", low=1)}
+               "iterations": Option(1, "centered_clip: clipping iterations per step, 1 to 100 (the paper uses 1-3; the "
+                                     "center has long stopped moving by 100)", low=1, high=100)}
 
     def __init__(self, **args):
         super().__init__(**args)

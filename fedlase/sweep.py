@@ -163,8 +163,12 @@ def _child_main() -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     spec = json.loads(sys.stdin.read())
     load_builtins()   # a fresh process: register the built-in choices before the config is checked
-    run = PlannedRun(spec["name"], {}, config_from_dict(spec["config"]))
-    error = _run_one(run, progress=False)
+    try:
+        run = PlannedRun(spec["name"], {}, config_from_dict(spec["config"]))
+    except UserError as e:   # refused before anything ran: the sweep records its one line
+        error = str(e).splitlines()[0]
+    else:
+        error = _run_one(run, progress=False)
     report.write(json.dumps({"error": error}) + "\n")
     report.close()
     return 0 if error is None else 1
