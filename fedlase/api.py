@@ -14,6 +14,7 @@ from pathlib import Path
 from .catalog import load_builtins
 from .config import Config, config_from_dict, load_config
 from .dispatch import run_config
+from .errors import RunExists
 
 
 def make_config(path: str | None = None, **settings) -> Config:
@@ -28,7 +29,10 @@ def make_config(path: str | None = None, **settings) -> Config:
 
 def run(cfg: Config, resume: bool = False, progress: bool = False) -> dict:
     """Run (or resume) the experiment on the engine its config names; returns summary.json's content."""
-    return run_config(cfg, resume=resume, progress=progress)
+    try:
+        return run_config(cfg, resume=resume, progress=progress)
+    except RunExists as e:   # the engines word it for the command line's --resume
+        raise RunExists(e.out, "pass resume=True") from None
 
 
 def read_summary(out: str | Path) -> dict:

@@ -12,7 +12,7 @@ import warnings
 from collections.abc import Callable
 from pathlib import Path
 
-from .errors import UserError
+from .errors import RunExists, UserError
 
 CACHE_ENV = "FEDLASE_CACHE"            # the cache folder
 DEPRECATED_CACHE_ENV = "FEDLASE_CACHE_DIR"   # its old name (the text track's), still read when CACHE_ENV is unset
@@ -75,7 +75,7 @@ def run_folder(out, resume: bool) -> Path:
     if out.exists() and not out.is_dir():
         raise UserError(f"out: {out} is a file, not a folder; choose another out")
     if not resume and ((out / "checkpoint.pt").exists() or (out / "summary.json").exists()):
-        raise UserError(f"out: {out} already holds a run; pass --resume to continue it or choose another out")
+        raise RunExists(out)   # worded for the command line; fedlase.run rewords it for Python
     return out
 
 

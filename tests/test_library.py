@@ -75,6 +75,10 @@ def test_api_runs_and_reads_results(tmp_path):
     metrics = fedlase.read_metrics(tmp_path / "r")
     assert [m["round"] for m in metrics] == [1, 2]
     assert fedlase.read_summary(tmp_path / "r")["final"] == summary["final"] == metrics[-1]
+    # the refusal to overwrite the run says how to continue it in the API's words, not the command line's
+    with pytest.raises(fedlase.UserError, match=r"already holds a run; pass resume=True to continue") as refused:
+        fedlase.run(cfg)
+    assert "--resume" not in str(refused.value)
 
 
 def test_unknown_method_is_a_config_error_until_registered(plugin, tmp_path):
