@@ -6,6 +6,7 @@ import argparse
 import logging
 import re
 import sys
+from pathlib import Path
 
 from .config import options
 from .errors import UserError
@@ -179,6 +180,10 @@ def _settings_anywhere(args, extras: list[str], parser: argparse.ArgumentParser,
     words = [w for w in [getattr(args, head, None) if head else None, *args.overrides, *extras] if w is not None]
     settings = [w for w in words if SETTING.match(w)]
     others = [w for w in words if not SETTING.match(w)]
+    for w in others:
+        if w.split(".")[0] in options() and not Path(w).exists():   # `rounds` alone: a setting without its value
+            from .config import parse_override
+            parse_override(w)
     if len(others) > (1 if head else 0):
         what = {"run": "one run folder", "config": "one config file"}.get(head, "only key=value settings")
         raise UserError(f"{args.command} takes {what} and key=value settings; "

@@ -23,6 +23,14 @@ def installed(package: str) -> bool:
     return importlib.util.find_spec(package) is not None
 
 
+def first_sentence(doc: str | None) -> str:
+    """A docstring's first sentence (its first paragraph may wrap over several lines): what `fedlase methods` and
+    README.md's method table say of a method."""
+    para = " ".join((doc or "").strip().split("\n\n")[0].split())
+    end = para.find(". ")
+    return para if end < 0 else para[:end + 1]
+
+
 def yaml_problem(path, text: str, error: Exception) -> str:
     """Where and why `text` (the file `path`) is not valid YAML, for a one-line error: its line and column (from 1)
     and the parser's words, and a hint for the mistakes a config meets most: an unquoted value that starts with

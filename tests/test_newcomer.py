@@ -239,12 +239,12 @@ def test_a_library_run_waits_passively_or_says_once_why_not(tmp_path, first, arg
 
 # ---- 8. the smaller things -------------------------------------------------------------------------------------
 def test_methods_describes_each_method_by_its_whole_first_sentence(capsys):
-    from fedlase.catalog import summary
+    from fedlase.util import first_sentence
     rc, out, _ = cli(capsys, "methods")
     assert rc == 0
     for name, cls in METHODS.items():
         line = next(ln for ln in out.splitlines() if ln.startswith(f"{name}: "))
-        assert line == f"{name}: {summary(cls.__doc__, markdown=False)}"
+        assert line == f"{name}: {first_sentence(cls.__doc__)}"
         assert line.endswith("."), line   # a sentence, not a docstring's first line
     assert "whatever its own level: HeteroFL's slice of that level" in out
 

@@ -32,10 +32,10 @@ def build_method(name: str, model: nn.Module, options: dict, system) -> Method:
 def describe_methods() -> str:
     """`fedlase methods`: every registered method, its docstring's first sentence (as README.md's table), its
     coverage and options."""
-    from ..catalog import summary
+    from ..util import first_sentence
     lines = []
     for name, cls in METHODS.items():
-        lines.append(f"{name}: {summary(cls.__doc__, markdown=False)}")
+        lines.append(f"{name}: {first_sentence(cls.__doc__)}")
         lines.append(f"    coverage (when the config leaves it unset): {cls.coverage}")
         for key, opt in cls.options.items():
             lines.append(f"    method_args.{key} [default: {opt.default}]: {opt.help}")
