@@ -5,13 +5,13 @@ The Python API (docs/library.md): `make_config`, `run`, `read_summary`, `read_me
 and `Submodel`.
 `fedlase.ConfigError`, `fedlase.UserError` and the module `fedlase.errors` are there after `import fedlase`.
 Everything else is loaded on first use: `import fedlase` imports no torch. It sets OMP_WAIT_POLICY=PASSIVE unless
-the user set it, so torch's idle OpenMP threads sleep instead of spinning (fedlase.machine.passive_openmp): that
-takes effect when fedlase is imported before torch; `fedlase.run` warns once when it could not."""
+the user set it, so torch's idle OpenMP threads sleep instead of spinning (fedlase.openmp.passive_openmp): that
+takes effect when fedlase is imported before torch; `fedlase.run` warns once when it could not (fedlase/openmp.py)."""
 __version__ = "0.1.0"
 
 from . import errors  # noqa: E402  (light: the one module a caller needs to catch fedlase's errors)
 from .errors import ConfigError, DataError, UserError  # noqa: E402
-from .machine import passive_openmp_on_import  # noqa: E402  (light: os, math, resource)
+from .openmp import passive_openmp_on_import  # noqa: E402  (os and sys only: fedlase/openmp.py says why)
 
 passive_openmp_on_import()   # before torch loads its OpenMP, where the program has not imported torch already
 

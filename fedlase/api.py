@@ -28,8 +28,8 @@ def make_config(path: str | None = None, **settings) -> Config:
 
 def run(cfg: Config, resume: bool = False, progress: bool = False) -> dict:
     """Run (or resume) the experiment on the engine its config names; returns summary.json's content. Warns once
-    when torch's idle threads will spin (torch imported before fedlase, fedlase.machine.warn_spinning_openmp)."""
-    from .machine import warn_spinning_openmp
+    when torch's idle threads will spin (torch imported before fedlase, fedlase.openmp.warn_spinning_openmp)."""
+    from .openmp import warn_spinning_openmp
     if cfg.device != "cuda":
         warn_spinning_openmp(cfg.threads)
     return run_config(cfg, resume=resume, progress=progress)

@@ -8,8 +8,9 @@ from __future__ import annotations
 import math
 import os
 import resource
-import sys
 from pathlib import Path
+
+from .openmp import passive_openmp  # noqa: F401  (re-exported: it lives where `import fedlase` can load it)
 
 
 # ---- memory ------------------------------------------------------------------------------------------------------
@@ -156,45 +157,6 @@ def apply_threads(threads: int) -> int:
         if torch.get_num_threads() != n:
             torch.set_num_threads(n)
     return torch.get_num_threads()
-
-
-def passive_openmp() -> None:
-    """OMP_WAIT_POLICY=PASSIVE unless the user set it: OpenMP's idle threads then sleep at once instead of
-    spinning (GNU OpenMP spins up to ~300k iterations before sleeping), so a run does not burn the CPU that
-    other processes on the machine wait for. OpenMP reads it when its runtime loads, so this must run before
-    torch is imported: `import fedlase` calls it (`passive_openmp_on_import`), the CLI first thing too, and the
-    processes they start inherit it."""
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-
-
-_OPENMP_STARTED_FIRST: list[bool] = []   # [True] once `import fedlase` found torch loaded and the policy unset
-
-
-def passive_openmp_on_import() -> None:
-    """At `import fedlase`: the passive wait while it can still take effect (torch, whose OpenMP reads the
-    policy when it loads, not imported yet); else, with no policy chosen, remember that idle threads will spin,
-    for `warn_spinning_openmp`. Either way the processes a run starts (sweep children, Ray's actors) inherit
-    the passive policy."""
-    if "torch" in sys.modules and "OMP_WAIT_POLICY" not in os.environ:
-        _OPENMP_STARTED_FIRST.append(True)
-    passive_openmp()
-
-
-def warn_spinning_openmp(threads: int) -> None:
-    """Once per process, from `fedlase.run`: a RuntimeWarning when torch was imported before fedlase with no
-    OMP_WAIT_POLICY and the run uses more than one thread, so its idle OpenMP threads spin: on a busy machine
-    a run can then be many times slower (docs/benchmarks.md, "A shared CPU")."""
-    if _OPENMP_STARTED_FIRST != [True]:
-        return
-    omp = os.environ.get("OMP_NUM_THREADS", "")
-    if (threads or (int(omp) if omp.isdigit() and int(omp) > 0 else default_threads())) == 1:   # apply_threads'
-        return   # one thread: no idle ones
-    _OPENMP_STARTED_FIRST.append(True)   # warned
-    import warnings
-    warnings.warn("torch was imported before fedlase, so fedlase could not set OMP_WAIT_POLICY=PASSIVE (OpenMP "
-                  "reads it once, when torch loads): idle threads spin, and on a busy machine a run can be many "
-                  "times slower. Import fedlase before torch, set OMP_WAIT_POLICY=PASSIVE before Python starts, or "
-                  "run with threads=1", RuntimeWarning, stacklevel=3)
 
 
 def _beyond_usable(count: int, otherwise: str) -> str | None:

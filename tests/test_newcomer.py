@@ -208,7 +208,7 @@ def test_a_sweep_files_yaml_error_names_its_line(capsys, tmp_path):
 LATE = textwrap.dedent('''
     import os, sys, warnings
     {first}
-    from fedlase.machine import warn_spinning_openmp
+    from fedlase.openmp import warn_spinning_openmp
     cfg = dict(dataset="digits", system="{{1}}_{{2}}", width=0.25, rounds=1, local_steps=1, participation=1)
     counts = []
     for threads in map(int, sys.argv[2:]):   # fedlase.run with these threads in turn, or only the check
@@ -235,6 +235,18 @@ def test_a_library_run_waits_passively_or_says_once_why_not(tmp_path, first, arg
                          env=env, cwd=tmp_path, timeout=300)
     assert res.returncode == 0, res.stderr
     assert res.stdout.split()[-len(expected.split()):] == expected.split()
+
+
+def test_import_fedlase_loads_no_module_from_outside_the_package(tmp_path):
+    """`import fedlase` sets the wait policy with the os and sys that Python has loaded already: a Flower worker
+    imports the package before it takes the working folder off its path (fedlase/flower/worker_start.py), so a
+    module imported then could be one planted in that folder."""
+    code = ("import sys\nbefore = set(sys.modules)\nimport fedlase\n"
+            "print([m for m in set(sys.modules) - before if m.split('.')[0] != 'fedlase'])")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=tmp_path,
+                         timeout=60)
+    assert res.returncode == 0 and res.stdout.strip() == "[]", (res.stdout, res.stderr)
 
 
 # ---- 8. the smaller things -------------------------------------------------------------------------------------
