@@ -212,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
                                      "(overrides win; nested keys with dots: method_args.score=max). Settings "
                                      "and flags may come in any order.",
                          epilog=_keys_with_choices)
-    run.add_argument("config", nargs="?", help="YAML config file (optional when the first argument is key=value)")
+    run.add_argument("config", nargs="?", help="YAML config file (optional; before, after or among the settings)")
     run.add_argument("overrides", nargs="*", help="key=value settings")
     run.add_argument("--resume", action="store_true", help="continue the run in `out` from its last checkpoint")
     run.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -260,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
     sw.set_defaults(func=_cmd_sweep)
     cost = sub.add_parser("cost", help="what each level costs a client: parameters held, measured peak memory, "
                           "step FLOPs (dense and if sparsity were exploited), payload bytes (fedlase/cost.py)")
-    cost.add_argument("config", nargs="?", help="YAML config file (optional when the first argument is key=value)")
+    cost.add_argument("config", nargs="?", help="YAML config file (optional; before, after or among the settings)")
     cost.add_argument("overrides", nargs="*", help="key=value settings")
     cost.add_argument("--no-memory", action="store_true", help="skip the measured peak memory (a child process "
                       "per level)")
