@@ -211,22 +211,23 @@ LATE = textwrap.dedent('''
     from fedlase.openmp import warn_spinning_openmp
     cfg = dict(dataset="digits", system="{{1}}_{{2}}", width=0.25, rounds=1, local_steps=1, participation=1)
     counts = []
-    for threads in map(int, sys.argv[2:]):   # fedlase.run with these threads in turn, or only the check
+    for step in sys.argv[1:]:   # run:THREADS, fedlase.run with those threads; check:THREADS, only its check
+        what, threads = step.split(":")
         with warnings.catch_warnings(record=True) as seen:
             warnings.simplefilter("always")
-            if sys.argv[1] == "run":
-                fedlase.run(fedlase.make_config(**cfg, threads=threads, out=f"r{{len(counts)}}"))
+            if what == "run":
+                fedlase.run(fedlase.make_config(**cfg, threads=int(threads), out=f"r{{len(counts)}}"))
             else:
-                warn_spinning_openmp(threads)
+                warn_spinning_openmp(int(threads))
         counts.append(sum("OMP_WAIT_POLICY" in str(w.message) for w in seen))
     print(os.environ.get("OMP_WAIT_POLICY"), *counts)
 ''')
 
 
 @pytest.mark.parametrize("first, argv, expected", [
-    ("import fedlase\nassert 'torch' not in sys.modules\nimport torch", ["check", "2"], "PASSIVE 0"),   # in time
-    # too late for this process: one warning, at the first run on more than one thread (one has none idle)
-    ("import torch\nimport fedlase", ["run", "1", "2", "2"], "PASSIVE 0 1 0"),
+    ("import fedlase\nassert 'torch' not in sys.modules\nimport torch", ["run:2"], "PASSIVE 0"),   # in time
+    # too late for this process: one warning, from the first run on more than one thread (one has none idle)
+    ("import torch\nimport fedlase", ["check:1", "run:2", "check:2"], "PASSIVE 0 1 0"),
 ])
 def test_a_library_run_waits_passively_or_says_once_why_not(tmp_path, first, argv, expected):
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "OMP_NUM_THREADS")}
