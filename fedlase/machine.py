@@ -10,8 +10,6 @@ import os
 import resource
 from pathlib import Path
 
-from .openmp import passive_openmp  # noqa: F401  (re-exported: it lives where `import fedlase` can load it)
-
 
 # ---- memory ------------------------------------------------------------------------------------------------------
 def _meminfo_available() -> int | None:
