@@ -4,11 +4,16 @@ The Python API (docs/library.md): `make_config`, `run`, `read_summary`, `read_me
 `register_dataset`, `register_model`, `register_rule` with the base classes `Method`/`ThresholdMethod`, `Rule`
 and `Submodel`.
 `fedlase.ConfigError`, `fedlase.UserError` and the module `fedlase.errors` are there after `import fedlase`.
-Everything else is loaded on first use: `import fedlase` imports no torch."""
+Everything else is loaded on first use: `import fedlase` imports no torch. It sets OMP_WAIT_POLICY=PASSIVE unless
+the user set it, so torch's idle OpenMP threads sleep instead of spinning (fedlase.openmp.passive_openmp): that
+takes effect when fedlase is imported before torch; `fedlase.run` warns once when it could not (fedlase/openmp.py)."""
 __version__ = "0.1.0"
 
 from . import errors  # noqa: E402  (light: the one module a caller needs to catch fedlase's errors)
 from .errors import ConfigError, DataError, UserError  # noqa: E402
+from .openmp import passive_openmp_on_import  # noqa: E402  (os and sys only: fedlase/openmp.py says why)
+
+passive_openmp_on_import()   # before torch loads its OpenMP, where the program has not imported torch already
 
 _API = {
     "make_config": "api", "run": "api", "read_summary": "api", "read_metrics": "api",

@@ -28,7 +28,11 @@ def make_config(path: str | None = None, **settings) -> Config:
 
 
 def run(cfg: Config, resume: bool = False, progress: bool = False) -> dict:
-    """Run (or resume) the experiment on the engine its config names; returns summary.json's content."""
+    """Run (or resume) the experiment on the engine its config names; returns summary.json's content. Warns once
+    when torch's idle threads will spin (torch imported before fedlase, fedlase.openmp.warn_spinning_openmp)."""
+    from .openmp import warn_spinning_openmp
+    if cfg.device != "cuda":
+        warn_spinning_openmp(cfg.threads)
     try:
         return run_config(cfg, resume=resume, progress=progress)
     except RunExists as e:   # the engines word it for the command line's --resume

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import logging
+import re
 import sys
+from pathlib import Path
 
 from .config import options
 from .errors import UserError
@@ -101,11 +103,11 @@ def _bench(argv: list[str]) -> int:
 
 def _cmd_cost(args) -> int:
     from .config import load_config
-    from .cost import format_cost_table
+    from .cost import LEGEND, format_cost_table
     from .measure import cost_table
     cfg = load_config(args.config, args.overrides)
     costs = cost_table(cfg, memory=not args.no_memory, checkpoint=args.checkpoint)
-    print(format_cost_table(costs, cfg.method))
+    print(format_cost_table(costs, cfg.method) + "\n\ncolumns:\n" + LEGEND)
     if cfg.device_model is not None or cfg.population is not None:   # the population: its spread per level
         from .simtime import time_spread_table
         print("\n" + time_spread_table(cfg, costs))
@@ -113,6 +115,15 @@ def _cmd_cost(args) -> int:
 
 
 def _cmd_methods(args) -> int:
+    from .config import parse_override
+    from .registry import import_plugins
+    plugins = list(args.plugins or [])
+    for item in args.overrides:   # `fedlase methods 'plugins=[my_methods]'`, as `fedlase run` writes it
+        key, value = parse_override(item)
+        if key != "plugins":
+            raise UserError(f"{key}: `fedlase methods` takes only plugins=[...] (the modules whose methods to list)")
+        plugins += value if isinstance(value, list) else [value]
+    import_plugins(plugins)
     if args.readme:
         from .catalog import write_readme_table
         changed = write_readme_table(args.readme)
@@ -142,8 +153,50 @@ def _keys_with_choices() -> str:
     return "config keys:\n" + describe_keys()
 
 
+SETTING = re.compile(r"[A-Za-z_][\w.]*=")   # key=value (a path such as runs/sweep/seed=1 is none)
+
+
+def _settings_anywhere(args, extras: list[str], parser: argparse.ArgumentParser, argv: list[str]) -> None:
+    """Settings and flags in any order: argparse hands a key=value that follows a flag back unparsed (`extras`),
+    so every command that takes settings collects them here, wherever they stand; its one other word (the config
+    file, the run folder) is the first that is no setting. A flag named like a config key (`--rounds 5`, in
+    `argv`, the command line) is answered with the setting it meant."""
+    for word in extras:
+        if not word.startswith("-"):
+            continue
+        key, eq, value = word.lstrip("-").partition("=")
+        key = key.replace("-", "_")
+        if key.split(".")[0] in options():
+            if not eq:   # its value: the word after it (argparse may have taken it for the config file)
+                after = argv[argv.index(word) + 1:][:1]
+                value = after[0] if after and not after[0].startswith("-") else "VALUE"
+            raise UserError(f"{key}: settings are written key=value, not as flags: write {key}={value}")
+        parser.error(f"unrecognized arguments: {' '.join(w for w in extras if w.startswith('-'))}")
+    if not hasattr(args, "overrides"):
+        if extras:
+            parser.error(f"unrecognized arguments: {' '.join(extras)}")
+        return
+    head = "run" if hasattr(args, "run") else "config" if hasattr(args, "config") else None
+    words = [w for w in [getattr(args, head, None) if head else None, *args.overrides, *extras] if w is not None]
+    settings = [w for w in words if SETTING.match(w)]
+    others = [w for w in words if not SETTING.match(w)]
+    for w in others:
+        if w.split(".")[0] in options() and not Path(w).exists():   # `rounds` alone: a setting without its value
+            from .config import parse_override
+            parse_override(w)
+    if len(others) > (1 if head else 0):
+        what = {"run": "one run folder", "config": "one config file"}.get(head, "only key=value settings")
+        raise UserError(f"{args.command} takes {what} and key=value settings; "
+                        f"{' and '.join(map(repr, others))} are not settings")
+    if head:
+        setattr(args, head, others[0] if others else None)
+        if head == "run" and not others:
+            parser.error("the following arguments are required: run")
+    args.overrides = settings
+
+
 def main(argv: list[str] | None = None) -> int:
-    from .machine import passive_openmp
+    from .openmp import passive_openmp
     passive_openmp()   # before anything imports torch (its OpenMP reads the policy once, when it loads)
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["bench"]:
@@ -156,19 +209,22 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     run = sub.add_parser("run", help="run one experiment", formatter_class=argparse.RawDescriptionHelpFormatter,
                          description="Run one experiment from a YAML config and/or key=value overrides "
-                                     "(overrides win; nested keys with dots: method_args.score=max).",
+                                     "(overrides win; nested keys with dots: method_args.score=max). Settings "
+                                     "and flags may come in any order.",
                          epilog=_keys_with_choices)
-    run.add_argument("config", nargs="?", help="YAML config file (optional when the first argument is key=value)")
+    run.add_argument("config", nargs="?", help="YAML config file (optional; before, after or among the settings)")
     run.add_argument("overrides", nargs="*", help="key=value settings")
     run.add_argument("--resume", action="store_true", help="continue the run in `out` from its last checkpoint")
     run.add_argument("--quiet", action="store_true", help="no progress bar")
     run.set_defaults(func=_cmd_run)
     ev = sub.add_parser("evaluate", help="evaluate a run's checkpoint again, e.g. under another eval_order",
+                        formatter_class=argparse.RawDescriptionHelpFormatter,
                         description="Evaluate the model in a run folder's checkpoint.pt again and print the per-level "
-                                    "table. Only evaluation settings may change: eval_order, eval_batch_size, "
-                                    "device, threads; and plugins=[...], the modules to import (fedlase imports "
-                                    "none that a run folder names). The checkpoint is read as data only: one "
-                                    "holding anything but tensors and plain values is refused.")
+                                    "table.\nOnly the evaluation settings below may change, and plugins=[...], the "
+                                    "modules to import (fedlase imports none that a run folder names).\nThe "
+                                    "checkpoint is read as data only: one holding anything but tensors and plain "
+                                    "values is refused.",
+                        epilog=lambda: "evaluation settings (key=value):\n" + describe_keys(keys=_evaluate_keys()))
     ev.add_argument("run", help="run folder (holds checkpoint.pt)")
     ev.add_argument("overrides", nargs="*", help="key=value evaluation settings")
     ev.add_argument("--json", metavar="FILE", help="also write the evaluation as JSON to FILE")
@@ -177,7 +233,12 @@ def main(argv: list[str] | None = None) -> int:
                           "(only for files you trust: reading the old layout runs whatever the file holds)")
     conv.add_argument("checkpoints", nargs="+", metavar="FILE", help="checkpoint.pt files to rewrite in place")
     conv.set_defaults(func=_cmd_convert)
-    meth = sub.add_parser("methods", help="list methods and their method_args options")
+    meth = sub.add_parser("methods", help="list methods and their method_args options",
+                          description="List the registered methods (built-in, installed, and those of the plug-in "
+                                      "modules named by plugins=[...] or --plugins) and their method_args options.")
+    meth.add_argument("overrides", nargs="*", metavar="plugins=[...]", help="plug-in modules whose methods to list "
+                      "too, as `fedlase run` takes them")
+    meth.add_argument("--plugins", nargs="+", metavar="MODULE", help="the same as plugins=[MODULE, ...]")
     meth.add_argument("--markdown", action="store_true", help="the built-in methods as README.md's Markdown table")
     meth.add_argument("--readme", metavar="FILE", help="rewrite the method table between FILE's marker lines "
                       "(README.md; tests/test_structure.py checks it is current)")
@@ -199,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
     sw.set_defaults(func=_cmd_sweep)
     cost = sub.add_parser("cost", help="what each level costs a client: parameters held, measured peak memory, "
                           "step FLOPs (dense and if sparsity were exploited), payload bytes (fedlase/cost.py)")
-    cost.add_argument("config", nargs="?", help="YAML config file (optional when the first argument is key=value)")
+    cost.add_argument("config", nargs="?", help="YAML config file (optional; before, after or among the settings)")
     cost.add_argument("overrides", nargs="*", help="key=value settings")
     cost.add_argument("--no-memory", action="store_true", help="skip the measured peak memory (a child process "
                       "per level)")
@@ -224,11 +285,10 @@ def main(argv: list[str] | None = None) -> int:
                      "local step a level; the others recorded their costs in sim.json)")
     rep.set_defaults(func=_cmd_report)
 
-    args = parser.parse_args(argv)
-    if getattr(args, "config", None) and "=" in args.config:   # `fedlase run key=value ...` without a file
-        args.overrides, args.config = [args.config, *args.overrides], None
+    args, extras = parser.parse_known_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
+        _settings_anywhere(args, extras, sub.choices[args.command], argv)
         from .catalog import load_builtins
         load_builtins()   # every command sees the built-in and installed choices
         return args.func(args)
@@ -243,11 +303,19 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
-def describe_keys(choices: bool = True) -> str:
-    """Help text for every config key, for the CLI; `choices`: also list the registered methods, datasets,
-    models and partitions (registered by then: fedlase.catalog.load_builtins())."""
+def _evaluate_keys() -> tuple[str, ...]:
+    """What `fedlase evaluate` takes (fedlase.engine.EVAL_KEYS: the keys tagged "eval"), and plugins."""
+    from .config import tagged
+    return (*tagged("eval"), "plugins")
+
+
+def describe_keys(choices: bool = True, keys=None) -> str:
+    """Help text for every config key (or those in `keys`), for the CLI; `choices`: also list the registered
+    methods, datasets, models and partitions (registered by then: fedlase.catalog.load_builtins())."""
     lines = []
     for name, opt in options().items():
+        if keys is not None and name not in keys:
+            continue
         listed = opt.allowed() if choices and callable(opt.choices) else None   # a registry's names
         names = f" ({', '.join(map(str, listed))})" if listed else ""
         lines.append(f"  {name:<18} {opt.help}{names} [default: {opt.default}]")

@@ -337,12 +337,19 @@ def load_config(path: str | None = None, overrides: list[str] = (), validate_: b
         p = Path(path)
         if not p.is_file():
             raise ConfigError("config", f"file {path!r} does not exist")
+        text = p.read_text()
         try:
-            raw = yaml.safe_load(p.read_text()) or {}
+            raw = yaml.safe_load(text) or {}
         except yaml.YAMLError as e:
-            raise ConfigError("config", f"{path} is not valid YAML ({str(e).splitlines()[0]})") from None
+            from .util import yaml_problem
+            raise ConfigError("config", yaml_problem(path, text, e)) from None
         if not isinstance(raw, dict):
             raise ConfigError("config", f"{path} must hold a mapping of keys to values")
+        for key, opt in options().items():   # `system: {1,1/4}_{4}` unquoted: YAML's set-like mapping, not text
+            if opt.type is str and isinstance(raw.get(key), dict):
+                line = next((ln for ln in text.splitlines() if ln.split(":")[0].strip() == key), f"{key}: ...")
+                raise ConfigError(key, f"{path} gives a mapping, as YAML reads an unquoted value that starts with "
+                                  f"{{; quote it: {key}: '{line.partition(':')[2].split(' #')[0].strip()}'")
     for item in overrides:
         key, value = parse_override(item)
         set_dotted(raw, key, value)

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["LevelCost", "format_cost_table", "level_costs", "measure_memory", "with_memory"]
+__all__ = ["LEGEND", "LevelCost", "format_cost_table", "level_costs", "measure_memory", "with_memory"]
 
 
 @dataclass
@@ -174,6 +174,20 @@ def _si(x: float | None, unit: str = "") -> str:
 
 def _mib(x: int | None) -> str:
     return "n/a" if x is None else f"{x / 2 ** 20:.1f} MiB"
+
+
+# the columns of format_cost_table, printed under it by `fedlase cost`
+LEGEND = """\
+params held    parameters a client holds to train: the whole model under masks (dense) or the gathered slice (slice)
+kept (budget)  budgeted coordinates of the level's submodel, and their share of the model's budgeted ones
+peak RSS       measured peak resident memory of one client's local training, the whole process (MiB = 2^20 bytes;
+               n/a: not measured: --no-memory, or the measuring process failed)
+train+         the part of that peak above the process's resident size just before training (MiB)
+step FLOPs     floating-point operations of one local step (forward and backward of one batch), matmuls and
+               convolutions only (k, M, G, T: 10^3, 10^6, 10^9, 10^12)
+sparse FLOPs   the same step if the submodel's sparsity were exploited
+down, up       bytes sent to the client and back in one round, as Flower's codec sends them (kB = 10^3 bytes)
+steps          local steps of one round"""   # printed under `fedlase cost`'s table (the module docstring says more)
 
 
 def format_cost_table(costs: list[LevelCost], method: str = "") -> str:

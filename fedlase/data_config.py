@@ -22,6 +22,10 @@ def check_data(cfg):
     if cfg.partition == "pathological" and cfg.classes_per_client > data.num_classes:
         raise ConfigError("classes_per_client", f"must be between 1 and the {data.num_classes} classes of "
                           f"{cfg.dataset}, got {cfg.classes_per_client}")
+    if cfg.data_dir is not None and not data.reads_data_dir:
+        folders = ", ".join(n for n, d in DATASETS.items() if d.reads_data_dir)
+        raise ConfigError("data_dir", f"dataset {cfg.dataset} is bundled with its package and reads no folder; drop "
+                          f"data_dir (the datasets read from one: {folders})")
     if cfg.data_dir is not None and not Path(cfg.data_dir).is_dir():
         raise ConfigError("data_dir", f"folder {cfg.data_dir!r} does not exist")
     if data.needs_data_dir and cfg.data_dir is None:

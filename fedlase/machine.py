@@ -157,14 +157,6 @@ def apply_threads(threads: int) -> int:
     return torch.get_num_threads()
 
 
-def passive_openmp() -> None:
-    """OMP_WAIT_POLICY=PASSIVE unless the user set it: OpenMP's idle threads then sleep at once instead of
-    spinning (GNU OpenMP spins up to ~300k iterations before sleeping), so a run does not burn the CPU that
-    other processes on the machine wait for. OpenMP reads it when its runtime loads, so this must run before
-    torch is imported: the CLI calls it first, and the processes it starts inherit it."""
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-
-
 def _beyond_usable(count: int, otherwise: str) -> str | None:
     usable = usable_cpus()
     if count > usable:

@@ -17,7 +17,9 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import importlib
+import importlib.util
 import os
+import stat
 import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -116,7 +118,10 @@ class DatasetEntry:
     `check(cfg)`, optional, runs at config validation, before anything is loaded: it raises ConfigError on a
     value this dataset cannot take, and may return what it knows of the data without loading it, a dict with
     any of `train`/`test` (sample counts), `bytes` (what loading it will hold in memory) and `key` (the config
-    key `bytes` scales with; default `dataset`)."""
+    key `bytes` scales with; default `dataset`).
+
+    `needs_data_dir`: a config must set data_dir; `reads_data_dir` false: the data comes with the package, and
+    a data_dir (which it would ignore) is refused."""
     load: Callable[[Any], Any]
     num_classes: int
     kind: str = "image"
@@ -124,6 +129,7 @@ class DatasetEntry:
     needs_data_dir: bool = False
     shape: tuple[int, ...] | None = None   # one input's shape, known before loading (for checks); None: varies
     check: Callable[[Any], dict | None] | None = None
+    reads_data_dir: bool = True
 
 
 @dataclass(frozen=True)
@@ -166,10 +172,11 @@ def _check_kind(kind: str) -> str:
 
 def register_dataset(name: str, load: Callable, num_classes: int, kind: str = "image", help: str = "",
                      needs_data_dir: bool = False, replace: bool = False,
-                     shape: tuple[int, ...] | None = None, check: Callable | None = None) -> DatasetEntry:
+                     shape: tuple[int, ...] | None = None, check: Callable | None = None,
+                     reads_data_dir: bool = True) -> DatasetEntry:
     """Make `dataset=name` valid everywhere: load(cfg) returns a fedlase.data.Dataset."""
     return DATASETS.add(name, DatasetEntry(load, num_classes, _check_kind(kind), help, needs_data_dir, shape,
-                                           check), replace)
+                                           check, reads_data_dir), replace)
 
 
 def register_model(name: str, build: Callable, kind: str = "image", help: str = "",
@@ -207,14 +214,67 @@ def check_analysis(value) -> dict[str, dict]:
 
 
 def import_plugins(modules) -> None:
-    """Import the `plugins` modules (each registers its methods, datasets, models); ConfigError if one fails."""
+    """Import the `plugins` modules (each registers its methods, datasets, models); ConfigError if one fails.
+    A module that Python's path lacks is looked for in the working folder too (`_from_working_folder`)."""
     if not isinstance(modules, (list, tuple)) or not all(isinstance(m, str) for m in modules):
         raise ConfigError("plugins", f"expected a list of module names, got {modules!r}")
     for name in modules:
         try:
-            importlib.import_module(name)
+            _import_plugin(name)
+        except ConfigError:
+            raise
         except Exception as e:   # the user's module: report it in one line, whatever it raised
             raise ConfigError("plugins", f"cannot import {name!r}: {type(e).__name__}: {e}") from None
+
+
+def _import_plugin(name: str) -> None:
+    top = name.partition(".")[0]
+    try:
+        found = importlib.util.find_spec(top) is not None
+    except (ImportError, ValueError):
+        found = False
+    folder = _from_working_folder(name, top, found)
+    if folder is None:
+        importlib.import_module(name)
+        return
+    sys.path.append(folder)   # last: it can only add modules, never replace an installed one
+    try:
+        importlib.import_module(name)
+    finally:
+        if sys.path and sys.path[-1] == folder:
+            sys.path.pop()
+
+
+def _from_working_folder(name: str, top: str, found: bool) -> str | None:
+    """The working folder, when the plug-in `name` is to be imported from it (a user runs fedlase beside their
+    my_methods.py; the `fedlase` script, unlike `python -m`, has no working folder on Python's path); None when
+    Python's path has it. The rules that keep a folder from changing what else runs: the folder is searched last
+    and only while the plug-ins are imported; a module there named like one of Python's own or fedlase is refused
+    (the other one would win unnoticed); a folder that other users may write is not searched. One line says why
+    a plug-in is not found, and where it was looked for."""
+    try:
+        here = os.getcwd()
+    except OSError:   # the working folder is gone
+        here = None
+    local = here is not None and any(os.path.exists(os.path.join(here, f)) for f in (top + ".py", top))
+    if local and (top in sys.stdlib_module_names or top in sys.builtin_module_names or top == "fedlase"):
+        owner = "fedlase" if top == "fedlase" else f"Python's module {top}"
+        theirs = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # the folder fedlase is imported from
+        if top != "fedlase" or os.path.realpath(here) != os.path.realpath(theirs):
+            raise ConfigError("plugins", f"cannot import {name!r}: {top} in the working folder {here} is named "
+                              f"like {owner}, which Python would import instead; give the plug-in a name of its own")
+    if found:
+        return None
+    if not local:
+        raise ConfigError("plugins", f"cannot import {name!r}: no module {top!r} on Python's path or in the working "
+                          f"folder {here}; run fedlase where {top}.py is, or put its folder on PYTHONPATH "
+                          f"(PYTHONPATH=/path/to/folder fedlase ...)")
+    info = os.stat(here)
+    if info.st_mode & stat.S_IWOTH or (hasattr(os, "getuid") and info.st_uid != os.getuid()):
+        raise ConfigError("plugins", f"cannot import {name!r}: the working folder {here} may be written by other "
+                          f"users, so fedlase imports no plug-in from it; put the folder on PYTHONPATH if you trust "
+                          f"it, or move {top} to a folder of your own")
+    return here
 
 
 def register_rule(cls: type, replace: bool = False) -> type:

@@ -9,7 +9,7 @@ Rules (each but `none` after the screen):
    multikrum: the streaming mean of the updates closest to their neighbours on shared coordinates;
    centered_clip: each update clipped around the last step (Karimireddy et al. 2021), then the mean.
 Attacks: scale, sign_flip, gaussian, nan (and none), and the colluding little_is_enough and inner_product, on the
-clients the WHO options choose."""
+clients the WHO options choose (every attack takes them: server_step.Attack)."""
 from __future__ import annotations
 
 import dataclasses
@@ -21,7 +21,7 @@ import torch
 from .aggregate import Aggregator, aggregate
 from .options import Option
 from .registry import register_attack, register_rule
-from .robust_config import SCREEN, WHO
+from .robust_config import SCREEN
 from .server_step import Attack, Rule, held, level_key, low_median, squared_norms
 
 
@@ -30,6 +30,7 @@ from .server_step import Attack, Rule, held, level_key, low_median, squared_norm
 class NoAttack(Attack):
     """Every client honest."""
     name = "none"
+    chooses_clients = False
 
     def corrupt(self, delta, sub, full_shapes, rnd, client):
         return delta
@@ -39,7 +40,7 @@ class NoAttack(Attack):
 class Scale(Attack):
     """The delta times `factor`."""
     name = "scale"
-    options = {"factor": Option(10.0, "scale: the delta times factor", low=0, low_open=True), **WHO}
+    options = {"factor": Option(10.0, "scale: the delta times factor", low=0, low_open=True)}
 
     def corrupt(self, delta, sub, full_shapes, rnd, client):
         return {n: d * self.args["factor"] for n, d in delta.items()}
@@ -49,7 +50,7 @@ class Scale(Attack):
 class SignFlip(Attack):
     """The delta times -`factor`."""
     name = "sign_flip"
-    options = {"factor": Option(1.0, "sign_flip: the delta times -factor", low=0, low_open=True), **WHO}
+    options = {"factor": Option(1.0, "sign_flip: the delta times -factor", low=0, low_open=True)}
 
     def corrupt(self, delta, sub, full_shapes, rnd, client):
         return {n: d * -self.args["factor"] for n, d in delta.items()}
@@ -59,7 +60,6 @@ class SignFlip(Attack):
 class NaN(Attack):
     """Every value of the delta NaN."""
     name = "nan"
-    options = dict(WHO)
 
     def corrupt(self, delta, sub, full_shapes, rnd, client):
         return {n: torch.full_like(d, float("nan")) for n, d in delta.items()}
@@ -71,7 +71,7 @@ class Gaussian(Attack):
     inner mask), so it stays a well-formed reply; seeded from (run seed, round, client)."""
     name = "gaussian"
     options = {"std": Option(1.0, "gaussian: standard deviation of the noise added on the coordinates a client "
-                             "holds", low=0, low_open=True), **WHO}
+                             "holds", low=0, low_open=True)}
 
     def corrupt(self, delta, sub, full_shapes, rnd, client):
         from .sampling import Stream, derive_seed
@@ -134,7 +134,7 @@ class LittleIsEnough(Colluding):
     updates in the step and m colluders, s = floor(n/2 + 1) - m (at least 1) and z = Phi^-1((n - s)/n)."""
     name = "little_is_enough"
     options = {"z": Option(None, "little_is_enough: the shift in honest standard deviations; unset: Baruch et "
-                           "al.'s z from the step's updates and colluders", kind=float, low=0), **WHO}
+                           "al.'s z from the step's updates and colluders", kind=float, low=0)}
 
     def target(self, mean, std, n, m):
         return mean - self.args["z"] * std if self.args["z"] is not None else mean - alie_z(n, m) * std
@@ -154,7 +154,7 @@ class InnerProduct(Colluding):
     times the honest updates' mean, so that the aggregate's inner product with the true step turns negative."""
     name = "inner_product"
     options = {"eps": Option(0.1, "inner_product: the colluders send -eps x the honest mean", low=0,
-                             low_open=True), **WHO}
+                             low_open=True)}
 
     def target(self, mean, std, n, m):
         return -self.args["eps"] * mean

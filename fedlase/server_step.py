@@ -38,6 +38,7 @@ import torch
 from .errors import ConfigError
 from .options import Option, check_options
 from .registry import ATTACKS, RULES
+from .robust_config import WHO
 
 log = logging.getLogger("fedlase")
 TOTALS = ("rejected", "clipped", "near_zero")   # the server step's running totals, per level (ServerStep.totals)
@@ -107,15 +108,22 @@ class Rule:
 
 class Attack:
     """A simulated faulty or malicious client (simulation only): `corrupt` turns an attacker's delta into what
-    the server receives. Subclasses set `name` and `options` (`attack_args.<key>`; the WHO options say who
-    attacks) and implement `corrupt`. `clients`: the attackers, drawn from the run's seed."""
+    the server receives. Subclasses set `name` and their own `options` (`attack_args.<key>`) and implement
+    `corrupt`; the options that say who attacks (fedlase.robust_config.WHO: fraction, level, clients) every
+    attack takes from this base (`all_options`), unless it sets `chooses_clients = False` (`none`).
+    `clients`: the attackers, drawn from the run's seed."""
     name: ClassVar[str] = ""
     options: ClassVar[dict[str, Option]] = {}
+    chooses_clients: ClassVar[bool] = True
 
     def __init__(self, args: dict, system, seed: int):
         self.args, self.seed = args, seed
-        # an attack without the WHO options (`none`) has no attackers
-        self.clients = attackers(self.name, args, system, seed) if "fraction" in args else frozenset()
+        self.clients = attackers(self.name, args, system, seed) if self.chooses_clients else frozenset()
+
+    @classmethod
+    def all_options(cls) -> dict[str, Option]:
+        """The attack's own options, then who attacks (WHO) where it chooses clients."""
+        return {**cls.options, **WHO} if cls.chooses_clients else dict(cls.options)
 
     def corrupt(self, delta: dict, sub, full_shapes: dict, rnd: int, client: int) -> dict:
         """One attacking client's delta as the server receives it (`sub`: its submodel; a delta whose shape
@@ -130,7 +138,7 @@ class Attack:
     @classmethod
     def check_args(cls, args, system) -> dict:
         """attack_args checked for this attack against the run's `system` (client ids, level names)."""
-        out = check_options("attack_args", cls.options, args, f"attack={cls.name}")
+        out = check_options("attack_args", cls.all_options(), args, f"attack={cls.name}")
         if out.get("clients") is not None:
             if (args or {}).keys() & {"fraction", "level"}:
                 raise ConfigError("attack_args.clients", "names the attackers; drop attack_args.fraction/level")
@@ -139,6 +147,10 @@ class Attack:
             if bad or not out["clients"]:
                 raise ConfigError("attack_args.clients", f"expected client ids in 0..{system.num_clients - 1}, "
                                   f"got {out['clients']!r}")
+            twice = sorted({c for c in out["clients"] if out["clients"].count(c) > 1})
+            if twice:
+                raise ConfigError("attack_args.clients", f"names client {', '.join(map(str, twice))} more than "
+                                  f"once ({out['clients']!r}); list each attacker once")
         if out.get("level") is not None and system.find(out["level"]) is None:
             raise ConfigError("attack_args.level", f"{out['level']!r} is not a level of system "
                               f"({', '.join(lv.name for lv in system.levels)})")

@@ -27,7 +27,8 @@ from pathlib import Path
 
 from .config import config_from_dict
 from .errors import UserError
-from .machine import passive_openmp, usable_cpus
+from .machine import usable_cpus
+from .openmp import passive_openmp
 from .placement import GpuPlan, gpu_env, gpu_need, read_free, wants_gpu
 from .sweep_plan import PlannedRun, plan_sweep
 

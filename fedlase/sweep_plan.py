@@ -23,6 +23,7 @@ import yaml
 
 from .config import Config, config_from_dict, set_dotted
 from .errors import ConfigError, UserError
+from .util import yaml_problem
 
 _SAFE = re.compile(r"[^A-Za-z0-9._+-]")
 
@@ -71,10 +72,11 @@ def run_name(settings: dict, name: str | None = None, max_len: int = 120) -> str
 
 
 def _load_yaml(path: Path, what: str) -> dict:
+    text = path.read_text()
     try:
-        data = yaml.safe_load(path.read_text()) or {}
+        data = yaml.safe_load(text) or {}
     except yaml.YAMLError as e:
-        raise UserError(f"{what}: {path} is not valid YAML ({str(e).splitlines()[0]})") from None
+        raise UserError(f"{what}: {yaml_problem(path, text, e)}") from None
     if not isinstance(data, dict):
         raise UserError(f"{what}: {path} must hold a mapping")
     return data

@@ -23,6 +23,44 @@ def installed(package: str) -> bool:
     return importlib.util.find_spec(package) is not None
 
 
+def first_sentence(doc: str | None) -> str:
+    """A docstring's first sentence (its first paragraph may wrap over several lines): what `fedlase methods` and
+    README.md's method table say of a method."""
+    para = " ".join((doc or "").strip().split("\n\n")[0].split())
+    end = para.find(". ")
+    return para if end < 0 else para[:end + 1]
+
+
+def yaml_problem(path, text: str, error: Exception) -> str:
+    """Where and why `text` (the file `path`) is not valid YAML, for a one-line error: its line and column (from 1)
+    and the parser's words, and a hint for the mistakes a config meets most: an unquoted value that starts with
+    `{` or `[` (YAML reads `system: {1,1/4}_{4,4}` as a mapping, then stumbles), one never closed, a wrong indent."""
+    problem_mark, context_mark = getattr(error, "problem_mark", None), getattr(error, "context_mark", None)
+    mark = problem_mark or context_mark
+    problem = getattr(error, "problem", None) or str(error).splitlines()[0]
+    context = getattr(error, "context", None)
+    msg = f"{path}, line {mark.line + 1}, column {mark.column + 1}" if mark is not None else str(path)
+    msg += f": not valid YAML: {problem}"
+    if context:
+        began = context_mark is not None and mark is not None and context_mark.line != mark.line
+        msg += f" ({context}{f' that begins on line {context_mark.line + 1}' if began else ''})"
+    lines = text.splitlines()
+    for m in (problem_mark, context_mark):   # the line of the problem first, then where its construct began
+        line = lines[m.line] if m is not None and m.line < len(lines) else ""
+        key, colon, value = line.partition(":")
+        value = value.split(" #")[0].strip()
+        if not colon or value[:1] not in ("{", "["):
+            continue
+        close = "}" if value[0] == "{" else "]"
+        if not value.endswith(close):
+            return f"{msg}; the {value[0]} of line {m.line + 1} is never closed: close it, or quote the value"
+        return (f"{msg}; YAML reads a value that starts with {value[0]} as its own "
+                f"{'mapping' if close == '}' else 'list'}: quote it, {key.strip()}: '{value}'")
+    if "mapping values are not allowed" in problem or "expected <block end>" in problem:
+        return f"{msg}; check that line's indent against the lines above it, and quote a value that holds ': '"
+    return msg
+
+
 def atomic_write(path: Path, write: Callable[[Path], object]) -> None:
     """`write(tmp)` fills a temporary sibling of `path` (a file or a folder), which then replaces `path` in one
     step, so a crash never leaves half a file and a reader never sees one. The temporary name holds the pid, so

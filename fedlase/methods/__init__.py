@@ -30,9 +30,12 @@ def build_method(name: str, model: nn.Module, options: dict, system) -> Method:
 
 
 def describe_methods() -> str:
+    """`fedlase methods`: every registered method, its docstring's first sentence (as README.md's table), its
+    coverage and options."""
+    from ..util import first_sentence
     lines = []
     for name, cls in METHODS.items():
-        lines.append(f"{name}: {(cls.__doc__ or '').strip().splitlines()[0]}")
+        lines.append(f"{name}: {first_sentence(cls.__doc__)}")
         lines.append(f"    coverage (when the config leaves it unset): {cls.coverage}")
         for key, opt in cls.options.items():
             lines.append(f"    method_args.{key} [default: {opt.default}]: {opt.help}")
