@@ -652,11 +652,11 @@ def test_a_worker_started_without_P_starts_again_with_it(wdir, tmp_path, monkeyp
 
 
 @contextmanager
-def serving(folder: Path, node: int):
+def serving(folder: Path, node: int, budget: int = worker.UNBOUND_LIMIT):
     """A Worker for partition SERVED serving `folder` in a thread of this process, its node `node`."""
     import socket
     import threading
-    w = worker.Worker(SERVED, node, deadline=DEADLINE)
+    w = worker.Worker(SERVED, node, deadline=DEADLINE, budget=budget)
     bound = worker.bind(folder)
     threading.Thread(target=w.serve, args=(bound.srv,), daemon=True).start()
     try:
@@ -922,3 +922,130 @@ def test_a_swapped_folder_never_leads_the_worker_outside_it(tmp_path, monkeypatc
     finally:
         os.umask(old)
     assert [oct(os.stat(p).st_mode & 0o777) for p in (top / "a", top / "a" / "b", deep)] == ["0o700"] * 3
+
+
+# ---- the caller checked at accept, headers within the budget, the refusal log bounded (issue 56) ------------------
+# A process that is not below the test process (double-forked: adopted by init or a subreaper above it) opens
+# n connections to the socket, says its pid, then each connection's first answer (or why none came within 10 s),
+# and holds them until killed.
+_STRANGER = """
+import json, os, select, socket, sys, time
+path, n = sys.argv[1], int(sys.argv[2])
+if os.fork():
+    os._exit(0)
+conns = []
+for _ in range(n):
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.connect(path)
+    conns.append(s)
+print(os.getpid(), flush=True)
+answers, end = [], time.monotonic() + 10
+for s in conns:
+    if select.select([s], [], [], max(0, end - time.monotonic()))[0]:
+        data = s.recv(1 << 16)
+        answers.append(data[8:].decode(errors="replace") if data else "closed")
+    else:
+        answers.append("no answer")
+print(json.dumps(answers), flush=True)
+time.sleep(120)
+"""
+
+
+def test_a_caller_outside_the_node_is_refused_at_accept(wdir, capfd):
+    """A process of the node's user that is not below the node opens 20 connections and sends nothing: each is
+    refused at once, before a byte of its header (before, the worker read its header first, so such a process
+    held all 16 slots and the honest `ask` was told "busy"); while it holds them, the node's own request is
+    answered at once; the refusals are logged at most a line a second."""
+    with serving(wdir, os.getpid()) as w:
+        w.handle = lambda header, content: ({"ok": True}, RecordDict())
+        p = subprocess.Popen([sys.executable, "-c", _STRANGER, str(wdir / worker.SOCKET),
+                              str(worker.MAX_CLIENTS + 4)], stdout=subprocess.PIPE, text=True)
+        pid = int(p.stdout.readline())
+        try:
+            answers = json.loads(p.stdout.readline())
+            t = time.monotonic()
+            header, _ = worker.ask(wdir, 7, SERVED, "{}", RecordDict())
+            took = time.monotonic() - t
+        finally:
+            os.kill(pid, signal.SIGKILL)
+            p.wait()
+    assert len(answers) == worker.MAX_CLIENTS + 4
+    assert all(f"pid {pid} is not one" in a and "refused" in a for a in answers), answers[:3]
+    assert header["ok"] and took < 3, (header, took)   # no "busy" to wait out (a loaded machine: seconds)
+    lines = [ln for ln in capfd.readouterr().err.splitlines() if "refused a connection" in ln]
+    assert 1 <= len(lines) <= 4, lines
+
+
+def test_a_caller_that_has_exited_or_a_reused_parent_pid_is_refused(wdir, monkeypatch):
+    """The process that connected has exited by the time its connection is accepted: refused (its pid may be
+    another process's by now). A parent in the chain that started after its child is a reused pid, not the
+    parent: the walk to the node stops there."""
+    import socket
+    path = str(wdir / "probe.sock")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as srv:
+        srv.bind(path)
+        srv.listen(1)
+        child = os.fork()
+        if child == 0:   # connect, then exit at once
+            try:
+                socket.socket(socket.AF_UNIX, socket.SOCK_STREAM).connect(path)
+            finally:
+                os._exit(0)
+        os.waitpid(child, 0)
+        conn, _ = srv.accept()
+        with conn:
+            w = worker.Worker(SERVED, os.getpid())
+            assert w.stranger(conn) == (True, f"pid {child}, which connected, has exited")
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as me:   # this process, alive: served
+            me.connect(path)
+            conn, _ = srv.accept()
+            with conn:
+                assert w.stranger(conn) is None
+
+    tree = {100: (50, 30), 50: (7, 20), 7: (1, 10)}   # pid -> (parent, start): 100 below 50 below the node 7
+    monkeypatch.setattr(worker, "parent_and_start", lambda pid: tree[pid])
+    assert worker.below(100, 7)
+    tree[50] = (7, 40)   # pid 50 started after its "child" 100: another process took the parent's pid
+    assert not worker.below(100, 7)
+
+
+def test_header_bytes_count_in_the_budget(wdir):
+    """A header's length is taken from the byte budget before a byte of it is read: with a 100,000-byte budget,
+    a connection that announced a 60,000-byte header and sent ten of its bytes holds 60,000, a second such
+    header is answered "busy", one larger than the budget and one larger than any header (1 MiB) are refused."""
+    with serving(wdir, os.getpid(), budget=100_000) as w:
+        with connect(wdir) as first:
+            first.sendall((60_000).to_bytes(8, "big") + b'{"op": "tr')
+            deadline = time.monotonic() + 5
+            while w.budget.used != 60_000:
+                assert time.monotonic() < deadline, w.budget.used
+                time.sleep(0.02)
+            assert "busy" in exchange(wdir, (60_000).to_bytes(8, "big"))
+            reply = exchange(wdir, (200_000).to_bytes(8, "big"))
+            assert "header of 200000 bytes is larger" in reply["refused"], reply
+            reply = exchange(wdir, (2 << 20).to_bytes(8, "big"))
+            assert f"larger than {worker.MAX_HEADER}" in reply["refused"], reply
+        deadline = time.monotonic() + 5
+        while w.budget.used:   # given back when the first goes away
+            assert time.monotonic() < deadline, w.budget.used
+            time.sleep(0.02)
+
+
+def test_the_refusal_log_is_bounded(wdir, capfd):
+    """Malformed frames whose record name is 512 KiB long, sent for 2 s: the caller's refusal and the worker's
+    log repeat at most SHOWN characters of the name, and the log holds at most a line a second (it wrote the
+    whole name for every frame: 596 MiB in 10 s)."""
+    name = "x" * (512 << 10)
+    raw = frame({"op": "train", "run": 7, "partition": SERVED, "config": "{}",
+                 "records": [{"name": name, "kind": "array"}]})
+    with serving(wdir, os.getpid()):
+        end, n, reply = time.monotonic() + 2, 0, None
+        while time.monotonic() < end:
+            reply = exchange(wdir, raw)
+            n += 1
+        time.sleep(0.2)
+    assert n >= 5 and "malformed request" in reply["refused"] and len(reply["refused"]) < 300, reply
+    err = capfd.readouterr().err
+    lines = [ln for ln in err.splitlines() if "dropped a request" in ln]
+    assert 1 <= len(lines) <= 3 and all(len(ln) < worker.LINE + 100 for ln in lines), (n, [ln[:200] for ln in lines])
+    assert len(err) < 4000, len(err)
