@@ -7,8 +7,13 @@ at 0, a layer of K output channels keeps torch.roll(arange(K), r % K)[:k], i.e. 
 from 1, so round n uses r = n - 1: the first round trains the first channels, like HeteroFL."""
 from __future__ import annotations
 
+import math
+
 from ..registry import register_method
+from ..slicing import group_sizes
 from .heterofl import HeteroFL
+
+ROLLS_CHECKED = 256   # windows of a traced model checked at build; a run that rolls further checks the rest as used
 
 
 @register_method
@@ -23,3 +28,10 @@ class FedRolex(HeteroFL):
 
     def roll(self, round: int) -> int:
         return round - 1
+
+    def rolls(self, params) -> range:
+        """Every distinct window of a run: a group of K channels (in units) repeats its windows every K rolls, so
+        the model's every K rolls together."""
+        units = self.facts.group_units()
+        sizes = group_sizes(self.facts.channel_groups(), params)
+        return range(min(ROLLS_CHECKED, math.lcm(*(k // units.get(g, 1) for g, k in sizes.items()))))
