@@ -651,6 +651,48 @@ def test_a_worker_started_without_P_starts_again_with_it(wdir, tmp_path, monkeyp
         p.wait()
 
 
+# The console script pip writes for pyproject.toml's `fedlase-worker = "fedlase.flower.worker:console"` (the
+# checkout's editable install may predate it, so the test writes its own, as pip would).
+_CONSOLE_SCRIPT = """#!{python}
+import re
+import sys
+from fedlase.flower.worker import console
+if __name__ == "__main__":
+    sys.argv[0] = re.sub(r"(-script\\.pyw|\\.exe)?$", "", sys.argv[0])
+    sys.exit(console())
+"""
+
+
+def test_a_fedlase_folder_in_the_working_folder_never_runs(wdir, tmp_path, monkeypatch):
+    """A `fedlase/` package planted in the working folder (its __init__ writes a marker), an empty PYTHONPATH
+    entry besides: the worker started as the console script `fedlase-worker` from that folder, as a node's
+    launcher does, imports the real package (it listens, watches its node, answers), and the planted one never
+    runs; so does `python -P -m fedlase.flower.worker`, the loopback deployment's command."""
+    cwd = tmp_path / "cwd"
+    (cwd / "fedlase").mkdir(parents=True)
+    marker = tmp_path / "planted-ran"
+    (cwd / "fedlase" / "__init__.py").write_text(f"open({str(marker)!r}, 'a').write('ran')\n")
+    script = tmp_path / "bin" / "fedlase-worker"
+    script.parent.mkdir()
+    script.write_text(_CONSOLE_SCRIPT.format(python=sys.executable))
+    script.chmod(0o755)
+    monkeypatch.setenv("PYTHONPATH", "")   # env() then gives "ROOT:": an empty entry, the working folder
+    for cmd in ([str(script)], [sys.executable, "-P", "-m", "fedlase.flower.worker"]):
+        p = subprocess.Popen([*cmd, "--dir", str(wdir), "--partition-id", str(SERVED), "--watch-pid", str(os.getpid())],
+                             env=env(), cwd=cwd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        try:
+            deadline = time.monotonic() + 60
+            while not worker.listening(wdir):
+                assert p.poll() is None and time.monotonic() < deadline, (cmd, p.returncode, p.stderr.read())
+                time.sleep(0.05)
+            with pytest.raises(worker.WorkerError, match="refused"):   # the real worker answers
+                worker.ask(wdir, 1, 0, "{}", RecordDict())
+            assert not marker.exists(), (cmd, marker.read_text())
+        finally:
+            p.kill()
+            p.wait()
+
+
 @contextmanager
 def serving(folder: Path, node: int, budget: int = worker.UNBOUND_LIMIT):
     """A Worker for partition SERVED serving `folder` in a thread of this process, its node `node`."""

@@ -2,7 +2,8 @@
 the node's partition and the model (on a GPU node, the CUDA context and the partition on the device), so that
 the ClientApp process Flower starts for every message only hands the message's arrays over and returns the reply.
 
-    python -P -m fedlase.flower.worker --dir DIR --partition-id N --watch-pid PID [--deadline S] [--max-bytes B]
+    fedlase-worker --dir DIR --partition-id N --watch-pid PID [--deadline S] [--max-bytes B]
+    (or python -P -m fedlase.flower.worker ...)
 
 Flower keeps transport, authentication, scheduling and the app bundle; the SuperNode is started with
 `--node-config "partition-id=N ... worker-dir='DIR'"` and its ClientApp (fedlase/flower/client_app.py) asks the
@@ -40,9 +41,12 @@ ClientApp process never imports torch when a worker answers.
   included, whoever adopts the worker meanwhile. SIGTERM and SIGINT end it at once, training or not (Python's
   own shutdown under torch's threads aborts). It starts no process of its own. A stale socket (a killed worker)
   is replaced; a live one is not (a lock file that the kernel releases when the worker dies, however it dies).
-- **A safe import path.** Started without `-P`, it executes itself again with `-P` before `fedlase.flower`
-  imports anything (worker_start), and drops its working folder from `sys.path` wherever it stands, so a
-  folder another user can write cannot shadow a module (yaml at start-up, secrets at the first message).
+- **A safe import path.** Started as the console script `fedlase-worker`, nothing is imported from the working
+  folder (Python puts the script's own folder first on `sys.path`), not even a `fedlase/` folder there. Started
+  as `python -m` without `-P`, it executes itself again with `-P` before `fedlase.flower` imports anything
+  (worker_start), but a `fedlase/` folder in the working folder is imported before any of its code runs. Either
+  way it drops its working folder from `sys.path` wherever it stands, so a folder another user can write
+  cannot shadow a module (yaml at start-up, secrets at the first message).
 - **One run, one partition.** The first TRAIN message of its node that trains, complete and valid, binds the
   worker to its run (Flower's run id and the fedlase config); a message for another run or another partition
   is refused. A ClientApp that finds no worker, is refused, finds it busy for BUSY_WAIT s, hears nothing from
@@ -538,7 +542,7 @@ def warm() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -P -m fedlase.flower.worker", allow_abbrev=False,
+    ap = argparse.ArgumentParser(prog="fedlase-worker", allow_abbrev=False,
                                  description=__doc__.split("\n\n")[0])
     ap.add_argument("--dir", required=True, type=Path, help="the node's private worker directory (mode 0700)")
     ap.add_argument("--partition-id", required=True, type=int, help="the partition this node serves")
@@ -575,8 +579,15 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def console() -> None:
+    """The console script `fedlase-worker` (pyproject.toml [project.scripts]). Its node was watched and its
+    working folder dropped from sys.path by fedlase/flower/__init__.py before this module was imported."""
+    sys.exit(main())
+
+
 if __name__ == "__main__":
     if not sys.flags.safe_path:   # started some way fedlase/flower/worker_start.py does not know: not safely
-        print("fedlase worker: error: start it as `python -P -m fedlase.flower.worker`", file=sys.stderr)
+        print("fedlase worker: error: start it as `fedlase-worker` or `python -P -m fedlase.flower.worker`",
+              file=sys.stderr)
         sys.exit(2)
     sys.exit(main())
