@@ -1018,11 +1018,15 @@ def test_a_caller_outside_the_node_is_refused_at_accept(wdir, capfd):
     assert 1 <= len(lines) <= 4, lines
 
 
-def test_a_caller_that_has_exited_or_a_reused_parent_pid_is_refused(wdir, monkeypatch):
+@pytest.mark.parametrize("kernel", ["SO_PEERPIDFD", "older"])
+def test_a_caller_that_has_exited_or_a_reused_parent_pid_is_refused(wdir, monkeypatch, kernel):
     """The process that connected has exited by the time its connection is accepted: refused (its pid may be
-    another process's by now). A parent in the chain that started after its child is a reused pid, not the
-    parent: the walk to the node stops there."""
+    another process's by now), with the kernel's pidfd of the caller and without it (a kernel before 6.5: an
+    unknown socket option, so a pidfd opened on its pid). A parent in the chain that started after its child is
+    a reused pid, not the parent: the walk to the node stops there."""
     import socket
+    if kernel == "older":
+        monkeypatch.setattr(worker, "SO_PEERPIDFD", 12345)   # ENOPROTOOPT, as before Linux 6.5
     path = str(wdir / "probe.sock")
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as srv:
         srv.bind(path)
