@@ -973,8 +973,11 @@ def test_a_swapped_folder_never_leads_the_worker_outside_it(tmp_path, monkeypatc
 _STRANGER = """
 import json, os, select, socket, sys, time
 path, n = sys.argv[1], int(sys.argv[2])
+first = os.getpid()
 if os.fork():
     os._exit(0)
+while os.getppid() == first:   # adopted once its parent has gone: below the test process no longer
+    time.sleep(0.01)
 conns = []
 for _ in range(n):
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
