@@ -61,11 +61,24 @@ class ModelFacts:
             return self.model.channel_groups()
         return dict(self._traced["groups"]) if self._traced else None
 
+    def traced(self) -> bool:
+        """Whether the channel groups were derived by tracing (the model declares none and a width method asked)."""
+        return bool(self._traced)
+
+    def check_kept(self, keep: dict[str, torch.Tensor], method: str | None = None) -> None:
+        """A traced model checked with the channels `keep` kept (group -> bool vector), the first time a set is
+        used: the one-line ConfigError of fedlase/models/trace.py's `check_kept` (naming `method`, default the
+        one that traced it) if it moves channels there. A model that declares its groups is taken at its word."""
+        if self._traced:
+            from .models.trace import check_kept
+            check_kept(self.model, self._traced["groups"], self._traced["sliceable"], self.example,
+                       method or self._traced["method"], width_slices, keep)
+
     def _trace(self, method: str) -> tuple[dict, bool]:
         if not self._traced:
             from .models.trace import derive_groups  # Torch-Pruning is imported only for such a model
             groups, sliceable = derive_groups(self.model, self.example, method, width_slices)
-            self._traced.update(groups=groups, sliceable=sliceable)
+            self._traced.update(groups=groups, sliceable=sliceable, method=method)
         return self._traced["groups"], self._traced["sliceable"]
 
 

@@ -139,9 +139,11 @@ def width_slices(facts, params: dict[str, torch.Tensor], rate: float, roll: int 
     `facts`: the model's ModelFacts. Slices only for a sliceable model (`sliceable = True`, declared or found by
     the trace: its forward takes every shape from the tensors, e.g. global pooling before the classifier);
     otherwise no slices and the masks train. `keep`: the kept channels of every group (bool vectors, FedDSE's own
-    choice) in place of the window."""
+    choice) in place of the window. A model whose groups were traced is checked at every set of kept channels
+    the first time it is used (`ModelFacts.check_kept`): a one-line ConfigError if it moves channels there."""
     groups = facts.channel_groups()
     keep = group_keep(facts, groups, params, rate, roll) if keep is None else keep
+    facts.check_kept(keep)   # a traced model: its channels stay in place with these kept (once per set)
     masks = _masks(groups, params, keep)
     if not facts.sliceable():
         return masks, {}
@@ -177,8 +179,21 @@ class WidthSlicer:
 
     def __init__(self, facts, scaled: list[str] = (), method: str = "width slices"):
         facts.channel_groups(method)   # traced now where the model declares none, or its one-line error
-        self.facts, self.scaled = facts, list(scaled)
+        self.facts, self.scaled, self.method = facts, list(scaled), method
         self._last: dict = {}
+
+    def check(self, params: dict[str, torch.Tensor], levels, rolls) -> None:
+        """Check a traced model at every window of `levels` rolled by each of `rolls(params)` now, at build,
+        rather than the first time a round uses it (`ModelFacts.check_kept`; nothing to do for a model that
+        declares its groups)."""
+        if not self.facts.traced():
+            return
+        groups = self.facts.channel_groups()
+        for level in levels:
+            rate = width_rate(float(level))
+            if rate < 1:
+                for roll in rolls(params):
+                    self.facts.check_kept(group_keep(self.facts, groups, params, rate, roll), self.method)
 
     def __call__(self, params: dict[str, torch.Tensor], level, roll: int = 0) -> Submodel:
         """The submodel of `level` (a fraction of the parameters: width rate sqrt(level)), window rolled by

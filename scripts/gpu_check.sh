@@ -12,10 +12,15 @@
 # are installed first, without an index; a part whose package is missing is skipped with a line saying so. The
 # data are the packaged digits and random CIFAR-shaped pixels: nothing is downloaded.
 # Everything goes to $OUT as it happens (summary.md: one line per part; log.txt: every command's output;
-# bench-gpu.md, bench-engine.md), so a cut-off run leaves its finished parts.
+# bench-gpu.md, bench-engine.md), so a cut-off run leaves its finished parts. The exit status is 0 only when every
+# part passed; a Python without torch stops it at once with one line, before anything is written.
 set -uo pipefail
 DEVICE=${DEVICE:-cuda}
 PY=${PYTHON:-python3}
+if ! "$PY" -c "import torch" >/dev/null 2>&1; then
+  echo "gpu_check.sh: error: $PY cannot import torch; set PYTHON= to a Python with torch (a CUDA build on a GPU)" >&2
+  exit 2
+fi
 OUT=${OUT:-./gpu-check}
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
@@ -26,8 +31,10 @@ trap 'rm -rf "$WORK"' EXIT
 LOG=$OUT/log.txt
 SUM=$OUT/summary.md
 START=$SECONDS
+FAILED=0   # parts that failed: the exit status says whether any did
 
 say() { echo "$*" | tee -a "$SUM"; }
+fail() { FAILED=$((FAILED + 1)); say "- $*"; }
 # step NAME COMMAND...: run it (output to log.txt, at most 10 minutes), one line in summary.md
 step() {
   local name=$1 t0=$SECONDS rc
@@ -36,7 +43,7 @@ step() {
   timeout 600 "$@" >>"$LOG" 2>&1
   rc=$?
   if [ $rc -eq 0 ]; then say "- $name: ok ($((SECONDS - t0)) s)"; else
-    say "- $name: FAILED (exit $rc, $((SECONDS - t0)) s; its output is in log.txt)"; fi
+    fail "$name: FAILED (exit $rc, $((SECONDS - t0)) s; its output is in log.txt)"; fi
   return $rc
 }
 has() { "$PY" -c "import $1" 2>/dev/null; }
@@ -46,7 +53,7 @@ say "# scripts/gpu_check.sh, DEVICE=$DEVICE, $(date -u '+%Y-%m-%d %H:%M UTC')"
 if compgen -G "$ROOT/wheels/*.whl" >/dev/null; then
   step "install wheels/" "$PY" -m pip install --quiet --no-index --no-deps "$ROOT"/wheels/*.whl
 fi
-"$PY" - >>"$SUM" 2>&1 <<EOF
+"$PY" - >>"$SUM" 2>>"$LOG" <<EOF || fail "the Python and torch versions: FAILED (see log.txt)"
 import platform, torch
 gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "none"
 print(f"- python {platform.python_version()}, torch {torch.__version__}, CUDA {torch.version.cuda}, GPU: {gpu}")
@@ -76,6 +83,7 @@ own = {"recipfl": {k: recipfl[k] for k in ("model", "bn", "method_args", "lr", "
 runs = [{"name": m, "method": m, **own.get(m, {})} for m in METHODS.names()]
 yaml.safe_dump({"base": base, "out": out, "runs": runs}, open(path, "w"))
 EOF
+[ $? -eq 0 ] || fail "the methods' sweep file: FAILED (see log.txt)"
 step "every method, 2 rounds on $DEVICE" "${FL[@]}" sweep "$WORK/methods.yaml" --quiet
 "$PY" - "$WORK/methods" >>"$SUM" 2>>"$LOG" <<'EOF'
 import json, sys
@@ -119,7 +127,9 @@ if step "determinism: run a" "${FL[@]}" run --quiet "${DEMO[@]}" "out=$WORK/det/
    && step "determinism: run c, 2 rounds" "${FL[@]}" run --quiet "${DEMO[@]}" rounds=2 "out=$WORK/det/c" \
    && step "determinism: run c resumed to 4" "${FL[@]}" run --quiet --resume "${DEMO[@]}" "out=$WORK/det/c"; then
   say "- deterministic=true (default), final parameters of a, b and c (resumed at round 2):"
-  hashes "$WORK/det/a" "$WORK/det/b" "$WORK/det/c" | tee -a "$SUM"
+  same=$(hashes "$WORK/det/a" "$WORK/det/b" "$WORK/det/c" 2>>"$LOG")
+  echo "$same" | tee -a "$SUM"
+  [[ $same == *bit-identical* ]] || fail "determinism: FAILED (the parameters differ or could not be read)"
 fi
 if [ "$DEVICE" = cpu ]; then
   say "- deterministic=false: skipped on a CPU, where both settings give the same bits (tests/test_determinism.py)"
@@ -151,4 +161,5 @@ else
 fi
 [ -f "$OUT/bench-gpu.md" ] && sed -n '/^### The papers/,$p' "$OUT/bench-gpu.md" >>"$SUM"
 say ""
-say "Finished in $((SECONDS - START)) s."
+if [ $FAILED -eq 0 ]; then say "Finished in $((SECONDS - START)) s: every part passed."; else
+  say "Finished in $((SECONDS - START)) s: $FAILED part(s) FAILED."; exit 1; fi

@@ -60,7 +60,8 @@ def flower_processes(tag: str | None = None) -> set[int]:
     whose environment carries it, so that other sessions' runs on the same machine are not counted)."""
     import psutil
     keys = ("flower-superlink", "flower-supernode", "flower-superexec", "flwr-serverapp", "flwr-clientapp",
-            "raylet", "gcs_server", "ray::", "ray/_private", "default_worker.py", "nginx: ", "fedlase.flower.worker")
+            "raylet", "gcs_server", "ray::", "ray/_private", "default_worker.py", "nginx: ", "fedlase.flower.worker",
+            "fedlase-worker")
     found = set()
     for p in psutil.process_iter():
         try:

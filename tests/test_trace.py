@@ -192,8 +192,9 @@ def test_a_channel_shuffle_is_refused_in_one_line(kind):
     # the trace alone takes the moved channels for one to one: c2 reads c1's group
     assert traced(model, (1, 8, 8))["c2.weight"] == ("c2.weight:0", "c1.weight:0")
     with pytest.raises(ConfigError, match=r"model: heterofl slices channels; model Shuffled_\w+ declares no "
-                       r"channel_groups\(\) and tracing it failed \(under the masks c2 reads [1-4] kept input "
-                       r"channels as zero, [1-4] dropped as live: channels move between layers") as e:
+                       r"channel_groups\(\) and tracing it failed \(c2 reads [1-4] of its 4 kept input channels "
+                       r"from no kept channel and [1-4] dropped ones from kept channels: channels move between "
+                       r"layers") as e:
         derive(model, (1, 8, 8))
     assert "\n" not in str(e.value)
 
@@ -215,6 +216,94 @@ def test_a_masked_model_whose_channels_stay_in_place_passes_the_check():
 
     facts = derive(FixedView(), (6,))
     assert facts.sliceable() is False and facts.channel_groups()["fc2.weight"][1] is not None
+
+
+# ---- the check at every set of kept channels a run uses (issue 56 items 10-11) ----------------------------------
+def moved_net(move, norm=None, squash=None) -> nn.Module:
+    """conv, `norm`, `squash`, its 8 channels moved by `move`, conv, global pooling, classifier (1x8x8 inputs);
+    a class per call (the trace's cache is keyed by the model's class and shapes)."""
+    class Moved(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.c1, self.c2, self.fc = nn.Conv2d(1, 8, 3, padding=1), nn.Conv2d(8, 8, 3, padding=1), nn.Linear(8, 10)
+            self.norm = norm() if norm else nn.Identity()
+
+        def forward(self, x):
+            h = self.norm(self.c1(x))
+            h = move((squash or torch.relu)(h))
+            return self.fc(torch.relu(self.c2(h)).mean((2, 3)))
+    return type(f"Moved{next(_SERIAL)}", (Moved,), {})()
+
+
+_SERIAL = iter(range(10 ** 6))
+WITHIN_HALVES = torch.tensor([3, 2, 1, 0, 7, 6, 5, 4])
+
+
+def pair_swap(h):   # computed from the tensor's size: it runs on the smaller tensors too
+    return h.view(h.shape[0], h.shape[1] // 2, 2, *h.shape[2:]).flip(2).reshape(h.shape)
+
+
+def test_a_permutation_within_the_halves_is_refused_at_the_level_it_breaks():
+    """[3,2,1,0,7,6,5,4] keeps the prefix half in place, so the trace's own check passes; at 1/16 (2 of 8
+    channels) c2 reads dropped channels on its kept inputs: refused in one line when HeteroFL is built."""
+    model = moved_net(lambda h: h.index_select(1, WITHIN_HALVES))
+    facts = derive(model, (1, 8, 8))
+    HeteroFL.build(model, System.parse("{1,1/4}_{1,1}"), facts)   # half width: in place
+    with pytest.raises(ConfigError, match=r"model: heterofl slices channels; model Moved\d+ declares no "
+                       r"channel_groups\(\) and tracing it failed \(c2 reads 2 of its 2 kept input channels from "
+                       r"no kept channel and 2 dropped ones from kept channels: channels move between layers") as e:
+        HeteroFL.build(model, System.parse("{1,1/4,1/16}_{1,1,1}"), facts)
+    assert "\n" not in str(e.value)
+
+
+def test_a_pair_swap_is_refused_under_fedrolexs_rolled_windows():
+    """A pair swap computed from the size runs on the smaller tensors and keeps every prefix window in place
+    (HeteroFL takes it, sliced); FedRolex's window rolled by one keeps channels 7, 0, 1, 2, whose smaller tensors
+    pair 2 with 7: refused in one line when FedRolex is built, for every level."""
+    from fedlase.methods.fedrolex import FedRolex
+    model = moved_net(pair_swap)
+    facts = derive(model, (1, 8, 8))
+    assert facts.sliceable() is True
+    system = System.parse("{1,1/4,1/16}_{1,1,1}")
+    HeteroFL.build(model, system, facts)
+    with pytest.raises(ConfigError, match=r"model: fedrolex slices channels; .* tracing it failed \(as the smaller "
+                       r"tensors it differs from its masks with \d+ of its \d+ channels kept: channels move") as e:
+        FedRolex.build(model, system, facts)
+    assert "\n" not in str(e.value)
+
+
+def test_fedlase_widths_chosen_channels_are_checked_when_first_used():
+    """fedlase_width keeps the channels its scores choose, which no build-time window foresees: the
+    within-halves permutation passes at the prefix half and is refused at the first submodel whose channels
+    it moves."""
+    from fedlase.methods.fedlase_width import FedLASEWidth
+    model = moved_net(lambda h: h.index_select(1, WITHIN_HALVES))
+    facts = derive(model, (1, 8, 8))
+    method = FedLASEWidth.build(model, System.parse("{1,1/16}_{1,1}"), facts, channels="first")
+    with pytest.raises(ConfigError, match=r"c2 reads \d+ of its \d+ kept input channels from no kept channel"):
+        method.submodel(dict(model.named_parameters()), method.system.levels[1], 1)
+
+
+@pytest.fixture
+def gn_sigmoid():
+    """A model that moves no channel, whose dropped channels read 0.5 under the masks (GroupNorm, then a
+    sigmoid), registered for a run on digits."""
+    with temporary(MODELS):
+        fedlase.register_model("gn_sigmoid_t", lambda cfg, data: moved_net(lambda h: h, norm=lambda: nn.GroupNorm(2, 8),
+                                                                          squash=torch.sigmoid))
+        yield
+
+
+@pytest.mark.parametrize("method", ["heterofl", "fedrolex"])
+def test_a_model_whose_dropped_channels_read_a_constant_is_accepted_and_trains(gn_sigmoid, method, tmp_path):
+    """GroupNorm over the cut channels trains masked; a dropped channel reads sigmoid(0) = 0.5, a constant its
+    consumer's masked weights ignore: accepted (it was refused as "dropped as live") and trained."""
+    cfg = fedlase.make_config(dataset="digits", model="gn_sigmoid_t", method=method, system="{1,1/4,1/16}_{1,1,1}",
+                              rounds=2, local_steps=1, batch_size=16, threads=1, device="cpu", checkpoint_every=0,
+                              out=str(tmp_path / method))
+    levels = fedlase.run(cfg)["final"]["levels"]
+    assert all(math.isfinite(v["global_acc"]) for v in levels.values())
+    assert levels["1/16"]["kept"] < levels["1/4"]["kept"] < levels["1"]["kept"]
 
 
 # ---- own hooks win; failures are one line ------------------------------------------------------------------------

@@ -651,12 +651,54 @@ def test_a_worker_started_without_P_starts_again_with_it(wdir, tmp_path, monkeyp
         p.wait()
 
 
+# The console script pip writes for pyproject.toml's `fedlase-worker = "fedlase.flower.worker:console"` (the
+# checkout's editable install may predate it, so the test writes its own, as pip would).
+_CONSOLE_SCRIPT = """#!{python}
+import re
+import sys
+from fedlase.flower.worker import console
+if __name__ == "__main__":
+    sys.argv[0] = re.sub(r"(-script\\.pyw|\\.exe)?$", "", sys.argv[0])
+    sys.exit(console())
+"""
+
+
+def test_a_fedlase_folder_in_the_working_folder_never_runs(wdir, tmp_path, monkeypatch):
+    """A `fedlase/` package planted in the working folder (its __init__ writes a marker), an empty PYTHONPATH
+    entry besides: the worker started as the console script `fedlase-worker` from that folder, as a node's
+    launcher does, imports the real package (it listens, watches its node, answers), and the planted one never
+    runs; so does `python -P -m fedlase.flower.worker`, the loopback deployment's command."""
+    cwd = tmp_path / "cwd"
+    (cwd / "fedlase").mkdir(parents=True)
+    marker = tmp_path / "planted-ran"
+    (cwd / "fedlase" / "__init__.py").write_text(f"open({str(marker)!r}, 'a').write('ran')\n")
+    script = tmp_path / "bin" / "fedlase-worker"
+    script.parent.mkdir()
+    script.write_text(_CONSOLE_SCRIPT.format(python=sys.executable))
+    script.chmod(0o755)
+    monkeypatch.setenv("PYTHONPATH", "")   # env() then gives "ROOT:": an empty entry, the working folder
+    for cmd in ([str(script)], [sys.executable, "-P", "-m", "fedlase.flower.worker"]):
+        p = subprocess.Popen([*cmd, "--dir", str(wdir), "--partition-id", str(SERVED), "--watch-pid", str(os.getpid())],
+                             env=env(), cwd=cwd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        try:
+            deadline = time.monotonic() + 60
+            while not worker.listening(wdir):
+                assert p.poll() is None and time.monotonic() < deadline, (cmd, p.returncode, p.stderr.read())
+                time.sleep(0.05)
+            with pytest.raises(worker.WorkerError, match="refused"):   # the real worker answers
+                worker.ask(wdir, 1, 0, "{}", RecordDict())
+            assert not marker.exists(), (cmd, marker.read_text())
+        finally:
+            p.kill()
+            p.wait()
+
+
 @contextmanager
-def serving(folder: Path, node: int):
+def serving(folder: Path, node: int, budget: int = worker.UNBOUND_LIMIT):
     """A Worker for partition SERVED serving `folder` in a thread of this process, its node `node`."""
     import socket
     import threading
-    w = worker.Worker(SERVED, node, deadline=DEADLINE)
+    w = worker.Worker(SERVED, node, deadline=DEADLINE, budget=budget)
     bound = worker.bind(folder)
     threading.Thread(target=w.serve, args=(bound.srv,), daemon=True).start()
     try:
@@ -922,3 +964,137 @@ def test_a_swapped_folder_never_leads_the_worker_outside_it(tmp_path, monkeypatc
     finally:
         os.umask(old)
     assert [oct(os.stat(p).st_mode & 0o777) for p in (top / "a", top / "a" / "b", deep)] == ["0o700"] * 3
+
+
+# ---- the caller checked at accept, headers within the budget, the refusal log bounded (issue 56) ------------------
+# A process that is not below the test process (double-forked: adopted by init or a subreaper above it) opens
+# n connections to the socket, says its pid, then each connection's first answer (or why none came within 10 s),
+# and holds them until killed.
+_STRANGER = """
+import json, os, select, socket, sys, time
+path, n = sys.argv[1], int(sys.argv[2])
+first = os.getpid()
+if os.fork():
+    os._exit(0)
+while os.getppid() == first:   # adopted once its parent has gone: below the test process no longer
+    time.sleep(0.01)
+conns = []
+for _ in range(n):
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.connect(path)
+    conns.append(s)
+print(os.getpid(), flush=True)
+answers, end = [], time.monotonic() + 10
+for s in conns:
+    if select.select([s], [], [], max(0, end - time.monotonic()))[0]:
+        data = s.recv(1 << 16)
+        answers.append(data[8:].decode(errors="replace") if data else "closed")
+    else:
+        answers.append("no answer")
+print(json.dumps(answers), flush=True)
+time.sleep(120)
+"""
+
+
+def test_a_caller_outside_the_node_is_refused_at_accept(wdir, capfd):
+    """A process of the node's user that is not below the node opens 20 connections and sends nothing: each is
+    refused at once, before a byte of its header (before, the worker read its header first, so such a process
+    held all 16 slots and the honest `ask` was told "busy"); while it holds them, the node's own request is
+    answered at once; the refusals are logged at most a line a second."""
+    with serving(wdir, os.getpid()) as w:
+        w.handle = lambda header, content: ({"ok": True}, RecordDict())
+        p = subprocess.Popen([sys.executable, "-c", _STRANGER, str(wdir / worker.SOCKET),
+                              str(worker.MAX_CLIENTS + 4)], stdout=subprocess.PIPE, text=True)
+        pid = int(p.stdout.readline())
+        try:
+            answers = json.loads(p.stdout.readline())
+            t = time.monotonic()
+            header, _ = worker.ask(wdir, 7, SERVED, "{}", RecordDict())
+            took = time.monotonic() - t
+        finally:
+            os.kill(pid, signal.SIGKILL)
+            p.wait()
+    assert len(answers) == worker.MAX_CLIENTS + 4
+    assert all(f"pid {pid} is not one" in a and "refused" in a for a in answers), answers[:3]
+    assert header["ok"] and took < 3, (header, took)   # no "busy" to wait out (a loaded machine: seconds)
+    lines = [ln for ln in capfd.readouterr().err.splitlines() if "refused a connection" in ln]
+    assert 1 <= len(lines) <= 4, lines
+
+
+@pytest.mark.parametrize("kernel", ["SO_PEERPIDFD", "older"])
+def test_a_caller_that_has_exited_or_a_reused_parent_pid_is_refused(wdir, monkeypatch, kernel):
+    """The process that connected has exited by the time its connection is accepted: refused (its pid may be
+    another process's by now), with the kernel's pidfd of the caller and without it (a kernel before 6.5: an
+    unknown socket option, so a pidfd opened on its pid). A parent in the chain that started after its child is
+    a reused pid, not the parent: the walk to the node stops there."""
+    import socket
+    if kernel == "older":
+        monkeypatch.setattr(worker, "SO_PEERPIDFD", 12345)   # ENOPROTOOPT, as before Linux 6.5
+    path = str(wdir / "probe.sock")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as srv:
+        srv.bind(path)
+        srv.listen(1)
+        child = os.fork()
+        if child == 0:   # connect, then exit at once
+            try:
+                socket.socket(socket.AF_UNIX, socket.SOCK_STREAM).connect(path)
+            finally:
+                os._exit(0)
+        os.waitpid(child, 0)
+        conn, _ = srv.accept()
+        with conn:
+            w = worker.Worker(SERVED, os.getpid())
+            assert w.stranger(conn) == (True, f"pid {child}, which connected, has exited")
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as me:   # this process, alive: served
+            me.connect(path)
+            conn, _ = srv.accept()
+            with conn:
+                assert w.stranger(conn) is None
+
+    tree = {100: (50, 30), 50: (7, 20), 7: (1, 10)}   # pid -> (parent, start): 100 below 50 below the node 7
+    monkeypatch.setattr(worker, "parent_and_start", lambda pid: tree[pid])
+    assert worker.below(100, 7)
+    tree[50] = (7, 40)   # pid 50 started after its "child" 100: another process took the parent's pid
+    assert not worker.below(100, 7)
+
+
+def test_header_bytes_count_in_the_budget(wdir):
+    """A header's length is taken from the byte budget before a byte of it is read: with a 100,000-byte budget,
+    a connection that announced a 60,000-byte header and sent ten of its bytes holds 60,000, a second such
+    header is answered "busy", one larger than the budget and one larger than any header (1 MiB) are refused."""
+    with serving(wdir, os.getpid(), budget=100_000) as w:
+        with connect(wdir) as first:
+            first.sendall((60_000).to_bytes(8, "big") + b'{"op": "tr')
+            deadline = time.monotonic() + 5
+            while w.budget.used != 60_000:
+                assert time.monotonic() < deadline, w.budget.used
+                time.sleep(0.02)
+            assert "busy" in exchange(wdir, (60_000).to_bytes(8, "big"))
+            reply = exchange(wdir, (200_000).to_bytes(8, "big"))
+            assert "header of 200000 bytes is larger" in reply["refused"], reply
+            reply = exchange(wdir, (2 << 20).to_bytes(8, "big"))
+            assert f"larger than {worker.MAX_HEADER}" in reply["refused"], reply
+        deadline = time.monotonic() + 5
+        while w.budget.used:   # given back when the first goes away
+            assert time.monotonic() < deadline, w.budget.used
+            time.sleep(0.02)
+
+
+def test_the_refusal_log_is_bounded(wdir, capfd):
+    """Malformed frames whose record name is 512 KiB long, sent for 2 s: the caller's refusal and the worker's
+    log repeat at most SHOWN characters of the name, and the log holds at most a line a second (it wrote the
+    whole name for every frame: 596 MiB in 10 s)."""
+    name = "x" * (512 << 10)
+    raw = frame({"op": "train", "run": 7, "partition": SERVED, "config": "{}",
+                 "records": [{"name": name, "kind": "array"}]})
+    with serving(wdir, os.getpid()):
+        end, n, reply = time.monotonic() + 2, 0, None
+        while time.monotonic() < end:
+            reply = exchange(wdir, raw)
+            n += 1
+        time.sleep(0.2)
+    assert n >= 5 and "malformed request" in reply["refused"] and len(reply["refused"]) < 300, reply
+    err = capfd.readouterr().err
+    lines = [ln for ln in err.splitlines() if "dropped a request" in ln]
+    assert 1 <= len(lines) <= 3 and all(len(ln) < worker.LINE + 100 for ln in lines), (n, [ln[:200] for ln in lines])
+    assert len(err) < 4000, len(err)

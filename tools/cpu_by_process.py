@@ -22,6 +22,7 @@ import time
 KINDS = [("flwr-clientapp", "Flower ClientApp"), ("flwr-serverapp", "Flower ServerApp"),
          ("flower-superlink", "Flower SuperLink"), ("flower-superexec", "Flower SuperExec"),
          ("flower-supernode", "Flower SuperNode"), ("fedlase.flower.worker", "fedlase node worker"),
+         ("bin/fedlase-worker", "fedlase node worker"),
          ("nginx", "nginx"), ("default_worker.py", "Ray worker or actor"), ("ray::", "Ray worker or actor"),
          ("gcs_server", "Ray GCS"), ("/raylet", "Ray raylet"), ("dashboard", "Ray dashboard or agent"),
          ("runtime_env", "Ray runtime-env agent"), ("log_monitor", "Ray log monitor"), ("monitor.py", "Ray monitor"),

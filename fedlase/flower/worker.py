@@ -2,7 +2,8 @@
 the node's partition and the model (on a GPU node, the CUDA context and the partition on the device), so that
 the ClientApp process Flower starts for every message only hands the message's arrays over and returns the reply.
 
-    python -P -m fedlase.flower.worker --dir DIR --partition-id N --watch-pid PID [--deadline S] [--max-bytes B]
+    fedlase-worker --dir DIR --partition-id N --watch-pid PID [--deadline S] [--max-bytes B]
+    (or python -P -m fedlase.flower.worker ...)
 
 Flower keeps transport, authentication, scheduling and the app bundle; the SuperNode is started with
 `--node-config "partition-id=N ... worker-dir='DIR'"` and its ClientApp (fedlase/flower/client_app.py) asks the
@@ -17,25 +18,35 @@ ClientApp process never imports torch when a worker answers.
   created with mode 0600 (the umask at bind; never Linux's abstract namespace, which has no permissions). Both
   ends also check the other's uid (SO_PEERCRED): the worker answers nothing to another user, and a ClientApp
   hands no model to a socket another user serves.
-- **Only its node's ClientApps.** `--watch-pid` names the node (the SuperNode); a request from a process that
-  is neither it nor below it (SO_PEERCRED's pid, /proc's parents) is refused before its payload is read.
+- **Only its node's ClientApps.** `--watch-pid` names the node (the SuperNode); a connection from a process
+  that is neither it nor below it is refused at accept, before it takes a connection slot or a byte of it is
+  read. The process is the kernel's word: a pidfd of the process that connected (SO_PEERPIDFD; on a kernel
+  before 6.5 one opened on SO_PEERCRED's pid), which must still run once its parents have been read from /proc,
+  where a parent that started after its child is a reused pid, not the parent.
 - **Whatever a local process sends.** A frame's header is checked (size, nesting, shape and types) before
-  anything is read or built from it. Its payload is read straight into the bytes that Flower's arrays keep (no
-  copy; resident only as it arrives), within one budget for all requests in flight (`--max-bytes`, default
-  UNBOUND_LIMIT; once a run is bound, at most `message_limit` of its model), taken when the header is read:
-  a request that does not fit now is answered "busy". Each request's arrays are freed as soon as it is answered
+  anything is read or built from it: at most MAX_HEADER bytes, and once a run is bound HEADER_MARGIN times the
+  header of its first message (at least 64 KiB). Its payload is read straight into the bytes that Flower's
+  arrays keep (no copy; resident only as it arrives), within one budget for all requests in flight
+  (`--max-bytes`, default UNBOUND_LIMIT; once a run is bound, at most `message_limit` of its model), which a
+  header's length is taken from before its header is read, and its payload's size before its payload: a
+  request that does not fit now is answered "busy". Each request's arrays are freed as soon as it is answered
   (`discard`). A request must arrive whole within `--deadline` seconds. Any failure while serving one request
   ends with a reply or a closed connection, never the worker. Connections are served concurrently (training
-  one at a time), so a slow client delays nobody; one more than MAX_CLIENTS is answered "busy", and that is
-  logged at most once a second.
+  one at a time), so a slow client delays nobody; one more than MAX_CLIENTS is answered "busy". A line about
+  a caller turned away (a refused connection, a connection over MAX_CLIENTS, a dropped request) is logged at
+  most once a second per kind and cut at LINE characters, and a refusal repeats at most SHOWN characters of a
+  name the caller sent.
 - **Dies with the node, and on a signal.** The worker watches `--watch-pid` (required) through a pidfd,
   opened before anything slow is imported (fedlase/flower/worker_start.py), and exits when it ends, SIGKILL
   included, whoever adopts the worker meanwhile. SIGTERM and SIGINT end it at once, training or not (Python's
   own shutdown under torch's threads aborts). It starts no process of its own. A stale socket (a killed worker)
   is replaced; a live one is not (a lock file that the kernel releases when the worker dies, however it dies).
-- **A safe import path.** Started without `-P`, it executes itself again with `-P` before `fedlase.flower`
-  imports anything (worker_start), and drops its working folder from `sys.path` wherever it stands, so a
-  folder another user can write cannot shadow a module (yaml at start-up, secrets at the first message).
+- **A safe import path.** Started as the console script `fedlase-worker`, nothing is imported from the working
+  folder (Python puts the script's own folder first on `sys.path`), not even a `fedlase/` folder there. Started
+  as `python -m` without `-P`, it executes itself again with `-P` before `fedlase.flower` imports anything
+  (worker_start), but a `fedlase/` folder in the working folder is imported before any of its code runs. Either
+  way it drops its working folder from `sys.path` wherever it stands, so a folder another user can write
+  cannot shadow a module (yaml at start-up, secrets at the first message).
 - **One run, one partition.** The first TRAIN message of its node that trains, complete and valid, binds the
   worker to its run (Flower's run id and the fedlase config); a message for another run or another partition
   is refused. A ClientApp that finds no worker, is refused, finds it busy for BUSY_WAIT s, hears nothing from
@@ -50,8 +61,10 @@ the worker, a length of 0 is a keepalive."""
 from __future__ import annotations
 
 import argparse
+import errno
 import hashlib
 import os
+import select
 import signal
 import socket
 import stat
@@ -65,8 +78,10 @@ from typing import NamedTuple
 from flwr.app import ArrayRecord, RecordDict
 
 from .worker_link import (  # noqa: F401
+    HEADER_MARGIN,
     HEARTBEAT,
     KEEPALIVE,
+    MAX_HEADER,
     SOCKET,
     UNBOUND_LIMIT,
     BadFrame,
@@ -84,6 +99,7 @@ from .worker_link import (  # noqa: F401
     receive_header,
     say_once,
     send,
+    shown,
     too_large,
     unpack,
 )
@@ -92,7 +108,9 @@ from .worker_start import watch
 DEADLINE = 10.0     # seconds a request may take to arrive whole (a ResNet-18 message takes milliseconds)
 MAX_CLIENTS = 16    # connections served at once; one more is answered "busy" at once (its ClientApp tries again)
 BACKLOG = 256       # connections the kernel queues before the worker accepts them (a burst of connects)
-QUIET = 1.0         # seconds between two lines that say connections were dropped (a burst is one line a second)
+QUIET = 1.0         # seconds between two lines of one kind about callers turned away (a burst: one line a second)
+LINE = 300          # characters of such a line at most
+SO_PEERPIDFD = getattr(socket, "SO_PEERPIDFD", 77)   # Linux 6.5: a pidfd of the process that connected
 
 
 # ---- start-up --------------------------------------------------------------------------------------------------
@@ -213,18 +231,24 @@ def _say(line: str) -> None:
 
 
 class Quiet:
-    """A log line said at most once every QUIET seconds; the ones kept back are counted in the next."""
+    """Log lines said at most once every QUIET seconds per kind (the caller's refusal, the exception's type), cut
+    at LINE characters (what a caller sent may be megabytes); the ones kept back are counted in the next."""
 
     def __init__(self):
-        self.last, self.held, self.lock = -QUIET, 0, threading.Lock()
+        self.last: dict[str, tuple[float, int]] = {}   # kind -> (when its last line was said, lines kept back)
+        self.lock = threading.Lock()
 
-    def say(self, line: str) -> None:
+    def say(self, line: str, kind: str = "") -> None:
         with self.lock:
             now = time.monotonic()
-            if now - self.last < QUIET:
-                self.held += 1
+            last, held = self.last.get(kind, (-QUIET, 0))
+            if now - last < QUIET:
+                self.last[kind] = last, held + 1
                 return
-            held, self.last, self.held = self.held, now, 0
+            self.last[kind] = now, 0
+        line = "".join(c if c.isprintable() else "?" for c in line[:LINE + 1])
+        if len(line) > LINE:
+            line = line[:LINE] + "..."
         _say(line + (f" (and {held} more since the last such line)" if held else ""))
 
 
@@ -232,19 +256,47 @@ def _digest(config: str) -> str:
     return hashlib.sha256(config.encode()).hexdigest()[:16]
 
 
+def parent_and_start(pid: int) -> tuple[int, int]:
+    """Process `pid`'s parent and its start time (clock ticks after boot), from /proc/PID/stat."""
+    with open(f"/proc/{pid}/stat", "rb") as f:   # "pid (comm) state ppid ... starttime (22nd) ...", comm: anything
+        fields = f.read().rsplit(b")", 1)[1].split()
+    return int(fields[1]), int(fields[19])
+
+
 def below(pid: int, node: int) -> bool:
-    """Whether process `pid` is `node` or runs below it (its parents, read from /proc)."""
+    """Whether process `pid` is `node` or runs below it (its parents, read from /proc). A parent always started
+    before its child: a pid in the chain that started later is a reused one, not the parent, and ends the walk."""
+    child_start = None
     for _ in range(64):   # deeper than any tree a SuperNode makes (it, its SuperExec, a ClientApp)
         if pid == node:
             return True
         if pid <= 1:
             return False
         try:
-            with open(f"/proc/{pid}/stat", "rb") as f:   # "pid (comm) state ppid ...", comm may hold anything
-                pid = int(f.read().rsplit(b")", 1)[1].split()[1])
+            parent, start = parent_and_start(pid)
         except (OSError, ValueError, IndexError):   # gone meanwhile
             return False
+        if child_start is not None and start > child_start:
+            return False
+        pid, child_start = parent, start
     return False
+
+
+def peer_pidfd(conn: socket.socket, pid: int) -> int:
+    """A pidfd of the process that connected `conn`: the kernel's (SO_PEERPIDFD), which names that very process,
+    or on a kernel before 6.5 one opened on its pid now. ProcessLookupError: it has exited (its pid may be
+    another process's by now)."""
+    try:
+        return conn.getsockopt(socket.SOL_SOCKET, SO_PEERPIDFD)
+    except OSError as e:
+        if e.errno != errno.ENOPROTOOPT:   # EINVAL, ESRCH: the process that connected is gone
+            raise ProcessLookupError(pid) from None
+    return os.pidfd_open(pid)   # ProcessLookupError if gone
+
+
+def exited(pidfd: int) -> bool:
+    """Whether the process of `pidfd` has ended (a pidfd becomes readable then)."""
+    return bool(select.select([pidfd], [], [], 0)[0])
 
 
 def discard(content: RecordDict | None) -> None:
@@ -260,19 +312,20 @@ def discard(content: RecordDict | None) -> None:
 
 
 class Budget:
-    """Payload bytes in flight, all requests together: a request's declared size is taken when its header has
-    been read (before a byte of its payload) and given back once its content is discarded."""
+    """Bytes in flight, all requests together: a request's header length is taken before a byte of its header is
+    read, its payload's declared size when the header has been read (before a byte of the payload), and both are
+    given back once its content is discarded."""
 
     def __init__(self, total: int):
         self.total, self.used, self.lock = total, 0, threading.Lock()
 
-    def take(self, n: int) -> None:
+    def take(self, n: int, what: str = "payload") -> None:
         """Reserve `n` bytes, or BadFrame (more than the whole budget) or Busy (not now)."""
         with self.lock:
             if n > self.total:
-                raise too_large(n, self.total)
+                raise too_large(n, self.total, what)
             if self.used + n > self.total:
-                raise Busy(f"{self.used} of its {self.total} payload bytes are in flight; this request needs {n}")
+                raise Busy(f"{self.used} of its {self.total} bytes are in flight; this request's {what} needs {n}")
             self.used += n
 
     def give(self, n: int) -> None:
@@ -289,13 +342,14 @@ class Worker:
         self.run: tuple[int, str] | None = None   # (Flower run id, digest of the fedlase config)
         self.budget = Budget(budget)              # once bound, at most the largest message of the run's model
         self.training = threading.Lock()          # one training at a time; connections are served at once
+        self.header_limit = MAX_HEADER           # once bound, HEADER_MARGIN times its run's first header
         self.slots = threading.BoundedSemaphore(MAX_CLIENTS)
-        self.dropped = Quiet()
+        self.dropped, self.refused, self.failed = Quiet(), Quiet(), Quiet()   # connections, callers, requests
 
     def refusal(self, header: dict) -> str | None:
         """Why this worker does not train the request `header` (already a well-formed frame), or None."""
         if header.get("op") != "train":
-            return f"unknown request {header.get('op')!r}"
+            return f"unknown request {shown(header.get('op'))}"
         run, pid, config = header.get("run"), header.get("partition"), header.get("config")
         if type(run) is not int or type(pid) is not int or not isinstance(config, str):
             return "a train request names its run and partition (integers) and its config (text)"
@@ -347,31 +401,52 @@ class Worker:
             stop.set()
             t.join()
 
-    def stranger(self, pid: int) -> str | None:
-        """Why process `pid` is not one of this worker's node's ClientApps, or None."""
-        if not below(pid, self.node):
-            return f"this worker serves the ClientApps of its node (pid {self.node}); pid {pid} is not one"
+    def stranger(self, conn: socket.socket) -> tuple[bool, str] | None:
+        """Why the process that connected `conn` is not one of this worker's node's ClientApps, or None: checked
+        at accept, before a slot is taken or a byte read. -> (whether to answer it, why). Another user is
+        answered nothing. The process is named by a pidfd (the kernel's own where it gives one), so a pid that
+        its caller left and another process took is not taken for it: it must still run when its parents
+        have been read."""
+        pid, uid = peer(conn)
+        if uid != os.getuid():   # the folder's mode already keeps others out
+            return False, f"uid {uid} is not this worker's user"
+        try:
+            fd = peer_pidfd(conn, pid)
+        except ProcessLookupError:
+            return True, f"pid {pid}, which connected, has exited"
+        try:   # (a recent kernel gives a pidfd of a caller that has exited too)
+            gone = f"pid {pid}, which connected, has exited"
+            if exited(fd):
+                return True, gone
+            if not below(pid, self.node):
+                return True, f"this worker serves the ClientApps of its node (pid {self.node}); pid {pid} is not one"
+            if exited(fd):   # its parents read from /proc may have been another process's
+                return True, gone
+        finally:
+            os.close(fd)
         return None
 
     def serve_one(self, conn: socket.socket) -> None:
         """One connection: its request whole within the deadline, then the reply; whatever fails, the
         connection is closed, the request's memory freed and the worker goes on."""
-        content, taken = None, 0
+        content, taken, head = None, 0, 0
+
+        def reserve(n: int) -> None:   # the header's bytes, before they are read
+            nonlocal taken, head
+            self.budget.take(n, "header")
+            taken = head = n
         try:
             with conn:
-                pid, uid = peer(conn)
-                if uid != os.getuid():   # the folder's mode already keeps others out
-                    return
                 end = time.monotonic() + self.deadline
                 try:
-                    header, sizes = receive_header(conn, end)
-                    why = self.stranger(pid) or self.refusal(header)
+                    header, sizes = receive_header(conn, end, limit=self.header_limit, reserve=reserve)
+                    why = self.refusal(header)
                     if why:   # before a byte of its payload is read
                         conn.settimeout(self.deadline)
                         send(conn, {"refused": why})
                         return
                     self.budget.take(sum(sizes))
-                    taken = sum(sizes)
+                    taken += sum(sizes)
                     content = receive_content(conn, header, sizes, end)
                 except Busy as e:
                     conn.settimeout(self.deadline)
@@ -385,8 +460,11 @@ class Worker:
                 with self.training:
                     if gone(conn):   # its ClientApp stopped waiting (and trains itself): not trained twice
                         return
+                    bound = self.run is not None
                     with self.keepalive(conn):
                         reply_header, reply = self.handle(header, content)
+                    if not bound and self.run is not None:   # this run's headers are all about this size
+                        self.header_limit = min(MAX_HEADER, max(64 << 10, HEADER_MARGIN * head))
                 try:
                     send(conn, reply_header, reply)
                 finally:
@@ -394,21 +472,23 @@ class Worker:
         except Closed:   # a probe (`listening`)
             pass
         except Exception as e:   # noqa: BLE001 -- MemoryError, a timeout, a reset: this request only
-            _say(f"dropped a request: {type(e).__name__}: {e}")
+            self.failed.say(f"dropped a request: {type(e).__name__}: {e}", type(e).__name__)
         finally:
             discard(content)
             self.budget.give(taken)
             self.slots.release()
 
-    def turn_away(self, conn: socket.socket, why: str) -> None:
-        """Answer a connection that cannot be served now "busy" (its ClientApp tries again), without waiting."""
+    def turn_away(self, conn: socket.socket, reply: dict | None, log: Quiet, line: str) -> None:
+        """Answer a connection that is not served `reply` (None: nothing) without waiting, close it, and say
+        `line` quietly."""
         try:
-            conn.setblocking(False)
-            send(conn, {"busy": why})
+            if reply is not None:
+                conn.setblocking(False)
+                send(conn, reply)
         except OSError:
             pass
         conn.close()
-        self.dropped.say(f"dropped a connection: {why}")
+        log.say(line)
 
     def serve(self, srv: socket.socket) -> None:
         while True:
@@ -420,14 +500,25 @@ class Worker:
                 _say(f"cannot accept a connection: {e}")
                 time.sleep(0.1)
                 continue
+            try:
+                stranger = self.stranger(conn)
+            except OSError as e:   # the peer vanished while it was looked at, or no descriptor for its pidfd
+                stranger = True, f"its caller could not be checked ({e})"
+            if stranger:
+                answer, why = stranger
+                self.turn_away(conn, {"refused": why} if answer else None, self.refused,
+                               f"refused a connection: {why}")
+                continue
             if not self.slots.acquire(blocking=False):
-                self.turn_away(conn, f"{MAX_CLIENTS} requests already in progress")
+                why = f"{MAX_CLIENTS} requests already in progress"
+                self.turn_away(conn, {"busy": why}, self.dropped, f"dropped a connection: {why}")
                 continue
             try:
                 threading.Thread(target=self.serve_one, args=(conn,), daemon=True, name="request").start()
             except Exception as e:   # noqa: BLE001 -- no thread or no memory to serve it: this one only
                 self.slots.release()
-                self.turn_away(conn, f"{type(e).__name__}: {e}")
+                why = f"{type(e).__name__}: {e}"
+                self.turn_away(conn, {"busy": why}, self.dropped, f"dropped a connection: {why}")
 
 
 def gone(conn: socket.socket) -> bool:
@@ -451,7 +542,7 @@ def warm() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -P -m fedlase.flower.worker", allow_abbrev=False,
+    ap = argparse.ArgumentParser(prog="fedlase-worker", allow_abbrev=False,
                                  description=__doc__.split("\n\n")[0])
     ap.add_argument("--dir", required=True, type=Path, help="the node's private worker directory (mode 0700)")
     ap.add_argument("--partition-id", required=True, type=int, help="the partition this node serves")
@@ -488,8 +579,15 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def console() -> None:
+    """The console script `fedlase-worker` (pyproject.toml [project.scripts]). Its node was watched and its
+    working folder dropped from sys.path by fedlase/flower/__init__.py before this module was imported."""
+    sys.exit(main())
+
+
 if __name__ == "__main__":
     if not sys.flags.safe_path:   # started some way fedlase/flower/worker_start.py does not know: not safely
-        print("fedlase worker: error: start it as `python -P -m fedlase.flower.worker`", file=sys.stderr)
+        print("fedlase worker: error: start it as `fedlase-worker` or `python -P -m fedlase.flower.worker`",
+              file=sys.stderr)
         sys.exit(2)
     sys.exit(main())

@@ -17,7 +17,9 @@ from pathlib import Path
 from flwr.app import Array, ArrayRecord, ConfigRecord, MetricRecord, RecordDict
 
 SOCKET = "worker.sock"
-MAX_HEADER = 8 << 20     # a header holds the config text and the array list: kilobytes
+MAX_HEADER = 1 << 20     # a header holds the config text (1.4 KB) and ~90 bytes an array: ResNet-18's is 9 KB
+HEADER_MARGIN = 4        # a bound worker's headers: at most this times its run's first one (at least 64 KiB)
+SHOWN = 40               # characters of a caller's name that a refusal or a log line repeats
 MAX_DEPTH = 16           # a header's JSON nests 6 deep; deeper is refused before json.loads recurses
 UNBOUND_LIMIT = 4 << 30  # payload bytes in flight, all requests together, by default (a ResNet-18 submodel: 45 MB)
 MAX_BLOBS = 16 << 30     # the payload of a reply the worker sends a ClientApp
@@ -87,6 +89,13 @@ def _scalar(x) -> bool:
     return type(x) in (int, float, str, bool)
 
 
+def shown(x) -> str:
+    """A caller's value as a refusal or a log line repeats it: its repr, cut at SHOWN characters (a record
+    name may be megabytes long)."""
+    text = repr(x[:SHOWN + 1] if isinstance(x, (str, bytes, list)) else x)
+    return text if len(text) <= SHOWN else text[:SHOWN] + "..."
+
+
 def array_sizes(header) -> list[int]:
     """The payload's array sizes, once the header is known to be a dict whose `records` are as `pack` writes
     them (names, kinds, array entries [key, dtype, shape, stype, size], flat config and metric items); else
@@ -104,19 +113,19 @@ def array_sizes(header) -> list[int]:
         if e["kind"] == "array":
             arrays = e.get("arrays")
             if not isinstance(arrays, list):
-                raise BadFrame(f"array record {e['name']!r} has no list of `arrays`")
+                raise BadFrame(f"array record {shown(e['name'])} has no list of `arrays`")
             for a in arrays:
                 if not (isinstance(a, list) and len(a) == 5 and isinstance(a[0], str) and isinstance(a[1], str)
                         and isinstance(a[2], list) and all(map(_size, a[2])) and isinstance(a[3], str)
                         and _size(a[4])):
-                    raise BadFrame(f"array record {e['name']!r}: an entry must be [key, dtype, shape (sizes), "
+                    raise BadFrame(f"array record {shown(e['name'])}: an entry must be [key, dtype, shape (sizes), "
                                    f"stype, bytes (an integer >= 0)]")
                 sizes.append(a[4])
         else:
             items = e.get("items")
             if not (isinstance(items, dict) and all(
                     _scalar(v) or (isinstance(v, list) and all(map(_scalar, v))) for v in items.values())):
-                raise BadFrame(f"{e['kind']} record {e['name']!r}: `items` must map names to values or lists")
+                raise BadFrame(f"{e['kind']} record {shown(e['name'])}: `items` must map names to values or lists")
     return sizes
 
 
@@ -180,15 +189,18 @@ def send(conn: socket.socket, header: dict, records: RecordDict | None = None) -
 
 
 def receive_header(conn: socket.socket, deadline: float | None = None, keepalive: bool = False,
-                   idle: float | None = None) -> tuple[dict, list[int]]:
-    """A frame's header, checked (`array_sizes`, at most MAX_HEADER bytes and MAX_DEPTH deep), and its payload's
-    array sizes; the payload is still to be read (`receive_content`). `keepalive`: skip the worker's keepalives."""
+                   idle: float | None = None, limit: int = MAX_HEADER, reserve=None) -> tuple[dict, list[int]]:
+    """A frame's header, checked (`array_sizes`, at most `limit` bytes and MAX_DEPTH deep), and its payload's
+    array sizes; the payload is still to be read (`receive_content`). `keepalive`: skip the worker's keepalives.
+    `reserve(n)` is called with the header's length before a byte of it is read (the worker's byte budget)."""
     while True:
         (n,) = struct.unpack(">Q", _recv_exact(conn, 8, deadline, first=True, idle=idle))
         if not (keepalive and n == 0):
             break
-    if n > MAX_HEADER:
-        raise BadFrame(f"a header of {n} bytes is larger than {MAX_HEADER}")
+    if n > limit:
+        raise BadFrame(f"a header of {n} bytes is larger than {limit}")
+    if reserve is not None:
+        reserve(n)
     raw = _recv_exact(conn, n, deadline, idle=idle)
     if _depth(raw) > MAX_DEPTH:
         raise BadFrame(f"a header nested deeper than {MAX_DEPTH}")
@@ -199,8 +211,8 @@ def receive_header(conn: socket.socket, deadline: float | None = None, keepalive
     return header, array_sizes(header)
 
 
-def too_large(size: int, limit: int) -> BadFrame:
-    return BadFrame(f"a payload of {size} bytes is larger than this run's messages can be ({limit})")
+def too_large(size: int, limit: int, what: str = "payload") -> BadFrame:
+    return BadFrame(f"a {what} of {size} bytes is larger than this run's messages can be ({limit})")
 
 
 def receive_content(conn: socket.socket, header: dict, sizes: list[int], deadline: float | None = None,

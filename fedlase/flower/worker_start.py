@@ -1,10 +1,14 @@
-"""The node worker's first steps (`python -m fedlase.flower.worker`, fedlase/flower/worker.py), taken by
-fedlase/flower/__init__.py before it imports anything: Python imports the packages `fedlase` and `fedlase.flower`
-before it runs the worker's module, and the latter imports yaml, json, psutil and more from sys.path.
+"""The node worker's first steps (the console script `fedlase-worker`, or `python -P -m fedlase.flower.worker`;
+fedlase/flower/worker.py), taken by fedlase/flower/__init__.py before it imports anything: Python imports the
+packages `fedlase` and `fedlase.flower` before it runs the worker's code, and the latter imports yaml, json,
+psutil and more from sys.path.
 
-- **A safe import path.** Without `-P` (or PYTHONSAFEPATH) `-m` puts the working folder first on sys.path, so a
-  `yaml.py` there would run as the worker's user: the worker executes itself again with `-P` before it imports
-  anything. An empty PYTHONPATH entry ("/a:") adds the working folder too, further on: it is removed.
+- **A safe import path.** The console script `fedlase-worker` (pyproject.toml) has its own folder first on
+  sys.path, not the working folder, so not even a `fedlase/` folder there is imported. Without `-P` (or
+  PYTHONSAFEPATH) `-m` puts the working folder first on sys.path, so a `yaml.py` there would run as the
+  worker's user: the worker executes itself again with `-P` before it imports anything (a `fedlase/` folder
+  there has run by then: only the console script or `-P` keeps it out). An empty PYTHONPATH entry ("/a:") adds
+  the working folder too, further on: it is removed.
 - **Its node watched from the start.** `--watch-pid` (required) names the process the worker serves and dies
   with (the SuperNode). Its pidfd is opened here, before the slow imports (flwr, torch), so a node or launcher
   that dies during start-up takes the worker along, whoever adopts the orphan (init, or a child subreaper such
@@ -16,12 +20,21 @@ import os
 import sys
 
 MODULE = "fedlase.flower.worker"
+SCRIPT = "fedlase-worker"   # the console script (pyproject.toml [project.scripts]: fedlase.flower.worker:console)
 _WATCHED = []   # the pid watched, once armed
 
 
+def started_as_script() -> bool:
+    """Whether this process runs the console script `fedlase-worker` (sys.argv[0] is the script's path)."""
+    return bool(sys.argv) and os.path.basename(sys.argv[0]) == SCRIPT
+
+
 def started_as_worker() -> bool:
-    """Whether this process runs `python [options] -m fedlase.flower.worker`. While Python imports the module's
-    packages sys.argv[0] is only "-m", so the command line is read from sys.orig_argv."""
+    """Whether this process runs the worker: the console script, or `python [options] -m fedlase.flower.worker`.
+    While Python imports the module's packages sys.argv[0] is only "-m", so the command line is read from
+    sys.orig_argv."""
+    if started_as_script():
+        return True
     argv = sys.orig_argv[1:]
 
     def m(flag: str) -> bool:   # "-m", or short options that end with it ("-um")
@@ -68,7 +81,7 @@ def start_if_worker() -> None:
     node watched; all before anything is imported from sys.path."""
     if not started_as_worker():
         return
-    if not sys.flags.safe_path:   # `-m` put the working folder first on sys.path: start again without it
+    if not sys.flags.safe_path and not started_as_script():   # `-m` put the working folder first: again without
         os.execv(sys.executable, [sys.executable, "-P", *sys.orig_argv[1:]])
     try:
         here = os.getcwd()

@@ -26,6 +26,8 @@ class FedAvgSmall(Method):
     def __init__(self, model, system=(1.0,), **options):
         super().__init__(model, system, **options)
         self.slicer = WidthSlicer(self.facts, method=self.name)
+        self.slicer.check({n: p.detach() for n, p in model.named_parameters()}, [self.system.smallest],
+                          lambda params: range(1))   # a traced model, at its one window, now
         state_widths(self, lambda lvl: width_rate(float(self.system.smallest)))
 
     def submodel(self, params, level, round):

@@ -8,7 +8,10 @@ from 1, so round n uses r = n - 1: the first round trains the first channels, li
 from __future__ import annotations
 
 from ..registry import register_method
+from ..slicing import group_sizes
 from .heterofl import HeteroFL
+
+ROLLS_CHECKED = 64   # rolls of a traced model checked at build (4 forwards each); the rest when a round first uses them
 
 
 @register_method
@@ -23,3 +26,10 @@ class FedRolex(HeteroFL):
 
     def roll(self, round: int) -> int:
         return round - 1
+
+    def rolls(self, params) -> range:
+        """The rolls that show every group's every window: a group of K channels (in units) repeats its windows
+        every K rolls, so as many rolls as the largest group has (at most ROLLS_CHECKED)."""
+        units = self.facts.group_units()
+        sizes = group_sizes(self.facts.channel_groups(), params)
+        return range(min(ROLLS_CHECKED, max(k // units.get(g, 1) for g, k in sizes.items())))

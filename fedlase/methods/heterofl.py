@@ -39,11 +39,17 @@ class HeteroFL(Method):
                               "leave method_args.scaler unset or false")
         self.scaler = bool(scaler)
         self.slicer = WidthSlicer(self.facts, model.scaler_names() if self.scaler else (), self.name)
+        # a traced model is checked at each window the run will use now, not at the round that first uses it
+        self.slicer.check({n: p.detach() for n, p in model.named_parameters()}, self.system.levels, self.rolls)
         state_widths(self, lambda lvl: width_rate(float(lvl)))   # a level is a width: say what it really holds
 
     def roll(self, round: int) -> int:
         """How far the window has rolled at this round: never, for HeteroFL."""
         return 0
+
+    def rolls(self, params) -> range:
+        """The rolls whose windows are all the distinct windows of a run: the first only, for HeteroFL."""
+        return range(1)
 
     def submodel(self, params, level, round):
         return self.slicer(params, level, self.roll(round))

@@ -21,10 +21,15 @@ The mapping (docs/methods-structured.md, "Groups derived by tracing"):
   same two samples shows the half-width slice, run as smaller tensors, gives the same logits as the masks over
   the full model (a forward that reads a size from a layer's attributes, a view with a fixed size, a LayerNorm
   or GroupNorm over cut channels fail it); otherwise it trains masked, once a forward with hooks has shown that
-  under the masks every layer reads live values on exactly the input channels it keeps. A model that moves
-  channels between a producer and its consumer (a channel shuffle by view and transpose, `flip(1)`,
+  under the masks every layer's kept input channels, and only those, carry its producers' kept channels. A model
+  that moves channels between a producer and its consumer (a channel shuffle by view and transpose, `flip(1)`,
   `roll(..., dims=1)`, indexing with a permutation) passes the trace as one to one; it fails that check and is
-  refused in one line.
+  refused in one line;
+- the trial and the check above run on the prefix half-width slice when the groups are derived, and again on
+  every other set of kept channels the run uses, the first time it is used (`check_kept`, called by
+  fedlase/slicing.py's `width_slices`: each level's window, FedRolex's rolled ones, fedlase_width's and
+  FedDSE's chosen channels): a permutation within each half, or a pair swap, keeps the prefix half in place but
+  not a quarter or a rolled window. A sliced model must give its masks' logits there too.
 
 Torch-Pruning is imported only here, and only when a width method meets a model without the hooks."""
 from __future__ import annotations
@@ -38,7 +43,9 @@ from ..errors import ConfigError
 from ..layers import BatchNorm, Conv
 
 _CACHE: dict[tuple, tuple[dict, bool]] = {}   # (class, parameter shapes, input shape, dtype) -> (groups, sliceable)
+_CHECKED: set[tuple] = set()   # (that key, the kept channels of every group) already checked
 _TRIAL_RATE = 0.5   # the width of the slice whose smaller-tensor forward is checked against its masks
+_MOVED = "channels move between layers (a shuffle, flip, roll or permutation?)"
 
 
 def derive_groups(model: nn.Module, example: torch.Tensor | None, method: str, width_slices) -> tuple[dict, bool]:
@@ -55,8 +62,7 @@ def derive_groups(model: nn.Module, example: torch.Tensor | None, method: str, w
                           "built outside a run (fedlase's model registry), so there is no sample to trace it with: "
                           "register it (fedlase.register_model), build the method with its facts "
                           "(Method.build(model, system, ModelFacts.of(model, data))) or write channel_groups()")
-    params = dict(model.named_parameters())
-    key = (type(model), tuple((n, tuple(p.shape)) for n, p in params.items()), tuple(example.shape), example.dtype)
+    key = _key(model, example)
     if key not in _CACHE:
         groups = trace_groups(model, example, method)
         sliceable = _slices_match(model, groups, example, method, width_slices)
@@ -66,9 +72,33 @@ def derive_groups(model: nn.Module, example: torch.Tensor | None, method: str, w
     return _CACHE[key]
 
 
+def _key(model: nn.Module, example: torch.Tensor) -> tuple:
+    return (type(model), tuple((n, tuple(p.shape)) for n, p in model.named_parameters()), tuple(example.shape),
+            example.dtype)
+
+
+def check_kept(model: nn.Module, groups: dict, sliceable: bool, example: torch.Tensor, method: str, width_slices,
+               keep: dict[str, torch.Tensor]) -> None:
+    """Refuse (one line) a traced model that, with the channels `keep` kept (group -> bool vector), moves channels
+    between its layers: as the smaller tensors (`sliceable`) it must give its masks' logits, and under the masks
+    every consumer must read its producers' kept channels on exactly its own kept inputs. Checked once per set of
+    kept channels (and model class and shapes)."""
+    seen = (_key(model, example), tuple(sorted((g, k.cpu().numpy().tobytes()) for g, k in keep.items())))
+    if seen in _CHECKED:
+        return
+    if sliceable and not _slices_match(model, groups, example, method, width_slices, keep):
+        kept, total = sum(int(k.sum()) for k in keep.values()), sum(k.numel() for k in keep.values())
+        raise _fail(method, model, f"as the smaller tensors it differs from its masks with {kept} of its {total} "
+                    f"channels kept: {_MOVED}")
+    _check_channel_flow(model, groups, example, method, width_slices, keep)
+    _CHECKED.add(seen)
+
+
 def _trial(model: nn.Module, groups: dict, sliceable: bool) -> SimpleNamespace:
-    """A stand-in for the model's ModelFacts with the groups on trial, sliced or not, whatever the model declares."""
-    return SimpleNamespace(model=model, channel_groups=lambda: groups, sliceable=lambda: sliceable, group_units=dict)
+    """A stand-in for the model's ModelFacts with the groups on trial, sliced or not, whatever the model declares
+    (its kept channels are the ones under check, so it checks none itself)."""
+    return SimpleNamespace(model=model, channel_groups=lambda: groups, sliceable=lambda: sliceable, group_units=dict,
+                           check_kept=lambda keep: None)
 
 
 def _fail(method: str, model: nn.Module, what: str) -> ConfigError:
@@ -199,16 +229,18 @@ def trace_groups(model: nn.Module, example: torch.Tensor, method: str = "width s
 
 
 @torch.no_grad()
-def _slices_match(model: nn.Module, groups: dict, example: torch.Tensor, method: str, width_slices) -> bool:
-    """Whether the half-width slice trained as the smaller tensors is the same function as its masks over the full
-    model, on the traced samples (in eval mode, so that nothing random or stateful differs)."""
+def _slices_match(model: nn.Module, groups: dict, example: torch.Tensor, method: str, width_slices,
+                  keep: dict | None = None) -> bool:
+    """Whether the slice keeping `keep` (default: the prefix half width) trained as the smaller tensors is the same
+    function as its masks over the full model, on the traced samples (in eval mode, so that nothing random or
+    stateful differs)."""
     from torch.func import functional_call
 
     from ..masks import Submodel
     params = {n: p.detach() for n, p in model.named_parameters()}
     buffers = {n: b.detach().clone() for n, b in model.named_buffers()}
     x = example.to(next(iter(params.values())).device)
-    masks, slices = width_slices(_trial(model, groups, True), params, _TRIAL_RATE)
+    masks, slices = width_slices(_trial(model, groups, True), params, _TRIAL_RATE, keep=keep)
     sub = Submodel(masks, slices=slices)
     modes = {m: m.training for m in model.modules()}
     model.eval()
@@ -248,23 +280,28 @@ def _kept_channels(groups: dict, masks: dict) -> dict[str, torch.Tensor]:
 
 
 @torch.no_grad()
-def _check_channel_flow(model: nn.Module, groups: dict, example: torch.Tensor, method: str, width_slices) -> None:
-    """Refuse (one line) a model whose layers, under the half-width masks, read a dropped channel as live or a
-    kept one as zero. Every layer that produces a group's channels emits markers instead of its output (a
-    positive random value on its kept channels, zero on its dropped ones), so what each consumer reads depends on
-    the model's wiring alone, not on its weights; a pre-hook on each consumer compares its input's live channels
-    with the ones it keeps."""
+def _check_channel_flow(model: nn.Module, groups: dict, example: torch.Tensor, method: str, width_slices,
+                        keep: dict | None = None) -> None:
+    """Refuse (one line) a model whose layers, with the channels `keep` kept (default: the prefix half width) and
+    the rest masked, read on a kept input channel no kept channel of their producers, or on a dropped one a kept
+    channel. Every layer that produces a group's channels emits markers instead of its output: a random value on
+    its kept channels, zero on its dropped ones (what a masked layer emits there), so what each consumer reads
+    depends on the model's wiring alone, not on its weights. Two forwards with other markers on the kept channels
+    tell which of a consumer's inputs carry them: exactly its kept ones must change. What a dropped channel
+    becomes on its way (0.5 after a sigmoid) is the same in both, as in the masked model, whose consumer ignores
+    it (its weights there are masked)."""
     params = {n: p.detach() for n, p in model.named_parameters()}
-    keep = _kept_channels(groups, width_slices(_trial(model, groups, False), params, _TRIAL_RATE)[0])
-    gen = torch.Generator().manual_seed(0)
-    wrong: list[str] = []
+    if keep is None:
+        keep = _kept_channels(groups, width_slices(_trial(model, groups, False), params, _TRIAL_RATE)[0])
+    keep = {g: k.cpu() for g, k in keep.items()}
+    inputs: list[dict[str, list[torch.Tensor]]] = [{}, {}]   # per forward: consumer -> its inputs, call by call
 
     def along(v: torch.Tensor, dim: int, ndim: int) -> torch.Tensor:
         shape = [1] * ndim
         shape[dim] = -1
         return v.view(shape)
 
-    def produce(g):
+    def produce(g, gen):
         def hook(mod, _inp, out):
             dim = _channel_dim(mod)
             if not isinstance(out, torch.Tensor) or out.dim() < 2 or out.shape[dim] != keep[g].numel():
@@ -273,18 +310,14 @@ def _check_channel_flow(model: nn.Module, groups: dict, example: torch.Tensor, m
             return marks * along(keep[g].to(out.device), dim % out.dim(), out.dim())
         return hook
 
-    def consume(name, g):
+    def consume(name, g, seen):
         def hook(mod, inp):
             x, dim = inp[0] if inp else None, _channel_dim(mod)
-            if wrong or not isinstance(x, torch.Tensor) or x.dim() < 2 or x.shape[dim] != keep[g].numel():
-                return
-            live = (x.movedim(dim, 0).reshape(x.shape[dim], -1) != 0).any(1).cpu()
-            dead, stray = (keep[g] & ~live).nonzero().flatten(), (~keep[g] & live).nonzero().flatten()
-            if len(dead) or len(stray):
-                wrong.append(f"{name} reads {len(dead)} kept input channels as zero, {len(stray)} dropped as live")
+            if isinstance(x, torch.Tensor) and x.dim() >= 2 and x.shape[dim] == keep[g].numel():
+                seen.setdefault(name, []).append(x.movedim(dim, 0).reshape(x.shape[dim], -1).cpu())
         return hook
 
-    handles = []
+    layers = []   # (name, module, its input group, its output group)
     for name, mod in model.named_modules():
         gs = groups.get(f"{name}.weight" if name else "weight")
         if gs is None or not isinstance(mod, (Conv, nn.Linear, BatchNorm, nn.GroupNorm, nn.LayerNorm, nn.Embedding)):
@@ -292,21 +325,33 @@ def _check_channel_flow(model: nn.Module, groups: dict, example: torch.Tensor, m
         channelwise = not isinstance(mod, (Conv, nn.Linear)) or getattr(mod, "groups", 1) > 1   # norms, depthwise
         out_g = gs[1] if isinstance(mod, nn.Embedding) else gs[0]
         in_g = None if isinstance(mod, nn.Embedding) else gs[0] if channelwise else gs[1]
-        if in_g is not None:
-            handles.append(mod.register_forward_pre_hook(consume(name, in_g)))
-        if out_g is not None:
-            handles.append(mod.register_forward_hook(produce(out_g)))
+        layers.append((name, mod, in_g, out_g))
     modes = {m: m.training for m in model.modules()}
     model.eval()
     try:
-        model(example.to(next(iter(params.values())).device))
-    except Exception as e:   # noqa: BLE001
-        raise _fail(method, model, f"its forward with channel markers failed: {type(e).__name__}: {e}") from None
+        for seed, seen in enumerate(inputs):
+            gen = torch.Generator().manual_seed(seed)
+            handles = []
+            try:
+                for name, mod, in_g, out_g in layers:
+                    if in_g is not None:
+                        handles.append(mod.register_forward_pre_hook(consume(name, in_g, seen)))
+                    if out_g is not None:
+                        handles.append(mod.register_forward_hook(produce(out_g, gen)))
+                model(example.to(next(iter(params.values())).device))
+            except Exception as e:   # noqa: BLE001
+                raise _fail(method, model, f"its forward with channel markers failed: {type(e).__name__}: {e}") \
+                    from None
+            finally:
+                for h in handles:
+                    h.remove()
     finally:
-        for h in handles:
-            h.remove()
         for m, t in modes.items():
             m.training = t
-    if wrong:
-        raise _fail(method, model, f"under the masks {wrong[0]}: channels move between layers (a shuffle, flip, "
-                    "roll or permutation?)")
+    for name, _, in_g, _ in layers:
+        for a, b in zip(inputs[0].get(name, []), inputs[1].get(name, [])):
+            fed = (a != b).any(1)   # the input channels that carry a producer's kept channels
+            dead, stray = int((keep[in_g] & ~fed).sum()), int((~keep[in_g] & fed).sum())
+            if dead or stray:
+                raise _fail(method, model, f"{name} reads {dead} of its {int(keep[in_g].sum())} kept input channels "
+                            f"from no kept channel and {stray} dropped ones from kept channels: {_MOVED}")
