@@ -38,11 +38,13 @@ def apply(deterministic: bool) -> None:
             log.warning("deterministic: CUDA started before fedlase set %s; set it in the environment before "
                         "starting Python for bit-identical GPU runs", CUBLAS_ENV)
         cublas_workspace()
-    if "torch._inductor.config" in sys.modules or not hasattr(torch._C, "_set_deterministic_algorithms"):
+    # what the public call does but for importing inductor's config (1.2-1.5 CPU s a process, half of importing
+    # torch): fedlase compiles nothing; a program that imported inductor, or a torch without it, takes the public call
+    private = getattr(torch._C, "_set_deterministic_algorithms", None)   # private: tests/test_structure.py
+    if private is None or "torch._inductor.config" in sys.modules:
         torch.use_deterministic_algorithms(deterministic, warn_only=True)
-    else:   # what the public call does but for importing inductor's config (1.2-1.5 CPU s a process, half of
-        # importing torch); fedlase compiles nothing, and a program that imported inductor takes the public call
-        torch._C._set_deterministic_algorithms(deterministic, warn_only=True)
+    else:
+        private(deterministic, warn_only=True)
     torch.backends.cudnn.deterministic = deterministic
     torch.backends.cudnn.benchmark = not deterministic
 

@@ -161,7 +161,9 @@ TORCH_PRIVATE = {"nn.modules.batchnorm._BatchNorm": "fedlase/layers.py",
                  "nn.modules.conv._ConvNd": "fedlase/layers.py",
                  # the written-out SGD's one launch per operation (torch.optim's own foreach path, not exported)
                  "torch._foreach_add": "fedlase/train.py", "torch._foreach_add_": "fedlase/train.py",
-                 "torch._foreach_mul_": "fedlase/train.py"}
+                 "torch._foreach_mul_": "fedlase/train.py",
+                 # torch.use_deterministic_algorithms without its import of inductor's config (1.2 s a process)
+                 "torch._C": "fedlase/determinism.py"}
 
 
 def _torch_private_uses(path: Path, tree: ast.Module | None = None) -> list[tuple[int, str]]:
