@@ -11,11 +11,15 @@ from .errors import UserError
 
 
 def format_table(final: dict) -> str:
-    """The per-level result table printed at the end of a run."""
-    rows = [f"{'level':>6}  {'clients':>7}  {'local acc':>9}  {'global acc':>10}"]
-    for lvl, v in final["levels"].items():
-        rows.append(f"{lvl:>6}  {v['clients']:>7}  {100 * v['local_acc']:>8.2f}%  {100 * v['global_acc']:>9.2f}%")
-    rows.append(f"{'mean':>6}  {'':>7}  {100 * final['local_acc']:>8.2f}%  {100 * final['global_acc']:>9.2f}%")
+    """The per-level result table printed at the end of a run (task=lm: accuracy is the next token's, and the
+    perplexities follow)."""
+    ppl = "global_ppl" in final
+    extra = f"  {'local ppl':>10}  {'global ppl':>10}" if ppl else ""
+    rows = [f"{'level':>6}  {'clients':>7}  {'local acc':>9}  {'global acc':>10}{extra}"]
+    for name, v in [*final["levels"].items(), ("mean", {**final, "clients": ""})]:
+        extra = f"  {v['local_ppl']:>10.2f}  {v['global_ppl']:>10.2f}" if ppl else ""
+        rows.append(f"{name:>6}  {v['clients']:>7}  {100 * v['local_acc']:>8.2f}%  {100 * v['global_acc']:>9.2f}%"
+                    f"{extra}")
     return "\n".join(rows)
 
 

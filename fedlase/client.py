@@ -71,7 +71,7 @@ class ClientSettings:
 def local_work_of(cfg: Config) -> LocalWork:
     """The local work a validated config asks for."""
     return LocalWork(cfg.local_steps, cfg.local_epochs, cfg.batch_size, cfg.optimizer, cfg.lr, cfg.momentum,
-                     cfg.weight_decay, tuple(cfg.betas), cfg.clip_norm, cfg.precision)
+                     cfg.weight_decay, tuple(cfg.betas), cfg.clip_norm, cfg.precision, cfg.task)
 
 
 def local_work(**settings) -> LocalWork:

@@ -25,7 +25,17 @@ from .levels import System
 from .machine import sim_actors_rule, threads_rule, writable_folder
 from .method_config import check_method
 from .options import Option, check_value
-from .registry import ATTACKS, DATASETS, METHODS, MODELS, PARTITIONS, RULES, check_analysis, import_plugins
+from .registry import (
+    ATTACKS,
+    DATASETS,
+    METHODS,
+    MODELS,
+    PARTITIONS,
+    RULES,
+    check_analysis,
+    import_plugins,
+    task_names,
+)
 from .resources import check_run
 from .robust_config import COVERAGES
 from .sim_config import CHARGES
@@ -59,7 +69,13 @@ class Config:
     model: str = _f("cnn", "model", choices=MODELS.names)
     model_path: str | None = _f(None, "model=hf: a local Hugging Face model folder (never downloaded)", kind=str,
                                 tags=("path",))
-    max_length: int = _f(128, "text datasets: tokens per text (longer texts are cut)", low=1)
+    max_length: int = _f(128, "text datasets: tokens per text (longer texts are cut); task=lm: tokens per block",
+                         low=1)
+    task: str = _f("classify", "what the model learns: classify (labels, accuracy) or lm (next-token prediction on "
+                   "a text dataset's documents cut into max_length-token blocks, perplexity; a decoder model: "
+                   "docs/llm.md)", choices=task_names)
+    eval_blocks: int = _f(16, "task=lm: test blocks each evaluation scores per level (global, a seeded subset) and "
+                          "per client (local); the whole test split when larger than it", low=1, tags=("eval",))
     word_embeddings: str = _f("budget", "text models: budget: the word-embedding table is inside the resource "
                               "budget and extracted like a layer (the official FIARSE code); whole: every client "
                               "holds it whole, outside the budget, like the width methods (docs/text.md)",

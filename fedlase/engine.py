@@ -33,7 +33,7 @@ from .machine import apply_threads
 from .masks import Submodel
 from .model_facts import ModelFacts
 from .privacy import stages_for
-from .registry import DATASETS, METHODS, TRACKERS, check_analysis
+from .registry import METHODS, TRACKERS, check_analysis, load_dataset
 from .resources import check_loaded
 from .run_dir import EvalCadence, Progress, RunFolder
 from .sampling import Sampling, sample_clients
@@ -175,7 +175,7 @@ def build_parts(cfg: Config) -> Parts:
     determinism.apply(cfg.deterministic)   # before anything touches CUDA (fedlase/determinism.py)
     device = pick_device(cfg.device)
     apply_threads(cfg.threads)   # 0: the CPUs this process may use (fedlase/resources.py)
-    d = DATASETS.get(cfg.dataset).load(cfg)
+    d = load_dataset(cfg)   # the dataset as the task reads it (task=lm: blocks of its documents)
     check_loaded(cfg, d)   # clients and batch_size against the samples, before anything trains
     x_train, y_train = d.x_train.to(device), d.y_train.to(device)
     x_test, y_test = d.x_test.to(device), d.y_test.to(device)
