@@ -218,3 +218,43 @@ def test_real_smollm2_loads_from_its_gguf_file_and_predicts_text(tmp_path):
     from fedlase.llm.lm_task import lm_score
     total, count, _ = lm_score(logits, x, None)
     assert math.exp(total / count) < 100   # a language model, not noise (a random one: ~49,152)
+
+
+# ---------------------------------------------------------------------- what a level costs with a frozen base
+
+def test_cost_counts_a_frozen_base_its_flops_and_flags_the_levels_that_cannot_hold_it(tiny, texts, tmp_path):
+    """A base frozen by hand (all but the MLPs, as a LoRA run freezes all but its adapters): every level holds it
+    whole, runs its forward and the activation gradients through it, and sends only what it trains."""
+    import dataclasses
+
+    from fedlase.cost import format_cost_table, level_costs
+    from fedlase.engine import build_parts
+    from fedlase.simtime import SimClock, client_steps
+    cfg = _cfg(tmp_path, tiny, texts)
+    p = build_parts(cfg)
+    args = (p.model, p.method, p.trainer, p.levels, p.level_clients)
+    full = level_costs(*args)
+    named = dict(p.model.named_parameters())
+    try:
+        for n, t in named.items():
+            t.requires_grad_(".mlp." in n)
+        costs = level_costs(*args)
+    finally:
+        for t in named.values():
+            t.requires_grad_(True)
+    trainable = sum(t.numel() for n, t in named.items() if ".mlp." in n)
+    base = sum(t.numel() for t in named.values()) - trainable
+    fwd = 2 * sum(t.numel() for n, t in named.items() if n.endswith("proj.weight")) * 4 * 16 \
+        + 2 * named["lm.model.embed_tokens.weight"].numel() * 4 * 16   # matmuls of a 4 x 16-token batch's forward
+    for c, f in zip(costs, full):
+        assert (c.frozen, c.held) == (base, trainable) and (f.frozen, f.held) == (0, base + trainable)
+        # the whole forward and the gradients through the frozen layers, but not their weights' gradients
+        assert fwd < c.step_flops < f.step_flops
+        assert 4 * trainable <= c.up_bytes < 4 * trainable + 4096 <= f.up_bytes   # the trainable part's, no base
+        assert c.memory_bytes >= 4 * base + 2 * 4 * trainable + c.activation_bytes and c.activation_bytes > 0
+    assert "frozen base" in format_cost_table(costs)
+    # a level-1 device holds twice what level 1 needs, so a level-1/4 device (a quarter of it) cannot hold the base
+    need = costs[0].memory_bytes
+    clock = SimClock(dataclasses.replace(cfg, device_model={"memory": 2 * need}), costs, client_steps(p.trainer))
+    fate = clock.round(1)
+    assert fate["over_memory"] == sorted(c for c, lvl in fate["kept"] if lvl.name == "1/4") != []
