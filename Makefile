@@ -14,7 +14,7 @@ $(BIN)/python:
 
 $(VENV)/.installed: pyproject.toml | $(BIN)/python
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[test,flower,text,privacy]'
+	$(BIN)/pip install -q -e '.[test,flower,text,privacy,llm]'
 	touch $@
 
 setup: $(VENV)/.installed

@@ -46,10 +46,14 @@ def client_splits(cfg: Config, y_train: np.ndarray, y_test: np.ndarray, num_clas
 
 def build_model_for(cfg: Config, data) -> torch.nn.Module:
     """The global model, initialised from the run's seed (what fedlase learns about it is kept beside it:
-    fedlase/model_facts.py)."""
+    fedlase/model_facts.py); under `lora`, with adapters on its transformer, which is then frozen."""
     from . import models  # noqa: F401 -- here: importing fedlase.models registers the built-in models
     torch.manual_seed(cfg.seed)
-    return MODELS.get(cfg.model).build(cfg, data)
+    model = MODELS.get(cfg.model).build(cfg, data)
+    if cfg.lora:   # the adapters are the trainable set (fedlase/llm/adapters.py)
+        from .llm.adapters import attach
+        model = attach(model, cfg.lora, cfg.seed)
+    return model
 
 
 @dataclass(frozen=True)

@@ -113,6 +113,10 @@ class Config:
     label_split: bool = _f(False, "HeteroFL's and FedRolex's official `mask=1`: a client's loss and local metric set "
                            "the logits of classes absent from its data to 0, and it trains and is credited with its "
                            "classes' classifier rows only (docs/methods-structured.md)")
+    lora: dict = _f({}, "LoRA adapters as the trainable set, the model's transformer frozen (docs/llm.md): lora.r "
+                    "(the rank at level 1), lora.alpha, lora.dropout, lora.targets (module names; unset: the attention "
+                    "and MLP projections), lora.ranks (the adapter methods' rank per level); unset: the whole model "
+                    "trains")
     head_norm: str = _f("none", "text models: none, or batch (BatchNorm over the pooled features before the "
                         "classifier, per level as `bn` says; docs/text.md)", choices=("none", "batch"))
     coverage: str | None = _f(None, "which clients a coordinate's step is averaged over: mask (the clients whose "
@@ -288,6 +292,8 @@ def validate(cfg: Config) -> Config:
     check_robust(cfg.robust, cfg.robust_args)
     check_attack(cfg.attack, cfg.attack_args, cfg.levels)
     check_stages(cfg, options()["robust"].default)
+    from .llm.lora_config import check_lora
+    cfg = dataclasses.replace(cfg, lora=check_lora(cfg))   # adapters (fedlase/llm/adapters.py); {}: none
     if not isinstance(cfg.dp, dict):
         raise ConfigError("dp", f"expected a mapping such as {{clip: 1, noise_multiplier: 1}}, got {cfg.dp!r}")
     cfg = dataclasses.replace(cfg, dp=check_dp(cfg))

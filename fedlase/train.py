@@ -111,6 +111,12 @@ def channels_last(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def trainable(model: nn.Module) -> dict[str, nn.Parameter]:
+    """The parameters a run trains, by name: all but the frozen ones (`requires_grad` False: a LoRA run's base,
+    fedlase/llm/adapters.py), which the module holds once and no run state, payload or checkpoint carries."""
+    return {n: p for n, p in model.named_parameters() if p.requires_grad}
+
+
 def has_tied_weights(model: nn.Module) -> bool:
     """Whether a parameter appears under two names. Only then must functional_call look for tied weights,
     which costs ~0.2 ms a call (a quarter of a small CNN's forward on digits)."""
@@ -223,10 +229,16 @@ def _training_module(model: nn.Module) -> tuple[nn.Module, dict, dict, dict]:
     return _TRAINING_MODULES[model]
 
 
+_SHAPES: weakref.WeakKeyDictionary[nn.Module, dict] = weakref.WeakKeyDictionary()
+
+
 def _fits(model: nn.Module, params: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor]) -> bool:
     """Whether `params` and `buffers` are all of the model's own, by name and shape (not a width slice's
-    smaller tensors)."""
-    shapes = _training_module(model)[3]
+    smaller tensors, nor only the trainable ones of a model with frozen parameters). Read off the model itself:
+    the private copy (`_training_module`) is made only for a model that fits, never for a LoRA run's base."""
+    if model not in _SHAPES:
+        _SHAPES[model] = {n: t.shape for n, t in [*model.named_parameters(), *model.named_buffers()]}
+    shapes = _SHAPES[model]
     return len(params) + len(buffers) == len(shapes) and all(
         shapes.get(n) == t.shape for d in (params, buffers) for n, t in d.items())
 
