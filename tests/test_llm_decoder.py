@@ -126,6 +126,23 @@ def test_hf_causal_reads_the_folder_as_data_and_shares_one_loaded_copy(tiny, tex
     assert a.x_train.shape[1] == 16 and set(a.y_train.tolist()) == {0, 1, 2}
 
 
+def test_dequantised_weights_kept_on_disk_rebuild_the_same_model(tiny, tmp_path):
+    """What a GGUF load keeps in the cache folder (tied embeddings stored once, rotary buffers kept) rebuilds a
+    model that computes what the loaded one computes."""
+    from fedlase.llm.decoder import _module, _read_checkpoint, _read_dequantised, _write_dequantised
+    config, state, buffers = _read_checkpoint(str(tiny), None)
+    path = tmp_path / "kept.safetensors"
+    _write_dequantised(path, config, state, buffers)
+    config2, state2, buffers2 = _read_dequantised(path)
+    assert "lm_head.weight" not in state2 and buffers2.keys() == buffers.keys()
+    a, b = _module(config, state, buffers), _module(config2, state2, buffers2)
+    assert b.lm_head.weight is b.model.embed_tokens.weight
+    x = torch.tensor([[3, 5, 7, 11, 13]])
+    with torch.no_grad():
+        assert torch.equal(a(input_ids=x).logits, b(input_ids=x).logits)
+    assert _read_dequantised(tmp_path / "absent.safetensors") is None
+
+
 def test_refusals_in_one_line(tiny, texts, tmp_path):
     # a folder that is not a causal LM (an encoder)
     enc = tmp_path / "enc"

@@ -13,7 +13,9 @@ read the file once, and every model built from it shares the loaded (read-only) 
 """
 from __future__ import annotations
 
+import contextlib
 import functools
+import hashlib
 import json
 import re
 from pathlib import Path
@@ -63,12 +65,18 @@ def gguf_types(path: Path) -> set[str]:
         raise ConfigError("model", f"{path}: not a readable GGUF file: {_one_line(e)}") from None
 
 
-def check_gguf(path: Path) -> None:
-    """A one-line ConfigError when the file holds a quantisation transformers cannot dequantise."""
+@functools.lru_cache(maxsize=4)
+def _checked_gguf(path: Path, _key: tuple) -> None:
     bad = sorted(gguf_types(path) - set(GGUF_READABLE))
     if bad:
         raise ConfigError("model", f"{path.name}: quantisation {', '.join(bad)} cannot be read by transformers' "
                           f"GGUF loader (it reads {', '.join(GGUF_READABLE[:8])}, ...)")
+
+
+def check_gguf(path: Path) -> None:
+    """A one-line ConfigError when the file holds a quantisation transformers cannot dequantise (its header is
+    parsed once per process: seconds for SmolLM2's 272 tensors)."""
+    _checked_gguf(path, _file_key(path))
 
 
 def _file_key(path: Path) -> tuple:
@@ -81,12 +89,88 @@ def _file_key(path: Path) -> tuple:
 @functools.lru_cache(maxsize=2)
 def _load(folder: str, gguf_file: str | None, _key: tuple):
     """(config, state dict, every buffer) of a causal LM, float32; cached so that a process reads a file once. The
-    buffers include those a state dict leaves out (rotary frequencies), which a rebuilt module needs too."""
+    buffers include those a state dict leaves out (rotary frequencies), which a rebuilt module needs too.
+
+    A GGUF file's dequantised tensors are also kept on disk, in fedlase's cache folder as safetensors keyed by the
+    file (name, size, modification time) and the transformers version: dequantising takes 20-80 s on a CPU,
+    reading them back about a second, so later processes (a sweep's runs, `fedlase cost`'s children, tests) skip
+    it."""
+    if gguf_file:
+        got = _read_dequantised(_cached_path(gguf_file, _key, "fp32.safetensors"))
+        if got is not None:
+            return got
+        check_gguf(Path(folder) / gguf_file)   # what transformers cannot dequantise, in one line
+    config, state, buffers = _read_checkpoint(folder, gguf_file)
+    if gguf_file:
+        _write_dequantised(_cached_path(gguf_file, _key, "fp32.safetensors"), config, state, buffers)
+    return config, state, buffers
+
+
+def _cached_path(gguf_file: str, key: tuple, what: str) -> Path:
+    """Where fedlase's cache folder keeps what was read from a GGUF file: keyed by the file (name, size,
+    modification time) and the transformers version."""
+    from ..util import cache_dir
+    digest = hashlib.sha256(f"{gguf_file}|{key[1:]}|{_transformers().__version__}".encode()).hexdigest()[:20]
+    return cache_dir() / f"{Path(gguf_file).stem}-{digest}-{what}"
+
+
+def _keep(path: Path, write) -> None:
+    """`write(tmp)` put in place at `path` atomically; nothing where the cache folder cannot be written."""
+    from ..util import atomic_write
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write(path, write)
+    except OSError:   # a read-only cache folder: the next process reads the GGUF file again
+        pass
+
+
+def _read_dequantised(path: Path):
+    if not path.is_file():
+        return None
+    try:
+        from safetensors import safe_open
+        with safe_open(str(path), framework="pt") as f:
+            config = _transformers().AutoConfig.for_model(**json.loads(f.metadata()["config"]))
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+    except Exception:   # noqa: BLE001 -- an unreadable cache file is rebuilt
+        return None
+    state = {k[6:]: t for k, t in tensors.items() if k.startswith("state/")}
+    return config, state, {k[7:]: t for k, t in tensors.items() if k.startswith("buffer/")}
+
+
+def _write_dequantised(path: Path, config, state: dict, buffers: dict) -> None:
+    from safetensors.torch import save_file
+    seen, tensors = set(), {}
+    for k, t in state.items():   # a tied output head is the embedding: stored once, tied again on reading
+        if t.data_ptr() not in seen:
+            seen.add(t.data_ptr())
+            tensors[f"state/{k}"] = t.contiguous()
+    tensors.update({f"buffer/{k}": b.contiguous() for k, b in buffers.items()})
+    _keep(path, lambda tmp: save_file(tensors, str(tmp), metadata={"config": config.to_json_string()}))
+
+
+@contextlib.contextmanager
+def _quiet_gguf(tf):
+    """The GGUF loader's own progress bar (a tqdm line per tensor, which transformers' switch does not reach)
+    turned off while it runs."""
+    import transformers.modeling_gguf_pytorch_utils as gguf_utils
+    bar = getattr(gguf_utils, "tqdm", None)
+    if bar is not None:
+        gguf_utils.tqdm = functools.partial(bar, disable=True)
+    try:
+        yield
+    finally:
+        if bar is not None:
+            gguf_utils.tqdm = bar
+
+
+def _read_checkpoint(folder: str, gguf_file: str | None):
     tf = _transformers()
     kwargs = {"gguf_file": gguf_file} if gguf_file else {"weights_only": True, "trust_remote_code": False}
     try:
-        lm = tf.AutoModelForCausalLM.from_pretrained(folder, local_files_only=True, dtype=torch.float32,
-                                                     attn_implementation="sdpa", **kwargs)
+        with _quiet_gguf(tf):
+            lm = tf.AutoModelForCausalLM.from_pretrained(folder, local_files_only=True, dtype=torch.float32,
+                                                         attn_implementation="sdpa", **kwargs)
     except ConfigError:
         raise
     except Exception as e:   # noqa: BLE001 -- a broken folder or file: weights missing, unknown type
@@ -99,10 +183,18 @@ def _load(folder: str, gguf_file: str | None, _key: tuple):
 
 @functools.lru_cache(maxsize=2)
 def _tokenizer(folder: str, gguf_file: str | None, _key: tuple):
+    """The tokenizer of a folder or GGUF file; a GGUF file's is kept in fedlase's cache folder as a tokenizer
+    folder (reading it from the GGUF header again takes seconds)."""
     tf = _transformers()
     kwargs = {"gguf_file": gguf_file} if gguf_file else {"trust_remote_code": False}
+    saved = _cached_path(gguf_file, _key, "tokenizer") if gguf_file else None
     try:
-        tok = tf.AutoTokenizer.from_pretrained(folder, local_files_only=True, **kwargs)
+        if saved is not None and (saved / "tokenizer_config.json").is_file():
+            tok = tf.AutoTokenizer.from_pretrained(str(saved), local_files_only=True, trust_remote_code=False)
+        else:
+            tok = tf.AutoTokenizer.from_pretrained(folder, local_files_only=True, **kwargs)
+            if saved is not None:
+                _keep(saved, tok.save_pretrained)
     except Exception as e:   # noqa: BLE001
         raise ConfigError("model_path" if not gguf_file else "model",
                           f"{gguf_file or folder}: cannot load its tokenizer: {_one_line(e)}") from None
@@ -251,9 +343,7 @@ def _module(config, state: dict, buffers: dict) -> nn.Module:
 
 def build_decoder(cfg, dataset) -> CausalLM:
     folder, gguf_file, key = source(cfg)
-    if gguf_file:
-        check_gguf(Path(folder) / gguf_file)
-    else:
+    if not gguf_file:
         _folder_config(Path(folder))
     config, state, buffers = _load(folder, gguf_file, key)
     _check_positions(cfg, int(getattr(config, "max_position_embeddings", 0) or getattr(config, "n_positions", 0)))
