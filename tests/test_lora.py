@@ -210,7 +210,7 @@ def test_a_killed_lora_run_resumes_bit_identically_and_its_checkpoint_holds_no_b
                                        ["method=hetlora", "lora.ranks=[4,1]", "lora.targets=[query,value]"],
                                        ["method=fjord"], ["method=heterofl", "schedule=fedbuff", "device_model={}"]])
 def test_each_family_runs_a_round_on_the_adapters(lora_cfg, overrides):
-    from fedlase.dispatch import run_config   # the simulated clock, where a schedule needs one
+    from fedlase.dispatch import run_config  # the simulated clock, where a schedule needs one
     summary = run_config(lora_cfg(*overrides, "rounds=1", "checkpoint_every=0"), progress=False)
     levels = summary["final"]["levels"]
     assert set(levels) == {"1", "1/4"} and all(math.isfinite(v["global_acc"]) for v in levels.values())
@@ -302,3 +302,71 @@ def test_export_of_a_run_without_adapters_is_one_line(tiny_cfg, tmp_path, capsys
     assert main(["export", str(cfg.out), f"out={tmp_path / 'a'}"]) == 2
     err = capsys.readouterr().err.strip()
     assert "no LoRA adapters" in err and "\n" not in err and not (tmp_path / "a").exists()
+
+
+# ---- a decoder: LoRA on a tiny random Llama, next-token prediction, its export generating with peft --------------
+@pytest.fixture(scope="module")
+def llama_folder(tmp_path_factory):
+    """A tiny random LlamaForCausalLM folder (2 layers, hidden 32) with a character tokenizer, and a text folder of
+    two categories."""
+    import string
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    d = tmp_path_factory.mktemp("tiny-llama")
+    chars = string.ascii_lowercase + " ."
+    tk = Tokenizer(models.WordLevel({"<unk>": 0, "<eos>": 1, **{c: i + 2 for i, c in enumerate(chars)}},
+                                    unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="<unk>", eos_token="<eos>").save_pretrained(d)
+    conf = transformers.LlamaConfig(vocab_size=len(chars) + 2, hidden_size=32, intermediate_size=64,
+                                    num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                    max_position_embeddings=128, tie_word_embeddings=True)
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        transformers.LlamaForCausalLM(conf).save_pretrained(d)
+    texts = d / "texts"
+    for cat, words in {"sport": "goal match team win", "money": "bank rate stock fund"}.items():
+        (texts / cat).mkdir(parents=True)
+        for i in range(4):
+            (texts / cat / f"{i}.txt").write_text(" ".join(words.split()[j % 4] for j in range(i, i + 30)) + ".")
+    return d
+
+
+def _llama_cfg(llama_folder, out, *overrides):
+    return load_config(None, ["model=hf_causal", f"model_path={llama_folder}", "task=lm", "dataset=text_folder",
+                              f"data_dir={llama_folder / 'texts'}", "max_length=16", "system={1,1/4}_{2,2}",
+                              "participation=1", "local_steps=2", "batch_size=4", "rounds=1", "eval_every=1",
+                              "eval_batch_size=8", "eval_blocks=4", "threads=1", "device=cpu", "method=hetlora",
+                              "lora.r=4", "lr=0.01", f"out={out}", *overrides])
+
+
+def test_a_decoders_lora_run_exports_an_adapter_that_peft_loads_and_generates_with(llama_folder, tmp_path):
+    from fedlase.cli import main
+    cfg = _llama_cfg(llama_folder, tmp_path / "run")
+    summary = run_experiment(cfg, progress=False)
+    assert all(math.isfinite(v["global_ppl"]) for v in summary["final"]["levels"].values())
+    exp = Experiment.from_config(cfg)
+    assert {ad.path.rsplit(".", 1)[-1] for ad in exp.method.pairs} == {"q_proj", "k_proj", "v_proj", "o_proj",
+                                                                       "gate_proj", "up_proj", "down_proj"}
+    exp.load_state_dict(torch.load(Path(cfg.out) / "checkpoint.pt", weights_only=True))
+    out = tmp_path / "adapter"
+    assert main(["export", str(cfg.out), f"out={out}"]) == 0
+    assert not (out / "head.safetensors").exists()   # a causal LM's head is its (frozen, tied) embedding
+    base = transformers.LlamaForCausalLM.from_pretrained(str(llama_folder)).eval()
+    tuned = peft.PeftModel.from_pretrained(base, str(out)).eval()
+    x = exp.x_test[:2]
+    with torch.no_grad():
+        ours = torch.func.functional_call(exp.model, dict(exp.params), (x,))
+        theirs = tuned(input_ids=x).logits
+        generated = tuned.generate(input_ids=x[:1, :4], max_new_tokens=5, do_sample=False)
+    assert torch.allclose(ours, theirs, atol=1e-5)
+    assert generated.shape == (1, 9) and torch.equal(generated[0, 4], ours[0, 3].argmax())
+
+
+def test_floras_merge_leaves_the_shared_loaded_base_as_it_was(llama_folder, tmp_path):
+    """A decoder's base tensors are shared by every model built from one loaded folder: FLoRA's merged base is a
+    new tensor, so a run built after a FLoRA run in the same process gets the pretrained base (the same hash)."""
+    cfg = _llama_cfg(llama_folder, tmp_path / "run", "method=flora")
+    before = Experiment.from_config(cfg).frozen
+    run_experiment(cfg, progress=False)
+    assert Experiment.from_config(cfg).frozen == before

@@ -63,7 +63,7 @@ def check_lora(cfg) -> dict:
     if cfg.engine != "embedded":
         raise ConfigError("engine", f"lora runs on engine=embedded only (a Flower node would need the frozen base "
                           f"beside the adapter payload); got engine={cfg.engine}")
-    if method.adapters and method.server_stages == ("attack",) and cfg.schedule != "sync":
+    if method.adapters and "rule" not in method.server_stages and cfg.schedule != "sync":
         raise ConfigError("schedule", f"method {cfg.method} aggregates a synchronous round's adapters at once (its "
                           f"own server step); schedule={cfg.schedule} is not supported with it")
     return out

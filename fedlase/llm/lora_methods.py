@@ -51,7 +51,9 @@ class AdapterMethod(Method):
     """Base of the adapter methods: a level trains its rank's slice of every adapter (`rank`), the other trainable
     tensors whole."""
     adapters = True
-    runs_on = ("embedded",)       # as `lora` itself (fedlase/llm/lora_config.py); a text model does not batch
+    # no objective of its own; `lora` runs on the embedded engine only (fedlase/llm/lora_config.py), and a text
+    # model refuses batched clients itself
+    runs_on = ("embedded", "batched")
     server_stages = ("attack",)   # its own aggregation follows the default rule's screen (fedlase/server_step.py)
 
     def __init__(self, model, system=(1.0,), **options):
@@ -149,8 +151,10 @@ class FLoRA(AdapterMethod):
         super().__init__(model, system, **options)
         self.merged: dict[str, torch.Tensor] = {}   # base weight name -> the updates merged into it so far
         weights = dict(model.named_parameters())
-        self.base = {ad.base: weights[ad.base] for ad in self.pairs}   # the module's own (frozen) weights
-        self.pretrained: dict[str, torch.Tensor] = {}   # their values before any merge, kept once merged
+        self.base = {ad.base: weights[ad.base] for ad in self.pairs}   # the module's own (frozen) parameters
+        # their pretrained tensors, never written: a merged base is a new tensor (a decoder's base may be shared by
+        # every model built from one loaded file, fedlase/llm/decoder.py)
+        self.pretrained = {n: w.data for n, w in self.base.items()}
 
     def server_update(self, rnd, params, new, updates, subs):
         out, shares = dict(new), self.shares(updates)
@@ -167,17 +171,14 @@ class FLoRA(AdapterMethod):
         return out
 
     def apply_merged(self) -> None:
-        """The base weights set to their pretrained values plus the merged updates (computed the same way on a
-        resumed run, so it is bit-identical)."""
+        """The base weights set to their pretrained values plus the merged updates, as new tensors (computed the
+        same way on a resumed run, so it is bit-identical). The server thus holds the pretrained targets beside the
+        merged ones: the price of an exact resume."""
         with torch.no_grad():
             for ad in self.pairs:
-                if ad.base not in self.merged:
-                    continue
-                w = self.base[ad.base]
-                if ad.base not in self.pretrained:
-                    self.pretrained[ad.base] = w.detach().clone()
-                m = self.merged[ad.base]
-                w.copy_(self.pretrained[ad.base] + (m.T if ad.transposed else m))
+                if ad.base in self.merged:
+                    m = self.merged[ad.base]
+                    self.base[ad.base].data = self.pretrained[ad.base] + (m.T if ad.transposed else m)
 
     def state_dict(self) -> dict:
         return {"merged": dict(self.merged)}
