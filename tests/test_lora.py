@@ -370,3 +370,14 @@ def test_floras_merge_leaves_the_shared_loaded_base_as_it_was(llama_folder, tmp_
     before = Experiment.from_config(cfg).frozen
     run_experiment(cfg, progress=False)
     assert Experiment.from_config(cfg).frozen == before
+
+
+@pytest.mark.numerics
+def test_a_rank_slice_trains_as_the_masked_full_adapter(lora_cfg, tmp_path):
+    """sliced=true (a rank-k client trains the gathered k-row A and k-column B) against sliced=false (masks over
+    the rank-r adapter): the same adapters up to float rounding."""
+    sliced = run_experiment(lora_cfg("sliced=true", out=str(tmp_path / "a")), progress=False)
+    masked = run_experiment(lora_cfg("sliced=false", out=str(tmp_path / "b")), progress=False)
+    a, b = _ckpt(tmp_path / "a")["params"], _ckpt(tmp_path / "b")["params"]
+    assert all(torch.allclose(a[n], b[n], atol=1e-6) for n in a)
+    assert sliced["final"]["global_acc"] == pytest.approx(masked["final"]["global_acc"], abs=0.1)
