@@ -108,8 +108,8 @@ def hetlora_average(a_k: list[torch.Tensor], b_k: list[torch.Tensor]) -> tuple[t
     """(A, B): the zero-padded A_k and B_k averaged with weights ||B_k A_k||_F / sum_j ||B_j A_j||_F (equal weights
     where every product is zero, as before any B has moved from its zero start)."""
     norms = torch.stack([torch.linalg.matrix_norm(b @ a) for a, b in zip(a_k, b_k)])
-    total = norms.sum()
-    w = norms / total if total > 0 else torch.full_like(norms, 1.0 / len(norms))
+    total = norms.sum()   # compared on the device: no host read per module
+    w = torch.where(total > 0, norms / total.clamp(min=torch.finfo(norms.dtype).tiny), 1.0 / len(norms))
     return sum(wk * a for wk, a in zip(w, a_k)), sum(wk * b for wk, b in zip(w, b_k))
 
 
@@ -134,11 +134,7 @@ def svd_factors(w: torch.Tensor, r: int) -> tuple[torch.Tensor, torch.Tensor]:
     the first k are the best rank-k approximation)."""
     u, s, vh = torch.linalg.svd(w, full_matrices=False)
     root = s[:r].sqrt()
-    b, a = u[:, :r] * root, root[:, None] * vh[:r]
-    if b.shape[1] < r:   # w of lower dimensions than r cannot occur (lora.r is checked), kept for safety
-        b = torch.cat([b, b.new_zeros(b.shape[0], r - b.shape[1])], 1)
-        a = torch.cat([a, a.new_zeros(r - a.shape[0], a.shape[1])], 0)
-    return b.contiguous(), a.contiguous()
+    return (u[:, :r] * root).contiguous(), (root[:, None] * vh[:r]).contiguous()   # r <= min(out, in): lora.r
 
 
 @register_method
