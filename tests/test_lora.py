@@ -139,6 +139,7 @@ def test_the_state_and_the_payload_hold_the_trainable_tensors_only(lora_cfg):
     subs = exp.submodels([lvl for _, lvl in picked], 1)
     updates = exp.runner.train(exp, 1, picked, subs).updates
     assert all(set(u.delta) == set(exp.params) for u in updates)
+    assert all(named[n].grad is None for n in frozen)   # no gradient was ever computed for the base
     small = [u for u in updates if u.level.index == 1]   # a rank-2 client sends its slice of each adapter
     ad = exp.method.pairs[0]
     assert small and all(u.delta[ad.a].shape == (2, 32) and u.delta[ad.b].shape == (32, 2) for u in small)
