@@ -275,3 +275,30 @@ def test_cost_counts_a_frozen_base_its_flops_and_flags_the_levels_that_cannot_ho
     clock = SimClock(dataclasses.replace(cfg, device_model={"memory": 2 * need}), costs, client_steps(p.trainer))
     fate = clock.round(1)
     assert fate["over_memory"] == sorted(c for c, lvl in fate["kept"] if lvl.name == "1/4") != []
+
+
+@pytest.mark.parametrize("layout", ["gpt2", "qwen2"])
+def test_other_causal_layouts_load_budget_and_train(layout, texts, tmp_path):
+    """GPT-2 (Conv1D projections, learned positions) and Qwen2 (biased q/k/v) folders, read as data."""
+    from fedlase import run
+    from fedlase.engine import build_parts
+    folder = tmp_path / layout
+    if layout == "gpt2":
+        conf = transformers.GPT2Config(vocab_size=97, n_embd=32, n_layer=2, n_head=4, n_positions=64)
+        cls = transformers.GPT2LMHeadModel
+    else:
+        conf = transformers.Qwen2Config(**{**TINY, "max_window_layers": 2})
+        cls = transformers.Qwen2ForCausalLM
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        cls(conf).save_pretrained(folder)
+    _char_tokenizer().save_pretrained(folder)
+    cfg = _cfg(tmp_path, folder, texts, method="fiarse")
+    p = build_parts(cfg)
+    budget = p.model.budgeted_names()
+    assert budget and all(n in dict(p.model.named_parameters()) for n in budget)
+    assert not any("ln_" in n or "norm" in n for n in budget)   # norms stay outside the budget
+    with torch.no_grad():
+        assert torch.allclose(p.model(p.x_test[:2]), cls.from_pretrained(str(folder))(input_ids=p.x_test[:2]).logits,
+                              atol=1e-5)
+    assert np.isfinite(run(cfg)["final"]["global_ppl"])
