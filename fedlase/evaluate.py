@@ -1,4 +1,6 @@
-"""Evaluation: each level's submodel of the global model on the test set and on every client's local split.
+"""Evaluation: each level's submodel of the global model on the test set and on every client's local split, by
+the run's task: accuracy (task=classify), or a registered task's own metrics (task=lm: perplexity and next-token
+accuracy, fedlase/llm/lm_task.py).
 
 `evaluate_levels` is the engine's evaluation step; the functions below it are its parts."""
 from __future__ import annotations
@@ -195,7 +197,12 @@ def evaluate_levels(model: nn.Module, method, params: dict, buffers: dict, level
     """Per level: global accuracy (the level's submodel on the whole test set) and local accuracy (each client
     of `level_clients[level]` on its own test split, after `settings.finetune` epochs of local training when
     set: `finetune`), with client fairness and the kept budgeted parameters; then the means over levels and over
-    every evaluated client. The metrics line's evaluation part."""
+    every evaluated client. The metrics line's evaluation part.
+
+    Under a registered task (`settings.task`: task=lm) the metrics are the task's (`task_score`): accuracy is its
+    own (the next token's), and each level also reports `global_ppl` and `local_ppl` (the mean of its clients'
+    perplexities), the line their means; the global set is a seeded subset of `settings.blocks` test samples and
+    each client's split at most as many (`scored_subset`), the same ones at every evaluation."""
     bs = settings.batch
     x_glob, y_glob = global_eval_set(settings.order, data.x_test, data.y_test, data.client_test)
     classes = data.classes or {}   # label_split: the local metric masks absent classes' logits
