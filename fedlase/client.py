@@ -128,8 +128,9 @@ class ClientTrainer:
         return sub.masked() if sub.slices and not self.settings.sliced else sub
 
     def submodel(self, client: int, sub: Submodel, params: dict) -> Submodel:
-        """The client's own submodel: its level's, restricted to its classes' classifier rows under
-        label_split (so only those rows are trained, sent and credited)."""
+        """The client's own submodel: its level's (or the one the method gave it, `Submodel.own`), restricted to
+        its classes' classifier rows under label_split (so only those rows are trained, sent and credited)."""
+        sub = sub.own.get(client, sub)
         if self.classes is None:
             return sub
         return restrict_submodel(sub, label_split_masks(params, *classifier_names(self.model), self.classes[client]))

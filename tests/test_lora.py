@@ -382,3 +382,36 @@ def test_a_rank_slice_trains_as_the_masked_full_adapter(lora_cfg, tmp_path):
     a, b = _ckpt(tmp_path / "a")["params"], _ckpt(tmp_path / "b")["params"]
     assert all(torch.allclose(a[n], b[n], atol=1e-6) for n in a)
     assert sliced["final"]["global_acc"] == pytest.approx(masked["final"]["global_acc"], abs=0.1)
+
+
+def test_hetlora_rank_self_pruning_by_hand():
+    """Rank 4, decay 0.5: the last 2 components are pruned when their product is smaller than the 2 before."""
+    from fedlase.llm.lora_methods import self_pruned_rank
+    a = torch.eye(4)
+    strong, weak = torch.diag(torch.tensor([3.0, 2.0, 0.5, 0.5])), torch.diag(torch.tensor([1.0, 1.0, 2.0, 0.1]))
+    assert self_pruned_rank([(a, strong)], 4, 0.5) == 2          # ||(0.5, 0.5)|| < ||(3, 2)||
+    assert self_pruned_rank([(a, weak)], 4, 0.5) == 4            # ||(2, 0.1)|| > ||(1, 1)||
+    assert self_pruned_rank([(a, weak)], 4, 0.25) == 3           # the last one alone (0.1) against the one before (2)
+    late = torch.diag(torch.tensor([0.0, 0.0, 5.0, 5.0]))   # summed over the modules: 0.5^2 + 0.5^2 + 5^2 + 5^2
+    assert self_pruned_rank([(a, strong), (a, late)], 4, 0.5) == 4   # against 3^2 + 2^2
+    assert self_pruned_rank([(a[:1], strong[:, :1])], 1, 0.5) == 1   # never below rank 1
+
+
+def test_a_pruned_hetlora_client_trains_its_own_rank_and_resumes(lora_cfg, tmp_path):
+    exp = Experiment.from_config(lora_cfg("method_args.prune=0.5"))
+    exp.method.pruned = {0: 1}   # client 0 (level 1, rank 4) pruned itself to rank 1
+    picked = exp.sample(1)
+    subs = exp.submodels([lvl for _, lvl in picked], 1)
+    updates = {u.client: u for u in exp.runner.train(exp, 1, picked, subs).updates}
+    ad = exp.method.pairs[0]
+    assert updates[0].sub is not None and updates[0].delta[ad.a].shape == (1, 32)
+    assert updates[1].sub is None and updates[1].delta[ad.a].shape == (4, 32)   # its level's whole rank
+    exp.serve(1, list(updates.values()), subs, {})
+    assert exp.method.state_dict()["pruned"][0] == 1
+    # the pruned ranks are checkpointed: a resumed run continues them
+    run_experiment(lora_cfg("method_args.prune=0.5", "rounds=3", out=str(tmp_path / "whole")), progress=False)
+    run_experiment(lora_cfg("method_args.prune=0.5", "rounds=1", out=str(tmp_path / "cut")), progress=False)
+    run_experiment(lora_cfg("method_args.prune=0.5", "rounds=3", out=str(tmp_path / "cut")), resume=True,
+                   progress=False)
+    a, b = _ckpt(tmp_path / "whole"), _ckpt(tmp_path / "cut")
+    assert a["method"] == b["method"] and all(torch.equal(a["params"][n], b["params"][n]) for n in a["params"])

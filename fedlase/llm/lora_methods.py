@@ -21,6 +21,9 @@ through which a method's server step is fed:
 """
 from __future__ import annotations
 
+import dataclasses
+import math
+
 import torch
 
 from ..masks import Submodel, slice_block
@@ -68,7 +71,10 @@ class AdapterMethod(Method):
                                      else level.index)
 
     def submodel(self, params, level, round):
-        k = self.rank(level)
+        return self.rank_slice(params, self.rank(level))
+
+    def rank_slice(self, params, k: int) -> Submodel:
+        """The submodel that trains the first k rank components of every adapter (and the rest whole)."""
         if k >= self.model.r:
             return Submodel()   # the whole adapter: nothing to cut
         device = next(iter(params.values())).device
@@ -95,13 +101,62 @@ class HetLoRA(AdapterMethod):
     """HetLoRA: ranks per level, each client's adapter zero-padded to the largest rank and averaged with weights
     ||B_k A_k||_F normalised over the round; each level trains the first components (truncation)."""
     name = "hetlora"
+    options = {"prune": Option(None, "rank self-pruning: a client whose last ceil(prune x k) rank components "
+                               "(k: its rank) sent a product smaller than the ceil(prune x k) components before "
+                               "them trains k - ceil(prune x k) components from the next round on (at least 1); "
+                               "unset: off", kind=float, low=0, low_open=True, high=1, high_open=True)}
+
+    def __init__(self, model, system=(1.0,), **options):
+        super().__init__(model, system, **options)
+        self.pruned: dict[int, int] = {}   # client -> the rank it pruned itself to (below its level's)
+
+    def submodel(self, params, level, round):
+        sub = super().submodel(params, level, round)
+        k = self.rank(level)
+        own = {c: self.rank_slice(params, r) for c, r in self.pruned.items() if r < k}
+        return dataclasses.replace(sub, own=own) if own else sub
+
+    def eval_submodel(self, params, level, round):
+        return super().submodel(params, level, round)   # a level is evaluated at its rank
 
     def server_update(self, rnd, params, new, updates, subs):
         out = dict(new)   # a head outside the transformer: the rule's mean
+        trained = {}
         for ad in self.pairs:
             a_k, b_k = self.trained(params, updates, subs, ad.a), self.trained(params, updates, subs, ad.b)
             out[ad.a], out[ad.b] = hetlora_average(a_k, b_k)
+            if self.args["prune"] is not None:
+                trained[ad] = (a_k, b_k)
+        if self.args["prune"] is not None:
+            for i, u in enumerate(updates):
+                k = self.held_rank(u.sub or subs[u.level])
+                keep = self_pruned_rank([(a[i], b[i]) for a, b in trained.values()], k, self.args["prune"])
+                if keep < k:
+                    self.pruned[u.client] = keep
         return out
+
+    def held_rank(self, sub) -> int:
+        """The rank a submodel trains: the rows its slice keeps of an A (all r without a slice)."""
+        first = self.pairs[0].a
+        return len(sub.slices[first][0]) if first in sub.slices else self.model.r
+
+    def state_dict(self) -> dict:
+        return {"pruned": dict(self.pruned)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.pruned = {int(c): int(k) for c, k in state.get("pruned", {}).items()}
+
+
+def self_pruned_rank(adapters: list[tuple[torch.Tensor, torch.Tensor]], k: int, decay: float) -> int:
+    """The rank a client of rank k keeps under HetLoRA's self-pruning with `decay`: its last m = ceil(decay k)
+    components are pruned when their product sum_j B[:, j] A[j] (Frobenius norm over every adapted module) is
+    smaller than that of the m components before them; `adapters`: the client's (A, B) per module, padded."""
+    m = math.ceil(decay * k)
+    if k - m < 1:
+        return k
+    def strength(lo: int, hi: int) -> float:
+        return math.sqrt(sum(float(torch.linalg.matrix_norm(b[:, lo:hi] @ a[lo:hi])) ** 2 for a, b in adapters))
+    return k - m if strength(k - m, k) < strength(max(0, k - 2 * m), k - m) else k
 
 
 def hetlora_average(a_k: list[torch.Tensor], b_k: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
