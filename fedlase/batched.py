@@ -38,7 +38,7 @@ from torch.func import functional_call, vmap
 from .errors import ConfigError
 from .layers import BatchNorm, Dropout
 from .masks import Submodel
-from .train import LocalWork, has_tied_weights, label_mask_logits, make_optimizer
+from .train import LocalWork, has_tied_weights, label_mask_logits, make_optimizer, task_loss
 
 _TRAINING_COPIES: weakref.WeakKeyDictionary[nn.Module, nn.Module] = weakref.WeakKeyDictionary()
 
@@ -91,6 +91,8 @@ def local_train_batched(model: nn.Module, global_params: dict[str, torch.Tensor]
         if work.precision == "bf16":   # autocast does not reach into vmap: the forward cast to bf16 by hand
             p, b, xb = _bf16(p), _bf16(b), xb.to(torch.bfloat16)
         logits = functional_call(model, (p, b), (xb,), tie_weights=tie).float()
+        if work.task != "classify":   # a registered task's own loss (task=lm)
+            return task_loss(work, logits, xb, yb, None)
         return F.cross_entropy(logits if keep is None else label_mask_logits(logits, keep), yb)
 
     batched_loss = vmap(client_loss, in_dims=(0, 0, 0, 0, None if keep is None else 0))

@@ -23,7 +23,9 @@ log = logging.getLogger("fedlase")
 
 # The packages (and the modules) that hold the built-in choices. The text track's modules register their
 # choices only where `transformers` (extra `text`) is installed; without it, those choices are simply absent.
-CHOICE_PACKAGES = ("fedlase.analysis", "fedlase.data", "fedlase.methods", "fedlase.models", "fedlase.rules")
+# fedlase.llm holds the language-model track: decoders, task=lm, adapters (docs/llm.md).
+CHOICE_PACKAGES = ("fedlase.analysis", "fedlase.data", "fedlase.methods", "fedlase.models", "fedlase.rules",
+                   "fedlase.llm")
 
 _loaded = False
 

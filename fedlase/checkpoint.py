@@ -9,7 +9,9 @@ for bit. A file that the weights-only loader refuses, or that is not laid out as
 naming it.
 
 Layout: {"format": FORMAT, "round": int, "train_time": float, "params": {name: tensor}, "buffers": {name:
-tensor}, "method": dict, "trackers": [dict, ...], "runner": dict, "config": dict}. Checkpoints written before
+tensor}, "method": dict, "trackers": [dict, ...], "runner": dict, "config": dict}, and, for a model with frozen
+parameters (a LoRA run's base), "frozen": {"frozen": count, "sha256": hash} naming them: "params" holds the
+trainable tensors only, never the base. Checkpoints written before
 the format key existed load too where the weights-only loader admits them (those of runs without analyses);
 those holding numpy arrays are refused with the command that rewrites them (`fedlase convert-checkpoint`, for
 files one trusts)."""

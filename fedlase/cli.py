@@ -1,5 +1,5 @@
 """Command line: `fedlase run [CONFIG] [key=value ...]`, `fedlase sweep`, `fedlase report`, `fedlase evaluate`,
-`fedlase methods`, `fedlase bench`, `fedlase convert-checkpoint`."""
+`fedlase export`, `fedlase methods`, `fedlase bench`, `fedlase convert-checkpoint`."""
 from __future__ import annotations
 
 import argparse
@@ -13,11 +13,15 @@ from .errors import UserError
 
 
 def format_table(final: dict) -> str:
-    """The per-level result table printed at the end of a run."""
-    rows = [f"{'level':>6}  {'clients':>7}  {'local acc':>9}  {'global acc':>10}"]
-    for lvl, v in final["levels"].items():
-        rows.append(f"{lvl:>6}  {v['clients']:>7}  {100 * v['local_acc']:>8.2f}%  {100 * v['global_acc']:>9.2f}%")
-    rows.append(f"{'mean':>6}  {'':>7}  {100 * final['local_acc']:>8.2f}%  {100 * final['global_acc']:>9.2f}%")
+    """The per-level result table printed at the end of a run (task=lm: accuracy is the next token's, and the
+    perplexities follow)."""
+    ppl = "global_ppl" in final
+    extra = f"  {'local ppl':>10}  {'global ppl':>10}" if ppl else ""
+    rows = [f"{'level':>6}  {'clients':>7}  {'local acc':>9}  {'global acc':>10}{extra}"]
+    for name, v in [*final["levels"].items(), ("mean", {**final, "clients": ""})]:
+        extra = f"  {v['local_ppl']:>10.2f}  {v['global_ppl']:>10.2f}" if ppl else ""
+        rows.append(f"{name:>6}  {v['clients']:>7}  {100 * v['local_acc']:>8.2f}%  {100 * v['global_acc']:>9.2f}%"
+                    f"{extra}")
     return "\n".join(rows)
 
 
@@ -46,6 +50,18 @@ def _cmd_evaluate(args) -> int:
     if args.json:
         from pathlib import Path
         Path(args.json).write_text(json.dumps(res, indent=1))
+    return 0
+
+
+def _cmd_export(args) -> int:
+    from .config import parse_override
+    given = dict(parse_override(item) for item in args.settings)
+    unknown = set(given) - {"out", "level"}
+    if unknown or "out" not in given:
+        raise UserError(f"{sorted(unknown)[0] if unknown else 'out'}: export takes out=DIR (required) and level=NAME")
+    from .llm.export import export_run
+    folder = export_run(args.run, given["out"], None if given.get("level") is None else str(given["level"]))
+    print(f"{args.run}: adapter written to {folder} (adapter_config.json, adapter_model.safetensors)")
     return 0
 
 
@@ -229,6 +245,14 @@ def main(argv: list[str] | None = None) -> int:
     ev.add_argument("overrides", nargs="*", help="key=value evaluation settings")
     ev.add_argument("--json", metavar="FILE", help="also write the evaluation as JSON to FILE")
     ev.set_defaults(func=_cmd_evaluate)
+    exp = sub.add_parser("export", help="write a LoRA run's adapter as a peft folder (docs/llm.md, Export)",
+                         description="Write the adapter of a LoRA run's checkpoint as adapter_config.json and "
+                                     "adapter_model.safetensors, which peft.PeftModel.from_pretrained loads on the "
+                                     "run's base transformer (and head.safetensors: a classifier head outside it). "
+                                     "level=NAME: that level's adapter (its rank); default the largest level's.")
+    exp.add_argument("run", help="run folder (holds checkpoint.pt)")
+    exp.add_argument("settings", nargs="*", help="out=DIR (required), level=NAME")
+    exp.set_defaults(func=_cmd_export)
     conv = sub.add_parser("convert-checkpoint", help="rewrite a checkpoint.pt of an older fedlase as plain data "
                           "(only for files you trust: reading the old layout runs whatever the file holds)")
     conv.add_argument("checkpoints", nargs="+", metavar="FILE", help="checkpoint.pt files to rewrite in place")

@@ -46,10 +46,14 @@ def client_splits(cfg: Config, y_train: np.ndarray, y_test: np.ndarray, num_clas
 
 def build_model_for(cfg: Config, data) -> torch.nn.Module:
     """The global model, initialised from the run's seed (what fedlase learns about it is kept beside it:
-    fedlase/model_facts.py)."""
+    fedlase/model_facts.py); under `lora`, with adapters on its transformer, which is then frozen."""
     from . import models  # noqa: F401 -- here: importing fedlase.models registers the built-in models
     torch.manual_seed(cfg.seed)
-    return MODELS.get(cfg.model).build(cfg, data)
+    model = MODELS.get(cfg.model).build(cfg, data)
+    if cfg.lora:   # the adapters are the trainable set (fedlase/llm/adapters.py)
+        from .llm.adapters import attach
+        model = attach(model, cfg.lora, cfg.seed)
+    return model
 
 
 @dataclass(frozen=True)
@@ -71,7 +75,7 @@ class ClientSettings:
 def local_work_of(cfg: Config) -> LocalWork:
     """The local work a validated config asks for."""
     return LocalWork(cfg.local_steps, cfg.local_epochs, cfg.batch_size, cfg.optimizer, cfg.lr, cfg.momentum,
-                     cfg.weight_decay, tuple(cfg.betas), cfg.clip_norm, cfg.precision)
+                     cfg.weight_decay, tuple(cfg.betas), cfg.clip_norm, cfg.precision, cfg.task)
 
 
 def local_work(**settings) -> LocalWork:
@@ -124,8 +128,9 @@ class ClientTrainer:
         return sub.masked() if sub.slices and not self.settings.sliced else sub
 
     def submodel(self, client: int, sub: Submodel, params: dict) -> Submodel:
-        """The client's own submodel: its level's, restricted to its classes' classifier rows under
-        label_split (so only those rows are trained, sent and credited)."""
+        """The client's own submodel: its level's (or the one the method gave it, `Submodel.own`), restricted to
+        its classes' classifier rows under label_split (so only those rows are trained, sent and credited)."""
+        sub = sub.own.get(client, sub)
         if self.classes is None:
             return sub
         return restrict_submodel(sub, label_split_masks(params, *classifier_names(self.model), self.classes[client]))

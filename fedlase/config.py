@@ -25,7 +25,17 @@ from .levels import System
 from .machine import sim_actors_rule, threads_rule, writable_folder
 from .method_config import check_method
 from .options import Option, check_value
-from .registry import ATTACKS, DATASETS, METHODS, MODELS, PARTITIONS, RULES, check_analysis, import_plugins
+from .registry import (
+    ATTACKS,
+    DATASETS,
+    METHODS,
+    MODELS,
+    PARTITIONS,
+    RULES,
+    check_analysis,
+    import_plugins,
+    task_names,
+)
 from .resources import check_run
 from .robust_config import COVERAGES
 from .sim_config import CHARGES
@@ -59,7 +69,13 @@ class Config:
     model: str = _f("cnn", "model", choices=MODELS.names)
     model_path: str | None = _f(None, "model=hf: a local Hugging Face model folder (never downloaded)", kind=str,
                                 tags=("path",))
-    max_length: int = _f(128, "text datasets: tokens per text (longer texts are cut)", low=1)
+    max_length: int = _f(128, "text datasets: tokens per text (longer texts are cut); task=lm: tokens per block",
+                         low=1)
+    task: str = _f("classify", "what the model learns: classify (labels, accuracy) or lm (next-token prediction on "
+                   "a text dataset's documents cut into max_length-token blocks, perplexity; a decoder model: "
+                   "docs/llm.md)", choices=task_names)
+    eval_blocks: int = _f(16, "task=lm: test blocks each evaluation scores per level (global, a seeded subset) and "
+                          "per client (local); the whole test split when larger than it", low=1, tags=("eval",))
     word_embeddings: str = _f("budget", "text models: budget: the word-embedding table is inside the resource "
                               "budget and extracted like a layer (the official FIARSE code); whole: every client "
                               "holds it whole, outside the budget, like the width methods (docs/text.md)",
@@ -97,6 +113,10 @@ class Config:
     label_split: bool = _f(False, "HeteroFL's and FedRolex's official `mask=1`: a client's loss and local metric set "
                            "the logits of classes absent from its data to 0, and it trains and is credited with its "
                            "classes' classifier rows only (docs/methods-structured.md)")
+    lora: dict = _f({}, "LoRA adapters as the trainable set, the model's transformer frozen (docs/llm.md): lora.r "
+                    "(the rank at level 1), lora.alpha, lora.dropout, lora.targets (module names; unset: the attention "
+                    "and MLP projections), lora.ranks (the adapter methods' rank per level); unset: the whole model "
+                    "trains")
     head_norm: str = _f("none", "text models: none, or batch (BatchNorm over the pooled features before the "
                         "classifier, per level as `bn` says; docs/text.md)", choices=("none", "batch"))
     coverage: str | None = _f(None, "which clients a coordinate's step is averaged over: mask (the clients whose "
@@ -272,6 +292,8 @@ def validate(cfg: Config) -> Config:
     check_robust(cfg.robust, cfg.robust_args)
     check_attack(cfg.attack, cfg.attack_args, cfg.levels)
     check_stages(cfg, options()["robust"].default)
+    from .llm.lora_config import check_lora
+    cfg = dataclasses.replace(cfg, lora=check_lora(cfg))   # adapters (fedlase/llm/adapters.py); {}: none
     if not isinstance(cfg.dp, dict):
         raise ConfigError("dp", f"expected a mapping such as {{clip: 1, noise_multiplier: 1}}, got {cfg.dp!r}")
     cfg = dataclasses.replace(cfg, dp=check_dp(cfg))

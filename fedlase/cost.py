@@ -3,19 +3,30 @@
 This module knows no Experiment: it costs a run's parts (fedlase.engine.build_parts: model, method, client
 trainer, levels); fedlase/simtime.py's clock and fedlase/measure.py build them for a config.
 Per level, on the submodel of round 1 of the initial model (or of the model a checkpoint holds):
-  held        parameters the client must hold to train: the whole model for masked methods (FIARSE, FedLASE:
-              the client trains the full-size tensors under masks), the gathered slice for width methods
-              (HeteroFL, FedRolex, fedlase_width), BatchNorm parameters included;
+  held        trainable parameters the client must hold to train: the whole model for masked methods (FIARSE,
+              FedLASE: the client trains the full-size tensors under masks), the gathered slice for width methods
+              (HeteroFL, FedRolex, fedlase_width), BatchNorm parameters included; a LoRA client's adapter;
+  frozen      frozen parameters it holds besides (requires_grad False: a LoRA run's base, which every client holds
+              whole and runs whole forward and backward, whatever its rank);
+  optimizer   bytes of the local optimizer's state for the held parameters (AdamW: two moments; SGD with momentum:
+              one buffer; plain SGD: none);
+  activations bytes autograd keeps for the backward of one local step (every tensor saved for backward, counted
+              once per storage, the parameters aside), measured on the step below;
+  memory      the estimate of what training needs at once: frozen + held weights, the held parameters'
+              gradients, the optimizer state and the activations. The simulated clock's `over_memory` reads it where
+              no peak is measured;
   kept        budgeted coordinates of its submodel (what the budget counts), and their share of the model's:
               a method that defines a level by width (HeteroFL) can keep far more than the level's fraction;
   step_flops  FLOPs of one local step (forward and backward of one batch) as fedlase computes it, counted by
               torch.utils.flop_counter.FlopCounterMode (matmuls and convolutions only; BN, activations and the
-              optimizer are not counted);
+              optimizer are not counted); with a frozen base, its whole forward and the activation gradients
+              through it, then the trainable part's own gradients;
   sparse      the FLOPs of that step if the submodel's sparsity were exploited: each conv or linear layer's
               counted FLOPs (forward, weight gradient and input gradient) times the kept fraction of its weight;
               equal to step_flops for a slice, which already computes only what it keeps;
   down / up   payload bytes each way as the Flower codec sends them (fedlase/payload.py: kept values, mask
-              bits, slice indices, buffers; up: the delta on the credited mask);
+              bits, slice indices, buffers; up: the delta on the credited mask); trainable parameters only, so a
+              LoRA client's are its adapter's;
   peak        peak resident memory of one client's local training (all its steps), MEASURED in a fresh child
               process per level: after the process has loaded the data and built the model, its high-water mark
               is reset (Linux /proc/self/clear_refs, "5") and read back after training (VmHWM). Reported as the
@@ -54,6 +65,16 @@ class LevelCost:
     peak_bytes: int | None = None
     train_bytes: int | None = None
     share: float | None = None   # kept / the model's budgeted coordinates
+    # with defaults, so that a cost table recorded before them (a run's sim.json) still reads
+    frozen: int = 0                      # frozen parameters held besides (a LoRA run's base)
+    optimizer_bytes: int = 0
+    activation_bytes: int | None = None
+    memory_bytes: int | None = None      # the estimate: weights, gradients, optimizer state, activations
+
+    @property
+    def need_bytes(self) -> int | None:
+        """What training at this level needs: the measured peak where there is one, else the estimate."""
+        return self.peak_bytes if self.peak_bytes is not None else self.memory_bytes
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -70,27 +91,52 @@ def trained_submodel(method, trainer, params: dict, client: int, lvl, rnd: int =
     return sub, trainer.trained(sub)
 
 
-def _step_flops(model, trainer, params: dict, buffers: dict, client: int, trained) -> tuple[int, int]:
-    """(FLOPs of one local step, the same with each layer's FLOPs times its weight's kept fraction)."""
+class _SavedBytes:
+    """Bytes of the tensors autograd saves for backward, each storage once: a step's activations. Leaves (the
+    parameters, a frozen base's weights, the input ids) and views of them are left out: they are held anyway; a
+    masked method's masked weights count, as they live through the step too."""
+
+    def __init__(self, model):
+        self.skip = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
+        self.seen: dict[int, int] = {}
+
+    def pack(self, t: torch.Tensor):
+        base = t._base if t._base is not None else t
+        if not base.is_leaf:
+            ptr = t.untyped_storage().data_ptr()
+            if ptr not in self.skip:
+                self.seen[ptr] = t.untyped_storage().nbytes()
+        return t
+
+    @property
+    def total(self) -> int:
+        return int(sum(self.seen.values()))
+
+
+def _step_flops(model, trainer, params: dict, buffers: dict, client: int, trained) -> tuple[int, int, int]:
+    """(FLOPs of one local step, the same with each layer's FLOPs times its weight's kept fraction, the bytes
+    autograd keeps for the step's backward)."""
     from torch.utils.flop_counter import FlopCounterMode
 
     from .train import local_train
     batches, augment = trainer.job(client, 1)
     one = dataclasses.replace(trainer.work, steps=1, epochs=None)
     classes = trainer.classes[client] if trainer.classes is not None else None
-    with torch.random.fork_rng(), FlopCounterMode(display=False) as counter:
+    saved = _SavedBytes(model)
+    with torch.random.fork_rng(), FlopCounterMode(display=False) as counter, \
+            torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t):
         local_train(model, params, buffers, trained, trainer.x, trainer.y, batches[:1], one, augment, classes)
     counts = counter.get_flop_counts()
     total = int(sum(counts.get("Global", {}).values()))
     # the layers that own a weight: their counted FLOPs scale with its density (a slice's inner masks, if any)
     masks = trained.inner().masks if trained.slices else trained.masks
-    saved = 0.0
+    saved_bytes, saved = saved, 0.0
     for key, ops in counts.items():
         name = key.split(".", 1)[1] + ".weight" if "." in key else None
         if name in masks:
             density = float(masks[name].float().mean())
             saved += sum(ops.values()) * (1.0 - density)
-    return total, int(round(total - saved))
+    return total, int(round(total - saved)), saved_bytes.total
 
 
 def _payload(params: dict, buffers: dict, sub) -> tuple[int, int]:
@@ -117,28 +163,40 @@ def level_costs(model, method, trainer, levels, level_clients: dict, params: dic
     `params`/`buffers` (default: the model's own, the initial one). The method's own state (FedDSE's selection
     counts) is restored afterwards, so a run's results do not change. The peak memory is measured apart
     (`measure_memory`, a child process per level)."""
-    params = params if params is not None else {k: v.detach() for k, v in model.named_parameters()}
+    # the trainable parameters, as a run's state holds them; a frozen base stays in the module
+    params = params if params is not None else {k: v.detach() for k, v in model.named_parameters() if v.requires_grad}
     buffers = buffers if buffers is not None else {k: v.detach() for k, v in model.named_buffers()}
+    frozen = [p for p in model.parameters() if not p.requires_grad]
+    frozen_n, frozen_bytes = sum(p.numel() for p in frozen), sum(p.numel() * p.element_size() for p in frozen)
     state = copy.deepcopy(method.state_dict())
-    total = sum(params[n].numel() for n in method.maskable)
+    total = sum(params[n].numel() for n in method.maskable if n in params)
     out = []
     try:
         for lvl in levels:
             client = representative(level_clients, lvl)
             sub, trained = trained_submodel(method, trainer, params, client, lvl)
-            if trained.slices:
-                held = sum(t.numel() for t in trained.gather(params).values())
-            else:
-                held = sum(p.numel() for p in params.values())
-            flops, sparse = _step_flops(model, trainer, params, buffers, client, trained)
+            tensors = trained.gather(params) if trained.slices else params
+            held = sum(t.numel() for t in tensors.values())
+            weight_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
+            flops, sparse, activations = _step_flops(model, trainer, params, buffers, client, trained)
             down, up = _payload(params, buffers, sub)
             steps = trainer.work.num_steps(len(trainer.train_idx[client]))
-            kept = sub.kept(method.maskable, params)
+            kept = sub.kept([n for n in method.maskable if n in params], params)
+            opt = weight_bytes * optimizer_states(trainer.work)
+            memory = frozen_bytes + 2 * weight_bytes + opt + activations   # weights, gradients, optimizer, activations
             out.append(LevelCost(lvl.name, float(lvl), held, kept, flops, sparse, down, up, steps,
-                                 bool(trained.slices), share=kept / total if total else None))
+                                 bool(trained.slices), share=kept / total if total else None, frozen=frozen_n,
+                                 optimizer_bytes=opt, activation_bytes=activations, memory_bytes=memory))
     finally:
         method.load_state_dict(state)
     return out
+
+
+def optimizer_states(work) -> int:
+    """Tensors of the local optimizer's state per trained tensor: AdamW's two moments, SGD's momentum buffer."""
+    if work.optimizer == "adamw":
+        return 2
+    return 1 if work.momentum else 0
 
 
 def with_memory(costs: list[LevelCost], cfg, checkpoint: str | None = None) -> list[LevelCost]:
@@ -193,13 +251,18 @@ steps          local steps of one round"""   # printed under `fedlase cost`'s ta
 def format_cost_table(costs: list[LevelCost], method: str = "") -> str:
     """The per-level Markdown table."""
     rows = []
+    base = any(c.frozen for c in costs)   # a frozen base: its size, and what the estimate adds up
     for c in costs:
         share = "" if c.share is None else f" ({100 * c.share:.3g}%)"   # what the level really keeps
-        rows.append([c.level, f"{c.held:,}" + (" (slice)" if c.sliced else " (dense)"), f"{c.kept:,}{share}",
+        frozen = [f"{c.frozen:,}"] if base else []
+        rows.append([c.level, f"{c.held:,}" + (" (slice)" if c.sliced else " (dense)"), *frozen, f"{c.kept:,}{share}",
+                     _mib(c.optimizer_bytes), _mib(c.activation_bytes), _mib(c.memory_bytes),
                      _mib(c.peak_bytes), _mib(c.train_bytes), _si(c.step_flops, "FLOP"), _si(c.sparse_flops, "FLOP"),
                      _si(c.down_bytes, "B"), _si(c.up_bytes, "B"), str(c.steps)])
-    head = ["level", "params held", "kept (budget)", "peak RSS", "train+", "step FLOPs", "sparse FLOPs",
-            "down", "up", "steps"]
-    title = f"Cost per level{' (' + method + ')' if method else ''}: one local step of one batch; peak = measured\n\n"
+    head = ["level", "params held", *(["frozen base"] if base else []), "kept (budget)", "optimizer", "activations",
+            "memory (est.)", "peak RSS", "train+", "step FLOPs", "sparse FLOPs", "down", "up", "steps"]
+    title = (f"Cost per level{' (' + method + ')' if method else ''}: one local step of one batch; memory (est.) = "
+             f"{'frozen base + ' if base else ''}held weights + their gradients + optimizer + activations; "
+             "peak = measured\n\n")
     lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
     return title + "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from .errors import ConfigError
 from .levels import parse_level
-from .registry import DATASETS, MODELS
+from .registry import DATASETS, MODELS, TASKS
 
 
 def check_data(cfg):
@@ -30,10 +30,29 @@ def check_data(cfg):
         raise ConfigError("data_dir", f"folder {cfg.data_dir!r} does not exist")
     if data.needs_data_dir and cfg.data_dir is None:
         raise ConfigError("data_dir", f"dataset {cfg.dataset} needs data_dir: the folder holding its files")
+    check_task(cfg, data, model)
     if cfg.head_norm != "none" and model.kind != "text":
         raise ConfigError("head_norm", f"applies to text models; {cfg.model} is an image model "
                           "(its BN layers follow `bn`)")
     return data, model
+
+
+def check_task(cfg, data, model) -> None:
+    """`task` against the model (its entry's `tasks`), the dataset (a task other than classify reads its texts)
+    and the task's own check."""
+    task = getattr(cfg, "task", "classify")
+    if task not in model.tasks:
+        fitting = ", ".join(n for n, m in MODELS.items() if task in m.tasks) or "none registered"
+        raise ConfigError("task", f"model {cfg.model} does not run task={task} (it runs {', '.join(model.tasks)}); "
+                          f"models that do: {fitting}")
+    if task == "classify":
+        return
+    if data.texts is None:
+        fitting = ", ".join(n for n, d in DATASETS.items() if d.texts is not None) or "none registered"
+        raise ConfigError("dataset", f"{cfg.dataset} has no documents for task={task}; datasets that do: {fitting}")
+    entry = TASKS.get(task)
+    if entry.check is not None:
+        entry.check(cfg)
 
 
 def parse_participation(value) -> list[float]:

@@ -31,13 +31,14 @@ from .evaluate import EvalData, EvalSettings, evaluate_levels
 from .levels import Level
 from .machine import apply_threads
 from .masks import Submodel
-from .model_facts import ModelFacts
+from .model_facts import ModelFacts, fingerprint
 from .privacy import stages_for
-from .registry import DATASETS, METHODS, TRACKERS, check_analysis
+from .registry import METHODS, TRACKERS, check_analysis, load_dataset
 from .resources import check_loaded
 from .run_dir import EvalCadence, Progress, RunFolder
 from .sampling import Sampling, sample_clients
 from .server_step import ServerStep
+from .train import trainable
 
 log = logging.getLogger("fedlase")
 
@@ -176,7 +177,7 @@ def build_parts(cfg: Config) -> Parts:
     determinism.apply(cfg.deterministic)   # before anything touches CUDA (fedlase/determinism.py)
     device = pick_device(cfg.device)
     apply_threads(cfg.threads)   # 0: the CPUs this process may use (fedlase/resources.py)
-    d = DATASETS.get(cfg.dataset).load(cfg)
+    d = load_dataset(cfg)   # the dataset as the task reads it (task=lm: blocks of its documents)
     check_loaded(cfg, d)   # clients and batch_size against the samples, before anything trains
     x_train, y_train = d.x_train.to(device), d.y_train.to(device)
     x_test, y_test = d.x_test.to(device), d.y_test.to(device)
@@ -252,8 +253,10 @@ class Experiment:
         self.levels, self.level_clients, self.sampling = p.levels, p.level_clients, p.sampling
         self.eval_data, self.eval_settings, self.server = p.eval_data, p.eval_settings, p.server
         self.coverage, self.owners = p.server.coverage, p.server.owners
-        self.state = RunState(0, {k: v.detach().clone() for k, v in self.model.named_parameters()},
+        # the trainable parameters only: a frozen base (a LoRA run's) stays in the module, once per process
+        self.state = RunState(0, {k: v.detach().clone() for k, v in trainable(self.model).items()},
                               {k: v.detach().clone() for k, v in self.model.named_buffers()})
+        self.frozen = fingerprint(self.model)   # what a checkpoint names the frozen base by (None: nothing frozen)
         view = RunView(self)   # what a tracker may read: never the run's parts or state themselves
         self.trackers = [TRACKERS.get(name)(view, opts) for name, opts in check_analysis(cfg.analysis).items()]
         self.runner = runner or (BatchedRounds() if trains_batched(cfg, p) else SequentialRounds())
@@ -376,9 +379,13 @@ class Experiment:
         return {"round": s.round, "params": s.params, "buffers": s.buffers, "train_time": s.train_time,
                 "method": self.method.state_dict(), "trackers": [t.state_dict() for t in self.trackers],
                 "runner": self.runner.state_dict(), "server": self.server.state_dict(), "config": self.cfg.to_dict(),
-                **({"schedule": self.schedule.state_dict()} if self.schedule is not None else {})}
+                **({"schedule": self.schedule.state_dict()} if self.schedule is not None else {}),
+                **({"frozen": self.frozen} if self.frozen is not None else {})}
 
     def load_state_dict(self, state: dict) -> None:
+        if state.get("frozen") != self.frozen:   # the checkpoint holds no base: it must be trained on this one
+            raise UserError(f"{self.cfg.out}: the checkpoint was trained on another frozen base "
+                            f"({state.get('frozen')}) than this run's model ({self.frozen})")
         self.state = RunState(state["round"], {k: v.to(self.device) for k, v in state["params"].items()},
                               {k: v.to(self.device) for k, v in state["buffers"].items()}, state["train_time"])
         self.method.load_state_dict(state["method"])

@@ -1,4 +1,6 @@
-"""Evaluation: each level's submodel of the global model on the test set and on every client's local split.
+"""Evaluation: each level's submodel of the global model on the test set and on every client's local split, by
+the run's task: accuracy (task=classify), or a registered task's own metrics (task=lm: perplexity and next-token
+accuracy, fedlase/llm/lm_task.py).
 
 `evaluate_levels` is the engine's evaluation step; the functions below it are its parts."""
 from __future__ import annotations
@@ -88,6 +90,33 @@ def recompute_bn_stats(model: nn.Module, weights: dict, buffers: dict, x: torch.
     return fresh
 
 
+@torch.no_grad()
+def task_score(model: nn.Module, weights: dict, buffers: dict, x: torch.Tensor, y: torch.Tensor, batch_size: int,
+               task: str) -> dict:
+    """A registered task's metrics of a model on (x, y) (task=lm: `acc`, the share of next tokens predicted
+    right, and `ppl`, the perplexity exp(summed next-token loss / predicted tokens)), from the task's `score`
+    summed over batches."""
+    from .registry import TASKS
+    score = TASKS.get(task).score
+    model.eval()
+    loss, count, correct = 0.0, 0, 0
+    for i in range(0, len(x), batch_size):
+        xb = x[i:i + batch_size]
+        got = score(functional_call(model, (weights, buffers), (xb,)), xb, y[i:i + batch_size])
+        loss, count, correct = loss + got[0], count + got[1], correct + got[2]
+    if not count:
+        return {"acc": float("nan"), "ppl": float("nan")}
+    return {"acc": correct / count, "ppl": math.exp(loss / count)}
+
+
+def scored_subset(n: int, k: int, seed: int) -> torch.Tensor:
+    """The positions of at most `k` of `n` samples, drawn from `seed` and sorted: the same at every
+    evaluation of a run (task=lm scores a subset of its test blocks, what a CPU affords)."""
+    if n <= k:
+        return torch.arange(n)
+    return torch.randperm(n, generator=torch.Generator().manual_seed(int(seed)))[:k].sort().values
+
+
 def accuracy(pred: torch.Tensor, y: torch.Tensor) -> float:
     return float((pred == y).float().mean()) if len(y) else float("nan")
 
@@ -114,13 +143,16 @@ class EvalSettings:
     finetune: float = 0.0
     work: LocalWork | None = None
     seed: int = 0
+    task: str = "classify"   # a registered task (task=lm) is scored by its own `score` (`task_score`)
+    blocks: int = 16         # such a task's scored test samples: per level (global) and per client (local)
 
     @classmethod
     def from_config(cls, cfg) -> EvalSettings:
         from .client import local_work_of
         work = dataclasses.replace(local_work_of(cfg), epochs=cfg.eval_finetune, clip_norm=None) \
             if cfg.eval_finetune else None
-        return cls(cfg.eval_order, cfg.eval_batch_size, cfg.sliced, cfg.eval_finetune, work, cfg.seed)
+        return cls(cfg.eval_order, cfg.eval_batch_size, cfg.sliced, cfg.eval_finetune, work, cfg.seed, cfg.task,
+                   cfg.eval_blocks)
 
     @property
     def batch(self) -> int:
@@ -165,13 +197,35 @@ def evaluate_levels(model: nn.Module, method, params: dict, buffers: dict, level
     """Per level: global accuracy (the level's submodel on the whole test set) and local accuracy (each client
     of `level_clients[level]` on its own test split, after `settings.finetune` epochs of local training when
     set: `finetune`), with client fairness and the kept budgeted parameters; then the means over levels and over
-    every evaluated client. The metrics line's evaluation part."""
+    every evaluated client. The metrics line's evaluation part.
+
+    Under a registered task (`settings.task`: task=lm) the metrics are the task's (`task_score`): accuracy is its
+    own (the next token's), and each level also reports `global_ppl` and `local_ppl` (the mean of its clients'
+    perplexities), the line their means; the global set is a seeded subset of `settings.blocks` test samples and
+    each client's split at most as many (`scored_subset`), the same ones at every evaluation."""
     bs = settings.batch
     x_glob, y_glob = global_eval_set(settings.order, data.x_test, data.y_test, data.client_test)
     classes = data.classes or {}   # label_split: the local metric masks absent classes' logits
     bn_x = data.x_train[data.bn_sample]
+    client_test = data.client_test
+    lm = settings.task != "classify"   # a registered task: its own metrics on seeded subsets of the test samples
+    if lm:
+        keep = scored_subset(len(x_glob), settings.blocks, settings.seed).to(x_glob.device)
+        x_glob, y_glob = x_glob[keep], y_glob[keep]
+        client_test = [c[scored_subset(len(c), settings.blocks, settings.seed + 1 + i).to(c.device)]
+                       for i, c in enumerate(data.client_test)]
+    scored: dict[str, list] = {}   # the task's metrics, per level: global, and each client's
+
+    def metric(net, weights, bufs, x, y, cls=None, into=None) -> float:
+        """Accuracy (task=classify), or the task's metrics (kept in `into`, its accuracy returned)."""
+        if not lm:
+            return accuracy(predict(net, weights, bufs, x, bs, cls), y)
+        got = task_score(net, weights, bufs, x, y, bs, settings.task)
+        into.append(got["ppl"])
+        return got["acc"]
+
     out: dict = {"levels": {}}
-    all_local = []
+    all_local, all_ppl = [], []
     for lvl, clients in level_clients.items():
         sub = method.eval_submodel(params, lvl, rnd).to(data.x_test.device)
         with torch.no_grad():   # a width slice is evaluated as the smaller model (unless sliced=false)
@@ -181,14 +235,14 @@ def evaluate_levels(model: nn.Module, method, params: dict, buffers: dict, level
         net = method.module_for(lvl)
         if not personal:
             bufs = recompute_bn_stats(model, weights, bufs, bn_x, bs)
-            glob = accuracy(predict(model, weights, bufs, x_glob, bs), y_glob)
+            glob = metric(model, weights, bufs, x_glob, y_glob, into=scored.setdefault("global", []))
             models = {c: (weights, bufs) for c in clients}
         else:   # its global accuracy: the mean over the level's clients of their own models' on the global set
             bufs = bufs if net is model else dict(net.named_buffers())
             models = {c: (w, recompute_bn_stats(net, w, bufs, bn_x, bs))
                       for c in clients for w in [method.personal_weights(c, lvl, weights, sub)]}
-            glob = float(np.mean([accuracy(predict(net, *models[c], x_glob, bs), y_glob) for c in clients])) \
-                if clients and method.global_eval else float("nan")
+            glob = float(np.mean([metric(net, *models[c], x_glob, y_glob, into=scored.setdefault("global", []))
+                                  for c in clients])) if clients and method.global_eval else float("nan")
         if settings.finetune:   # each client's model after local training on its own data (then its BN statistics)
             tuned = {}
             for c in clients:
@@ -198,14 +252,23 @@ def evaluate_levels(model: nn.Module, method, params: dict, buffers: dict, level
                     w = finetune(net, Submodel(), models[c][0], models[c][1], data, settings, c, rnd)
                 tuned[c] = (w, recompute_bn_stats(net, w, models[c][1], bn_x, bs))
             models = tuned
-        local = [accuracy(predict(net, *models[c], data.x_test[data.client_test[c]], bs, classes.get(c)),
-                          data.y_test[data.client_test[c]]) for c in clients]
+        ppl: list[float] = []
+        local = [metric(net, *models[c], data.x_test[client_test[c]], data.y_test[client_test[c]], classes.get(c),
+                        ppl) for c in clients]
         all_local += local
         fair = fairness(local)
         held = method.held_params(lvl, sub, params)
         out["levels"][lvl.name] = {"clients": len(clients), "global_acc": glob, "local_acc": fair["mean"],
                                    "local_std": fair["std"], "local_worst10": fair["worst10"], "kept": held}
+        if lm:   # perplexity: the level's on the global subset (the mean over a personalized level's clients)
+            glob_ppl = scored.pop("global", [])
+            out["levels"][lvl.name].update(global_ppl=float(np.mean(glob_ppl)) if glob_ppl else float("nan"),
+                                           local_ppl=float(np.mean(ppl)) if ppl else float("nan"))
+            all_ppl += ppl
     fair = fairness(all_local)
     out["global_acc"] = float(np.mean([v["global_acc"] for v in out["levels"].values()]))
     out["local_acc"], out["local_std"], out["local_worst10"] = fair["mean"], fair["std"], fair["worst10"]
+    if lm:
+        out["global_ppl"] = float(np.mean([v["global_ppl"] for v in out["levels"].values()]))
+        out["local_ppl"] = float(np.mean(all_ppl)) if all_ppl else float("nan")
     return out

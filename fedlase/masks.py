@@ -46,6 +46,8 @@ class Submodel:
         the weights: a layer's output times s equals its weight and bias times s).
     local: the method's own local training (a `fedlase.methods.base.LocalObjective`: FjORD's width per batch,
         DepthFL's exits, FedDSE's per-client mask); None: plain cross-entropy of one forward (fedlase/train.py).
+    own: client id -> the submodel that client trains instead of this one (HetLoRA's clients whose rank pruned
+        itself below their level's); `fedlase.client.ClientTrainer.submodel` reads it. Evaluation ignores it.
     """
     masks: dict[str, torch.Tensor] = field(default_factory=dict)
     thresholds: dict[str, float | torch.Tensor] | None = None   # a 0-d tensor on a GPU (kth_largest)
@@ -54,6 +56,7 @@ class Submodel:
     slices: dict[str, tuple] = field(default_factory=dict)
     scales: dict[str, float] = field(default_factory=dict)
     local: object | None = None
+    own: dict[int, Submodel] = field(default_factory=dict)
 
     def apply(self, params: dict[str, torch.Tensor], train: bool = False) -> dict[str, torch.Tensor]:
         """The effective weights: params times their (threshold or fixed) masks, differentiable; in training
@@ -155,7 +158,7 @@ class Submodel:
         return Submodel({k: v.to(device) for k, v in self.masks.items()}, thresholds, self.ste,
                         {k: v.to(device) for k, v in self.buffers.items()},
                         {k: tuple(None if i is None else i.to(device) for i in v) for k, v in self.slices.items()},
-                        self.scales, self.local)
+                        self.scales, self.local, {c: s.to(device) for c, s in self.own.items()})
 
 
 def slice_block(index: tuple) -> tuple:

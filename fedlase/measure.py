@@ -48,7 +48,8 @@ def memory_child() -> None:
     if spec["checkpoint"]:
         params, buffers = load_params(p.device, spec["checkpoint"])
     else:
-        params = {k: v.detach().clone() for k, v in p.model.named_parameters()}
+        # the trainable parameters, as a run's state holds them (a frozen base stays in the module)
+        params = {k: v.detach().clone() for k, v in p.model.named_parameters() if v.requires_grad}
         buffers = {k: v.detach().clone() for k, v in p.model.named_buffers()}
     lvl = p.levels[spec["level"]]
     client = representative(p.level_clients, lvl)

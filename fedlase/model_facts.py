@@ -9,6 +9,7 @@ and the `kept` coverage rule's owners read them from there. The trace is lazy: i
 asks for the groups, so a method that does not slice never traces."""
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 
 import torch
@@ -16,7 +17,7 @@ from torch import nn
 
 from .slicing import width_slices
 
-__all__ = ["ModelFacts"]
+__all__ = ["ModelFacts", "fingerprint"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -84,3 +85,18 @@ class ModelFacts:
 
 def declares_groups(model) -> bool:
     return hasattr(model, "channel_groups") or hasattr(model, "group_units")
+
+
+def fingerprint(model: nn.Module) -> dict | None:
+    """{"frozen": parameter count, "sha256": hash of the frozen parameters' names and bytes in order} of a model
+    with frozen parameters (a LoRA run's base), which a checkpoint names instead of holding them; None for a model
+    that trains every parameter."""
+    frozen = [(n, p) for n, p in model.named_parameters() if not p.requires_grad]
+    if not frozen:
+        return None
+    h = hashlib.sha256()
+    for n, p in frozen:
+        h.update(n.encode())
+        t = p.detach().cpu().contiguous()
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return {"frozen": sum(p.numel() for _, p in frozen), "sha256": h.hexdigest()}

@@ -130,6 +130,9 @@ class DatasetEntry:
     shape: tuple[int, ...] | None = None   # one input's shape, known before loading (for checks); None: varies
     check: Callable[[Any], dict | None] | None = None
     reads_data_dir: bool = True
+    # texts(cfg) -> (documents, labels, train indices, test indices, a hash of the data): the raw texts, for a
+    # task that cuts them its own way (task=lm's blocks, fedlase/llm/lm_task.py); None: task=classify only
+    texts: Callable[[Any], tuple] | None = None
 
 
 @dataclass(frozen=True)
@@ -145,6 +148,26 @@ class ModelEntry:
     kind: str = "image"
     help: str = ""
     check: Callable[[Any], dict | None] | None = None
+    tasks: tuple[str, ...] = ("classify",)   # the `task` values it serves
+    # tokenizer(cfg) -> (identity hash, load()): a model whose tokenizer is not its folder's files (a GGUF
+    # decoder's); None: the text datasets read model_path's (or the packaged MiniLM's) tokenizer files
+    tokenizer: Callable[[Any], tuple] | None = None
+
+
+@dataclass(frozen=True)
+class TaskEntry:
+    """What a model is trained for besides `classify` (the built-in default, not registered: cross-entropy of
+    the logits against the labels, accuracy).
+
+    load(cfg, dataset_entry) -> fedlase.data.Dataset: its samples (its y: what the partitions split by);
+    loss(output, xb, yb) -> one batch's scalar loss, what every client trains on (fedlase/train.py);
+    score(output, xb, yb) -> (summed loss, counted targets, correct predictions) of a batch, what evaluation
+    sums (fedlase/evaluate.py); check(cfg), optional: a ConfigError for what it cannot run."""
+    load: Callable[[Any, Any], Any]
+    loss: Callable[..., Any]
+    score: Callable[..., Any]
+    check: Callable[[Any], None] | None = None
+    help: str = ""
 
 
 @dataclass(frozen=True)
@@ -162,6 +185,19 @@ METHODS: Registry[type] = Registry("method")     # Method subclasses
 TRACKERS: Registry[type] = Registry("analysis")  # Tracker subclasses
 RULES: Registry[type] = Registry("robust")       # server rules: fedlase.server_step.Rule subclasses
 ATTACKS: Registry[type] = Registry("attack")     # simulated attacks: fedlase.robust_config.Attack subclasses
+TASKS: Registry[TaskEntry] = Registry("task")    # tasks besides the built-in classify
+
+
+def task_names() -> tuple[str, ...]:
+    """The `task` values: classify, then the registered ones."""
+    return ("classify", *TASKS.names())
+
+
+def load_dataset(cfg):
+    """The run's data: the dataset's own load for task=classify, else the task's load of the dataset."""
+    entry = DATASETS.get(cfg.dataset)
+    task = getattr(cfg, "task", "classify")
+    return entry.load(cfg) if task == "classify" else TASKS.get(task).load(cfg, entry)
 
 
 def _check_kind(kind: str) -> str:
@@ -173,16 +209,24 @@ def _check_kind(kind: str) -> str:
 def register_dataset(name: str, load: Callable, num_classes: int, kind: str = "image", help: str = "",
                      needs_data_dir: bool = False, replace: bool = False,
                      shape: tuple[int, ...] | None = None, check: Callable | None = None,
-                     reads_data_dir: bool = True) -> DatasetEntry:
+                     reads_data_dir: bool = True, texts: Callable | None = None) -> DatasetEntry:
     """Make `dataset=name` valid everywhere: load(cfg) returns a fedlase.data.Dataset."""
     return DATASETS.add(name, DatasetEntry(load, num_classes, _check_kind(kind), help, needs_data_dir, shape,
-                                           check, reads_data_dir), replace)
+                                           check, reads_data_dir, texts), replace)
 
 
 def register_model(name: str, build: Callable, kind: str = "image", help: str = "",
-                   replace: bool = False, check: Callable | None = None) -> ModelEntry:
-    """Make `model=name` valid everywhere: build(cfg, dataset) returns an nn.Module."""
-    return MODELS.add(name, ModelEntry(build, _check_kind(kind), help, check), replace)
+                   replace: bool = False, check: Callable | None = None,
+                   tasks: tuple[str, ...] = ("classify",), tokenizer: Callable | None = None) -> ModelEntry:
+    """Make `model=name` valid everywhere: build(cfg, dataset) returns an nn.Module; `tasks`: the `task` values
+    it serves."""
+    return MODELS.add(name, ModelEntry(build, _check_kind(kind), help, check, tuple(tasks), tokenizer), replace)
+
+
+def register_task(name: str, load: Callable, loss: Callable, score: Callable, check: Callable | None = None,
+                  help: str = "", replace: bool = False) -> TaskEntry:
+    """Make `task=name` valid everywhere (see TaskEntry)."""
+    return TASKS.add(name, TaskEntry(load, loss, score, check, help), replace)
 
 
 def register_partition(name: str, split: Callable, help: str = "", replace: bool = False) -> PartitionEntry:

@@ -55,6 +55,10 @@ def make_report(dirs: list[str], out: str | Path, group_by: list[str] | None = N
     for name, overall in (("local_acc", "all clients"), ("global_acc", "mean"), ("local_std", "all clients"),
                           ("local_worst10", "all clients")):
         sections.append((f"{METRICS[name].capitalize()} per level (%)", metric_table(groups, levels, name, overall)))
+    if any("global_ppl" in r.final for r in runs):   # task=lm: accuracy above is the next token's
+        for name, overall in (("global_ppl", "mean"), ("local_ppl", "all clients")):
+            sections.append((f"{METRICS[name].capitalize()} per level (task=lm; lower is better)",
+                             metric_table(groups, levels, name, overall, scale=1)))
     if any("epsilon" in r.final for r in runs):   # dp (fedlase/privacy.py): the privacy each group spent
         sections.append(("Differential privacy: epsilon at delta after the rounds run (dp; a run that "
                          "dp.max_epsilon stopped counts as stopped)", privacy_table(groups)))

@@ -25,7 +25,8 @@ def not_grouped() -> set[str]:
     from .config import options
     return ({"seed"} | {k for k, o in options().items() if not o.affects_result}) - {"rounds"}
 METRICS = {"global_acc": "global accuracy", "local_acc": "local accuracy", "local_std": "std of local accuracies",
-           "local_worst10": "worst-10% local accuracy"}
+           "local_worst10": "worst-10% local accuracy", "global_ppl": "global perplexity",
+           "local_ppl": "local perplexity"}   # the perplexities: task=lm runs (docs/llm.md)
 ALL = "all"   # the row/column of a metric over all levels (mean over levels / over all clients)
 
 

@@ -25,9 +25,11 @@ def markdown_table(header: list[str], rows: list[list]) -> str:
     return "\n".join(lines)
 
 
-def metric_table(groups: list[Group], levels: list[str], name: str, overall: str) -> tuple[list, list]:
+def metric_table(groups: list[Group], levels: list[str], name: str, overall: str,
+                 scale: float = 100) -> tuple[list, list]:
     header = ["group", "runs", *levels, overall]
-    rows = [[g.label, str(len(g.runs)), *(mean_cell(*g.stats(name, lvl)) for lvl in [*levels, ALL])] for g in groups]
+    rows = [[g.label, str(len(g.runs)), *(mean_cell(*g.stats(name, lvl), scale=scale) for lvl in [*levels, ALL])]
+            for g in groups]
     return header, rows
 
 

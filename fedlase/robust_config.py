@@ -36,16 +36,18 @@ def check_attack(kind: str, args, system) -> dict:
 
 def check_stages(cfg, default_rule: str) -> None:
     """A method whose training some server stage does not reach (its `server_stages`: RecipFL's hypernetwork steps
-    on the uploads, not on the zero updates a rule, attack or dp would act on) is refused that stage in one line;
-    under the default rule (`default_rule`) its screen's per-update checks still apply."""
+    on the uploads, not on the zero updates a rule, attack or dp would act on; an adapter method aggregates in its
+    own server step, where another rule or dp's calibration does not reach) is refused that stage in one line;
+    under the default rule (`default_rule`) its screen still applies."""
     from .registry import METHODS
     stages = METHODS.get(cfg.method).server_stages
     for key, stage, used, value in (("robust", "rule", cfg.robust != default_rule, f"robust={cfg.robust}"),
                                     ("attack", "attack", cfg.attack != "none", f"attack={cfg.attack}"),
                                     ("dp", "dp", bool(cfg.dp), "dp")):
         if used and stage not in stages:
-            raise ConfigError(key, f"method {cfg.method} trains outside the updates the server step aggregates (its "
-                              f"server_stages), so {value} would act on zeros; drop it")
+            raise ConfigError(key, f"method {cfg.method} takes no {value}: its server step is its own (RecipFL's "
+                              f"hypernetwork, an adapter method's aggregation; its server_stages: "
+                              f"{', '.join(stages) or 'none'}); drop it")
 
 
 # ---- differential privacy (fedlase/privacy.py; docs/methods.md, "Differential privacy") ------------------------

@@ -17,8 +17,9 @@ options, registered in fedlase/registry.py and named by the config):
 4. the rule (`robust`) turns the accepted updates into the new global model, per coordinate, under the run's
    `coverage` and aggregation mode (fedlase/aggregate.py). The built-in rules and attacks are in
    fedlase/rules.py; a plug-in module registers its own the same way (docs/library.md, "Adding a rule").
-5. the method's own step on the accepted updates (`Method.server_update`: RecipFL's hypernetwork; nothing for the
-   others).
+5. the method's own step on the accepted updates (`Method.server_update`, fed by their payloads): RecipFL's
+   hypernetwork; the adapter methods' own aggregation (HetLoRA, FlexLoRA, FLoRA: fedlase/llm/lora_methods.py), which
+   replaces the rule's model; nothing for the others.
 
 Everything here is deterministic: a client's attack noise is seeded from (run seed, round, client) and the
 attacked set from the run seed, so a resumed run equals an uninterrupted one.
@@ -443,8 +444,8 @@ class ServerStep:
             self._count("clipped", info["clipped"])
         for stage in self.stages:
             new = stage.model(params, new, rnd)
-        if self.method is not None:
-            self.method.server_update(rnd, updates)
+        if self.method is not None:   # the method's own step, fed by the accepted payloads: it may replace `new`
+            new = self.method.server_update(rnd, params, new, updates, subs)
         return new, info
 
     def info(self, rnd: int) -> dict:

@@ -11,8 +11,10 @@ with the step FLOPs of fedlase/cost.py: `sim_charge=dense` charges what fedlase 
 full model's FLOPs), `sparse` the FLOPs if the submodel's sparsity were exploited (the same for a width slice).
 A synchronous round lasts as long as its slowest client. With `deadline` (simulated seconds), a client that would
 take longer is dropped before it trains (recorded, `missed_deadline`), and a round with a dropped client lasts
-the deadline (the server waits for it). A client whose level's measured training peak (fedlase/cost.py) exceeds
-its device's memory is flagged (`over_memory`), not dropped.
+the deadline (the server waits for it). A client whose level needs more memory than its device has is flagged
+(`over_memory`), not dropped: the level's measured training peak where `fedlase cost` measured one, else the cost
+table's estimate (fedlase/cost.py: a frozen base, which every LoRA client holds whole, the held weights, their
+gradients, the optimizer state and the activations), so a level that cannot hold the base is flagged.
 
 Everything follows from the config, the round's sampled clients (fedlase/sampling.py: a function of the seed
 and the round) and the cost table, so the time of a finished run can be recomputed without training again
@@ -111,8 +113,8 @@ class SimClock:
         if offline and not kept and not lost:   # nobody to wait for: the round lasts until one comes back
             slowest = self.availability.next_online(start, offline) - start
         over = [c for c, lvl in picked if self.device.memory[lvl.index] is not None
-                and self.costs[lvl.index].peak_bytes is not None
-                and self.costs[lvl.index].peak_bytes > self.device.memory[lvl.index]]
+                and self.costs[lvl.index].need_bytes is not None
+                and self.costs[lvl.index].need_bytes > self.device.memory[lvl.index]]
         return {"time": self.deadline if missed else slowest, "kept": kept, "missed": missed, "over_memory": over,
                 "offline": offline, "lost": [c for c in lost if c not in missed]}
 

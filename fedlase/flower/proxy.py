@@ -123,12 +123,12 @@ def body_limit(cfg=None) -> int:
     if cfg is None:
         shapes = {"array": (8 * 2**20,)}
     else:
-        from ..registry import DATASETS, MODELS
+        from ..registry import DATASETS, MODELS, load_dataset
         from ..resources import meta_model
         model = meta_model(MODELS.get(cfg.model).build, cfg, DATASETS.get(cfg.dataset))
         if model is None:   # a model that needs its data to be built (the text models): built for real, once
             from ..client import build_model_for
-            model = build_model_for(cfg, DATASETS.get(cfg.dataset).load(cfg))
+            model = build_model_for(cfg, load_dataset(cfg))
         shapes = {n: tuple(t.shape) for n, t in [*model.named_parameters(), *model.named_buffers()]}
     return max(BODY_FLOOR, BODY_MARGIN * largest_request(shapes))
 

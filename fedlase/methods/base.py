@@ -86,8 +86,12 @@ class Method:
     # the server stages its training goes through (fedlase/server_step.py, ServerStep): "rule" (any `robust`), "attack"
     # and "dp"; config validation refuses the others (fedlase/robust_config.py, check_stages). A method that trains
     # outside the global model's update (RecipFL: its updates are zeros, its hypernetwork steps in
-    # `server_update`) declares () and runs under the default rule, whose screen still drops a non-finite reply.
+    # `server_update`) declares () and runs under the default rule, whose screen still drops a non-finite reply; a
+    # method that aggregates the updates its own way (HetLoRA, FlexLoRA, FLoRA) declares ("attack",): the default
+    # rule's screen runs before its `server_update`, which replaces the rule's mean.
     server_stages: ClassVar[tuple[str, ...]] = ("rule", "attack", "dp")
+    # whether it trains LoRA adapters only (fedlase/llm/lora_methods.py): the config must then set `lora`
+    adapters: ClassVar[bool] = False
     # whether a client is evaluated on a model of its own (`personal_weights`) rather than its level's submodel
     personalized: ClassVar[bool] = False
     # a personalized method's global accuracy: the mean of its clients' own models' on the whole test set, or,
@@ -173,10 +177,14 @@ class Method:
         client's label histogram and data share): the training labels and each client's indices into them.
         Called once by the engine after the method is built; nothing by default."""
 
-    def server_update(self, rnd: int, updates: list) -> None:
-        """The method's own server-side step on round `rnd`'s accepted updates (engine `Update`s, as the rule
-        aggregated them), called by the server step after the rule (fedlase/server_step.py, ServerStep.new_model):
-        RecipFL's hypernetwork step. Nothing by default."""
+    def server_update(self, rnd: int, params: dict[str, torch.Tensor], new: dict[str, torch.Tensor], updates: list,
+                      subs: dict) -> dict[str, torch.Tensor]:
+        """The method's own server step on round `rnd`'s accepted updates (engine `Update`s: their payload, the
+        `delta` a client sent, and the submodel it was sent, `u.sub or subs[u.level]`), called by the server step
+        after the rule and the stages made `new` from `params` (fedlase/server_step.py, ServerStep.new_model).
+        Returns the new global parameters: `new` unless the method aggregates its own way (HetLoRA, FlexLoRA,
+        FLoRA: fedlase/llm/lora_methods.py). RecipFL steps its hypernetwork here and keeps `new`."""
+        return new
 
     # ---- evaluation (fedlase/evaluate.py) ---------------------------------------------------------------------
     def module_for(self, level) -> nn.Module:

@@ -232,7 +232,7 @@ class RecipFL(Method):
                 p.grad = weight * g if p.grad is None else p.grad + weight * g
         self.weight_sum += weight
 
-    def server_update(self, rnd: int, updates: list) -> None:
+    def server_update(self, rnd: int, params: dict, new: dict, updates: list, subs: dict) -> dict:
         """The round's server step on its accepted uploads, in their order: each is recorded as the client's last
         and pushed into the hypernetwork's gradient, then one step (`settle`). Uploads of rejected clients, or of
         a round without enough replies, are dropped."""
@@ -246,6 +246,7 @@ class RecipFL(Method):
                 self.accumulate(gen, {n: up[n] for n in gen}, self.share(u.client))
         self.pending.clear()
         self.settle()
+        return new   # the run's own model is never trained (its updates are zeros)
 
     def settle(self) -> None:
         """The hypernetwork step on the accumulated gradient (a mean over the clients' weights under

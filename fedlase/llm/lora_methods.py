@@ -1,0 +1,253 @@
+"""The adapter methods: LoRA with a rank per level, each aggregated as its paper does (docs/llm.md, "Adapter
+methods"; docs/methods.md says where fedlase departs from each paper).
+
+A level of rank k trains the first k rank components of every adapter (a slice of the rank dimension:
+`AdapterMethod.submodel`); the rest of the trainable set (a task head outside the transformer) is trained whole by
+every client and averaged as the rule averages it. The server step runs the default rule's screen, then the
+method's own aggregation of the accepted payloads in `server_update` (fedlase/methods/base.py), the one mechanism
+through which a method's server step is fed:
+
+- `hetlora` (Cho et al., EMNLP 2024): each client's adapter zero-padded to the largest rank, the padded A and B
+  averaged with weights ||B_k A_k||_F normalised over the round (per adapted module); each level then trains the
+  first components of the result (truncation).
+- `flexlora` (Bai et al., NeurIPS 2024): the clients' full products B_k A_k averaged by data size, and the
+  average cut back to rank r by a truncated SVD, B = U_r sqrt(S_r), A = sqrt(S_r) V_r^T; a level of rank k trains
+  its first k components, the best rank-k approximation.
+- `flora` (Wang et al., NeurIPS 2024): the exact data-weighted sum of the products (stacking), scaled as peft
+  scales an adapter, merged into the frozen base every round, and the adapters re-initialised. The merged update
+  is part of the method's state (so of the checkpoint), never the base.
+- `lora_fedavg`: every client at one rank (the smallest level's, or the full one), A and B averaged separately
+  by the run's rule (the homogeneous baseline); it takes every server stage, dp included.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+
+from ..masks import Submodel, slice_block
+from ..methods.base import Method, Option
+from ..registry import register_method
+from ..slicing import width_slices
+from .adapters import init_a
+
+__all__ = ["AdapterMethod", "FLoRA", "FlexLoRA", "HetLoRA", "LoRAFedAvg", "client_adapter"]
+
+
+def client_adapter(name: str, params: dict[str, torch.Tensor], delta: dict[str, torch.Tensor],
+                   sub: Submodel) -> torch.Tensor:
+    """A client's trained tensor `name` at the global rank, zero outside the components it held: its start (the
+    global tensor) plus its delta, on its slice. The delta may be the slice's small tensor (a sliced client's
+    payload) or full-size and zero outside its mask."""
+    g, d = params[name], delta[name]
+    if d.shape != g.shape:   # the small tensor of its slice: put in its block of a zero tensor
+        block = slice_block(sub.slices[name])
+        out = torch.zeros_like(g)
+        out[block] = g[block] + d
+        return out
+    mask = sub.masks.get(name)
+    return g + d if mask is None else (g + d) * mask
+
+
+class AdapterMethod(Method):
+    """Base of the adapter methods: a level trains its rank's slice of every adapter (`rank`), the other trainable
+    tensors whole."""
+    adapters = True
+    # no objective of its own; `lora` runs on the embedded engine only (fedlase/llm/lora_config.py), and a text
+    # model refuses batched clients itself
+    runs_on = ("embedded", "batched")
+    server_stages = ("attack",)   # its own aggregation follows the default rule's screen (fedlase/server_step.py)
+
+    def __init__(self, model, system=(1.0,), **options):
+        super().__init__(model, system, **options)
+        self.pairs = list(model.adapters)   # fedlase/llm/adapters.py, AdaptedModel (the lora key is checked first)
+        self._subs: dict = {}
+        self.sizes: dict[int, int] = {}     # client -> its training samples (`bind_data`)
+
+    def rank(self, level) -> int:
+        """The rank a level trains: its `lora.ranks` entry."""
+        return self.model.level_rank(self.system.find(level).index if getattr(level, "index", None) is None
+                                     else level.index)
+
+    def submodel(self, params, level, round):
+        return self.rank_slice(params, self.rank(level))
+
+    def rank_slice(self, params, k: int) -> Submodel:
+        """The submodel that trains the first k rank components of every adapter (and the rest whole)."""
+        if k >= self.model.r:
+            return Submodel()   # the whole adapter: nothing to cut
+        device = next(iter(params.values())).device
+        if (k, device) not in self._subs:   # depends on the rank and the device only, never on the values
+            keep = {a.group(): torch.arange(self.model.r) < k for a in self.pairs}
+            masks, slices = width_slices(self.facts, params, 1.0, keep=keep)
+            self._subs[(k, device)] = Submodel(masks, slices=slices)
+        return self._subs[(k, device)]
+
+    def bind_data(self, y_train, client_train, num_classes):
+        self.sizes = {c: len(i) for c, i in enumerate(client_train)}   # FlexLoRA's and FLoRA's weights
+
+    def shares(self, updates: list) -> list[float]:
+        """Each update's share of the round's training samples (the papers' data-size weights)."""
+        n = [self.sizes.get(u.client, 1) for u in updates]
+        return [k / sum(n) for k in n]
+
+    def trained(self, params, updates, subs, name) -> list[torch.Tensor]:
+        return [client_adapter(name, params, u.delta, u.sub or subs[u.level]) for u in updates]
+
+
+@register_method
+class HetLoRA(AdapterMethod):
+    """HetLoRA: ranks per level, each client's adapter zero-padded to the largest rank and averaged with weights
+    ||B_k A_k||_F normalised over the round; each level trains the first components (truncation)."""
+    name = "hetlora"
+    options = {"prune": Option(None, "rank self-pruning: a client whose last ceil(prune x k) rank components "
+                               "(k: its rank) sent a product smaller than the ceil(prune x k) components before "
+                               "them trains k - ceil(prune x k) components from the next round on (at least 1); "
+                               "unset: off", kind=float, low=0, low_open=True, high=1, high_open=True)}
+
+    def __init__(self, model, system=(1.0,), **options):
+        super().__init__(model, system, **options)
+        self.pruned: dict[int, int] = {}   # client -> the rank it pruned itself to (below its level's)
+
+    def submodel(self, params, level, round):
+        sub = super().submodel(params, level, round)
+        k = self.rank(level)
+        own = {c: self.rank_slice(params, r) for c, r in self.pruned.items() if r < k}
+        return dataclasses.replace(sub, own=own) if own else sub
+
+    def eval_submodel(self, params, level, round):
+        return super().submodel(params, level, round)   # a level is evaluated at its rank
+
+    def server_update(self, rnd, params, new, updates, subs):
+        out = dict(new)   # a head outside the transformer: the rule's mean
+        trained = {}
+        for ad in self.pairs:
+            a_k, b_k = self.trained(params, updates, subs, ad.a), self.trained(params, updates, subs, ad.b)
+            out[ad.a], out[ad.b] = hetlora_average(a_k, b_k)
+            if self.args["prune"] is not None:
+                trained[ad] = (a_k, b_k)
+        if self.args["prune"] is not None:
+            for i, u in enumerate(updates):
+                k = self.held_rank(u.sub or subs[u.level])
+                keep = self_pruned_rank([(a[i], b[i]) for a, b in trained.values()], k, self.args["prune"])
+                if keep < k:
+                    self.pruned[u.client] = keep
+        return out
+
+    def held_rank(self, sub) -> int:
+        """The rank a submodel trains: the rows its slice keeps of an A (all r without a slice)."""
+        first = self.pairs[0].a
+        return len(sub.slices[first][0]) if first in sub.slices else self.model.r
+
+    def state_dict(self) -> dict:
+        return {"pruned": dict(self.pruned)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.pruned = {int(c): int(k) for c, k in state.get("pruned", {}).items()}
+
+
+def self_pruned_rank(adapters: list[tuple[torch.Tensor, torch.Tensor]], k: int, decay: float) -> int:
+    """The rank a client of rank k keeps under HetLoRA's self-pruning with `decay`: its last m = ceil(decay k)
+    components are pruned when their product sum_j B[:, j] A[j] (Frobenius norm over every adapted module) is
+    smaller than that of the m components before them; `adapters`: the client's (A, B) per module, padded."""
+    m = math.ceil(decay * k)
+    if k - m < 1:
+        return k
+    def strength(lo: int, hi: int) -> float:
+        return math.sqrt(sum(float(torch.linalg.matrix_norm(b[:, lo:hi] @ a[lo:hi])) ** 2 for a, b in adapters))
+    return k - m if strength(k - m, k) < strength(max(0, k - 2 * m), k - m) else k
+
+
+def hetlora_average(a_k: list[torch.Tensor], b_k: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(A, B): the zero-padded A_k and B_k averaged with weights ||B_k A_k||_F / sum_j ||B_j A_j||_F (equal weights
+    where every product is zero, as before any B has moved from its zero start)."""
+    norms = torch.stack([torch.linalg.matrix_norm(b @ a) for a, b in zip(a_k, b_k)])
+    total = norms.sum()   # compared on the device: no host read per module
+    w = torch.where(total > 0, norms / total.clamp(min=torch.finfo(norms.dtype).tiny), 1.0 / len(norms))
+    return sum(wk * a for wk, a in zip(w, a_k)), sum(wk * b for wk, b in zip(w, b_k))
+
+
+@register_method
+class FlexLoRA(AdapterMethod):
+    """FlexLoRA: the clients' products B_k A_k averaged by data size, then a truncated SVD back to the rank;
+    each level trains the first components (the best approximation of its rank)."""
+    name = "flexlora"
+
+    def server_update(self, rnd, params, new, updates, subs):
+        out, shares = dict(new), self.shares(updates)
+        for ad in self.pairs:
+            a_k, b_k = self.trained(params, updates, subs, ad.a), self.trained(params, updates, subs, ad.b)
+            avg = sum(s * (b @ a) for s, a, b in zip(shares, a_k, b_k))
+            out[ad.b], out[ad.a] = svd_factors(avg, self.model.r)
+        return out
+
+
+def svd_factors(w: torch.Tensor, r: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, A) of rank r with B A the best rank-r approximation of `w` (out x in): the truncated SVD U_r S_r V_r^T,
+    its singular values split evenly, B = U_r sqrt(S_r), A = sqrt(S_r) V_r^T (components in decreasing order, so
+    the first k are the best rank-k approximation)."""
+    u, s, vh = torch.linalg.svd(w, full_matrices=False)
+    root = s[:r].sqrt()
+    return (u[:, :r] * root).contiguous(), (root[:, None] * vh[:r]).contiguous()   # r <= min(out, in): lora.r
+
+
+@register_method
+class FLoRA(AdapterMethod):
+    """FLoRA: the exact data-weighted sum of the clients' products (stacking), merged into the frozen base every
+    round, and fresh adapters for the next."""
+    name = "flora"
+
+    def __init__(self, model, system=(1.0,), **options):
+        super().__init__(model, system, **options)
+        self.merged: dict[str, torch.Tensor] = {}   # base weight name -> the updates merged into it so far
+        weights = dict(model.named_parameters())
+        self.base = {ad.base: weights[ad.base] for ad in self.pairs}   # the module's own (frozen) parameters
+        # their pretrained tensors, never written: a merged base is a new tensor (a decoder's base may be shared by
+        # every model built from one loaded file, fedlase/llm/decoder.py)
+        self.pretrained = {n: w.data for n, w in self.base.items()}
+
+    def server_update(self, rnd, params, new, updates, subs):
+        out, shares = dict(new), self.shares(updates)
+        g = self.generator(self.system.levels[0], rnd)   # the fresh adapters' draw: (run seed, round)
+        for ad in self.pairs:
+            a_k, b_k = self.trained(params, updates, subs, ad.a), self.trained(params, updates, subs, ad.b)
+            stacked_b = torch.cat([s * b for s, b in zip(shares, b_k)], 1)   # B_1 ... B_K side by side, weighted
+            stacked_a = torch.cat(a_k, 0)                                     # A_1 ... A_K stacked along the rank
+            update = self.model.scaling * (stacked_b @ stacked_a)   # = sum_k s_k B_k A_k, as peft scales it
+            self.merged[ad.base] = self.merged[ad.base] + update if ad.base in self.merged else update
+            out[ad.a] = init_a(tuple(params[ad.a].shape), g).to(params[ad.a])
+            out[ad.b] = torch.zeros_like(params[ad.b])
+        self.apply_merged()
+        return out
+
+    def apply_merged(self) -> None:
+        """The base weights set to their pretrained values plus the merged updates, as new tensors (computed the
+        same way on a resumed run, so it is bit-identical). The server thus holds the pretrained targets beside the
+        merged ones: the price of an exact resume."""
+        with torch.no_grad():
+            for ad in self.pairs:
+                if ad.base in self.merged:
+                    m = self.merged[ad.base]
+                    self.base[ad.base].data = self.pretrained[ad.base] + (m.T if ad.transposed else m)
+
+    def state_dict(self) -> dict:
+        return {"merged": dict(self.merged)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.merged = {k: v.to(self.base[k].device) for k, v in state.get("merged", {}).items()}
+        self.apply_merged()
+
+
+@register_method
+class LoRAFedAvg(AdapterMethod):
+    """LoRA-FedAvg: every client at one rank (the smallest level's, or the full rank), A and B averaged by the
+    run's rule: the homogeneous baseline."""
+    name = "lora_fedavg"
+    server_stages = ("rule", "attack", "dp")   # the rule's own mean: every stage reaches it
+    options = {"rank": Option("smallest", "the rank every client trains: smallest (the smallest level's, which "
+                              "every device holds) or full (lora.r, as if every device could)",
+                              choices=("smallest", "full"))}
+
+    def rank(self, level) -> int:
+        return self.model.r if self.args["rank"] == "full" else self.model.level_rank(len(self.system.levels) - 1)
