@@ -312,6 +312,23 @@ def test_later_override_wins():
     assert load_config(None, ["rounds=3", "rounds=4"]).rounds == 4
 
 
+def _tiny_causal() -> str:
+    """A tiny random LlamaForCausalLM folder, made once per session (no tokenizer: validation reads the config)."""
+    import tempfile
+
+    import transformers
+    global _TINY_CAUSAL
+    if _TINY_CAUSAL is None:
+        _TINY_CAUSAL = tempfile.mkdtemp(prefix="fedlase-tiny-causal-")
+        conf = transformers.LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256)
+        transformers.LlamaForCausalLM(conf).save_pretrained(_TINY_CAUSAL)
+    return _TINY_CAUSAL
+
+
+_TINY_CAUSAL = None
+
+
 def _partner(key: str, value: str) -> list[str]:
     """Other keys a choice needs to validate: a model of the dataset's kind, a data_dir where it needs one."""
     if key == "dataset":
@@ -324,7 +341,11 @@ def _partner(key: str, value: str) -> list[str]:
         if value == "hf":   # checked at validation: a local Hugging Face folder (the packaged MiniLM's)
             from fedlase.models.transformer import minilm_path
             return [f"dataset={data}", f"model_path={minilm_path()}"]
+        if value == "hf_causal":   # a local causal LM folder: a tiny random Llama's
+            return [f"dataset={data}", f"model_path={_tiny_causal()}"]
         return [f"dataset={data}"]
+    if key == "task" and value == "lm":   # next-token prediction: a decoder on a text dataset
+        return ["dataset=bbc_news", "model=hf_causal", f"model_path={_tiny_causal()}"]
     if key == "head_norm" and value != "none":   # a text model's option
         return ["dataset=bbc_news", "model=minilm"]
     if key == "method" and METHODS.get(value).models is not None:   # a method that runs on some models only
