@@ -237,7 +237,11 @@ def _mib(x: int | None) -> str:
 # the columns of format_cost_table, printed under it by `fedlase cost`
 LEGEND = """\
 params held    parameters a client holds to train: the whole model under masks (dense) or the gathered slice (slice)
+frozen base    frozen parameters every client of the level holds besides, whole (a LoRA run's base; shown if any)
 kept (budget)  budgeted coordinates of the level's submodel, and their share of the model's budgeted ones
+optimizer      the local optimizer's state for the held parameters (AdamW: two moments; SGD: its momentum) (MiB)
+activations    what autograd keeps for the backward of one local step, measured on the step (MiB)
+memory (est.)  frozen base + held weights + their gradients + optimizer + activations (MiB; a lower bound)
 peak RSS       measured peak resident memory of one client's local training, the whole process (MiB = 2^20 bytes;
                n/a: not measured: --no-memory, or the measuring process failed)
 train+         the part of that peak above the process's resident size just before training (MiB)

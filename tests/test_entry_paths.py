@@ -143,3 +143,17 @@ def test_the_work_limit_leaves_long_real_runs_alone(tiny_cfg):
     from fedlase.resources import MAX_LOCAL_STEPS
     cfg = tiny_cfg("rounds=100000", "local_steps=1000")   # 1e5 rounds x 2 clients x 1e3 steps = 2e8
     assert cfg.rounds * 2 * cfg.local_steps < MAX_LOCAL_STEPS
+
+
+@pytest.mark.parametrize("settings", [
+    [], ["dp.clip=0.5", "dp.noise_multiplier=1"], ["robust=centered_clip"], ["attack=scale", "attack_args.clients=[1]"],
+    ["schedule=fedbuff"], ["dataset=bbc_news", "model=minilm", "lora.r=4", "method=heterofl"],
+    ["dataset=bbc_news", "model=minilm", "lora.r=4", "method=hetlora"]])
+def test_validation_is_idempotent(tiny_cfg, settings):
+    """A validated config's dict validates again to the same config: what a sweep child, a Ray task, the ServerApp
+    and `fedlase evaluate` (from the checkpoint's config) rebuild. A default that validation fills in (dp.delta,
+    lora.ranks) must pass its own check."""
+    if any(s.startswith(("lora", "dataset=bbc")) for s in settings):
+        pytest.importorskip("peft")
+    cfg = tiny_cfg(*settings)
+    assert config_from_dict(cfg.to_dict()) == cfg

@@ -49,7 +49,8 @@ def check_lora(cfg) -> dict:
     ranks = out["ranks"]
     if ranks is None:
         ranks = default_ranks(out["r"], levels)
-    elif not method.adapters:
+    elif not method.adapters and list(ranks) != default_ranks(out["r"], levels):   # the filled default passes:
+        # a validated config's dict (a sweep child's, a checkpoint's) is validated again
         raise ConfigError("lora.ranks", f"sets the adapter methods' ranks; {cfg.method} chooses what a level trains "
                           "its own way (a width method cuts ceil(sqrt(level) r) ranks): drop it")
     else:
