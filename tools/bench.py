@@ -21,6 +21,11 @@ Sections (each prints one Markdown table; `--only` picks some):
             the clients' training; peak RSS. Limit: loop + server step <= 5% of the training time.
   text      (with the text extras) BBC News tokenization, uncached and cached, and MiniLM's local AdamW step
             (batch 20), dense and FIARSE at 1/64, at max_length 128 and 256 under 1 and 2 torch threads.
+  lora      (with the text and llm extras) a LoRA round on MiniLM/BBC News (configs/lora-bbc.yaml's regime: rank 8
+            at level 1, 5 clients x 5 AdamW steps of batch 20) against a plain peft training loop on the same
+            clients and batches (the module with its adapters, torch's AdamW, the global adapter copied in):
+            lora_fedavg at full rank is the same work exactly (limit: within 1.10x); HetLoRA and HeteroFL on rank
+            slices for comparison. CPU time per round.
   gpu       the papers' round (ResNet-18 at width 1, CIFAR-shaped random data, 10 of 100 clients, 20 local steps
             of batch 32, the skewed system) per method, fp32 sequential and `precision=bf16 batched_clients=true`,
             beside a plain-PyTorch anchor on the same device (one fp32 SGD step of batch 32 x the round's 200
@@ -65,7 +70,7 @@ from fedlase.levels import System
 from fedlase.report_tables import markdown_table
 
 CHECKOUT = Path(__file__).resolve().parents[1]   # the folder holding fedlase/ and tools/
-SECTIONS = ("overhead", "sliced", "masks", "memory", "async", "comm", "batched", "text", "gpu", "contention")
+SECTIONS = ("overhead", "sliced", "masks", "memory", "async", "comm", "batched", "text", "lora", "gpu", "contention")
 # run when no --only is given: contention takes minutes of wall time and loads the machine on purpose
 DEFAULT_SECTIONS = tuple(s for s in SECTIONS if s != "contention")
 MEMORY_CLIENTS = (100, 1000, 10000)
@@ -186,7 +191,7 @@ def tight_round(exp, model, picked, subs, jobs, rnd: int, params: dict) -> tuple
     x, y, work = exp.trainer.x, exp.trainer.y, exp.trainer.work
     tie = has_tied_weights(model)   # functional_call's search for tied weights only where there are some
     buffers = exp.state.buffers
-    own = dict(model.named_parameters())
+    own = {n: p for n, p in model.named_parameters() if n in params}   # a LoRA run's frozen base stays as it is
     model.train()
     deltas, seconds = [], np.zeros(2)
     for (client, lvl), (batches, augment) in zip(picked, jobs):
@@ -405,6 +410,41 @@ def section_text(args) -> str:
         torch.set_num_threads(threads)
     return ("### Text track (wall time; a local step is AdamW on a batch of 20)\n\n" +
             markdown_table(["what", "s"], rows))
+
+
+def _llm_available() -> bool:
+    import importlib.util
+    return _text_available() and importlib.util.find_spec("peft") is not None
+
+
+def section_lora(args) -> str:
+    """A LoRA round of the engine against the plainest peft loop of the same local steps (tight_round: the run's
+    module with its adapters, the frozen base left in place; only the adapters copied in and trained)."""
+    if not _llm_available():
+        return "### LoRA\n\nnot run: the text and llm extras (transformers, MiniLM, peft) are not installed"
+    overrides = [f"device={args.device}", f"threads={args.threads}", "checkpoint_every=0", "seed=0",
+                 "system=" + SYSTEM % (2, 4, 6, 8), "participation=0.25", "dataset=bbc_news", "model=minilm",
+                 "max_length=32", "lora.r=8", "lora.alpha=16", "local_steps=5", "batch_size=20",
+                 "optimizer=adamw", "lr=0.001", "betas=[0.9,0.95]", "eval_batch_size=50"]
+    rows = []
+    for label, method in (("lora_fedavg rank=full (the same work as the loop)", "lora_fedavg"),
+                          ("hetlora (ranks 8/4/2/1)", "hetlora"), ("heterofl (rank slices)", "heterofl")):
+        extra = ["method_args.rank=full"] if method == "lora_fedavg" else []
+        try:
+            r = measure_overhead([*overrides, *extra], method, args.rounds, args.repeats)
+        except Exception as e:   # noqa: BLE001 -- its row says why
+            rows.append([label, row_error(e, f"lora {method}"), "", "", ""])
+            continue
+        if "skipped" in r:
+            rows.append([label, f"not compared: {r['skipped']}", "", "", ""])
+            continue
+        rows.append([label, f"{r['engine']:.3f}", f"{r['tight']:.3f}", f"{r['engine'] / r['tight']:.3f}x",
+                     "bit-identical" if r["diff"] == 0 else f"max diff {r['diff']:.1e}"])
+        print(f"  lora {method}: {rows[-1][3]}", file=sys.stderr)
+    what = "wall" if args.device == "cuda" else "CPU"
+    return (f"### LoRA round against a plain peft loop ({what} s per round; MiniLM, 5 clients x 5 steps; "
+            "limit 1.10x)\n\n" + markdown_table(["method", "engine", "plain peft loop", "overhead", "same result"],
+                                                 rows))
 
 
 # ---- memory against the number of clients ---------------------------------------------------------------------
@@ -918,6 +958,8 @@ def run(args) -> str:
                 parts.append(section_batched(args, scen))
             elif section == "text":
                 parts.append(section_text(args))
+            elif section == "lora":
+                parts.append(section_lora(args))
             elif section == "gpu":
                 parts.append(section_gpu(args, data))
             elif section == "contention":
