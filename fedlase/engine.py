@@ -252,6 +252,7 @@ class Experiment:
         p = parts
         self.device, self.data, self.model, self.method, self.trainer = p.device, p.data, p.model, p.method, p.trainer
         self.x_train, self.y_train, self.x_test, self.y_test = p.x_train, p.y_train, p.x_test, p.y_test
+        self.client_train = p.client_train
         self.levels, self.level_clients, self.sampling = p.levels, p.level_clients, p.sampling
         self.eval_data, self.eval_settings, self.server = p.eval_data, p.eval_settings, p.server
         self.coverage, self.owners = p.server.coverage, p.server.owners
@@ -259,7 +260,7 @@ class Experiment:
         self.state = RunState(0, {k: v.detach().clone() for k, v in trainable(self.model).items()},
                               {k: v.detach().clone() for k, v in self.model.named_buffers()})
         self.frozen = fingerprint(self.model)   # what a checkpoint names the frozen base by (None: nothing frozen)
-        view = RunView(self)   # what a tracker may read: a few members of the run, not its parts or state
+        view = RunView(self)   # what a tracker may read: a few of the run's members, none it may replace
         self.trackers = [TRACKERS.get(name)(view, opts) for name, opts in check_analysis(cfg.analysis).items()]
         self.runner = runner or (BatchedRounds() if trains_batched(cfg, p) else SequentialRounds())
         self._broken = False
