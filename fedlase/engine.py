@@ -224,7 +224,9 @@ class Clock(Protocol):
 # ---- the experiment --------------------------------------------------------------------------------------------
 class RunView:
     """A run as its trackers see it (fedlase/analysis.py): the config, device, levels, method, model and test
-    images, and the global model as it is now; read-only, so a tracker cannot change the run it measures."""
+    images, and the global model as it is now. Its members have no setters, so a tracker cannot replace what the
+    run holds; but they are the run's own objects, not copies (the model, the method, the global parameters' dict),
+    so a tracker must not change them in place: the built-in ones only read them."""
 
     def __init__(self, exp: Experiment):
         self._exp = exp
@@ -241,15 +243,16 @@ class RunView:
 
 class Experiment:
     """One run: its parts (`build_parts`), trackers, state, the runner of its rounds and, if asked for, its
-    simulated clock. It is handed its parts and its clock already built (it makes only its trackers and, unless
-    given one, its runner; it starts no process); `from_config` builds both from a config."""
+    simulated clock. It is handed its parts and its clock already built; it makes its state (a copy of the
+    trainable parameters and the buffers), its trackers, its runner unless given one and, off `schedule=sync`,
+    the runner's schedule, and starts no process. `from_config` builds the parts and the clock from a config."""
 
     def __init__(self, cfg: Config, parts: Parts, runner: RoundRunner | None = None, clock: Clock | None = None):
         self.cfg = cfg
-        self.parts = p = parts
+        p = parts
         self.device, self.data, self.model, self.method, self.trainer = p.device, p.data, p.model, p.method, p.trainer
         self.x_train, self.y_train, self.x_test, self.y_test = p.x_train, p.y_train, p.x_test, p.y_test
-        self.client_train, self.client_test = p.client_train, p.client_test
+        self.client_train = p.client_train
         self.levels, self.level_clients, self.sampling = p.levels, p.level_clients, p.sampling
         self.eval_data, self.eval_settings, self.server = p.eval_data, p.eval_settings, p.server
         self.coverage, self.owners = p.server.coverage, p.server.owners
@@ -257,7 +260,7 @@ class Experiment:
         self.state = RunState(0, {k: v.detach().clone() for k, v in trainable(self.model).items()},
                               {k: v.detach().clone() for k, v in self.model.named_buffers()})
         self.frozen = fingerprint(self.model)   # what a checkpoint names the frozen base by (None: nothing frozen)
-        view = RunView(self)   # what a tracker may read: never the run's parts or state themselves
+        view = RunView(self)   # what a tracker may read: a few of the run's members, none it may replace
         self.trackers = [TRACKERS.get(name)(view, opts) for name, opts in check_analysis(cfg.analysis).items()]
         self.runner = runner or (BatchedRounds() if trains_batched(cfg, p) else SequentialRounds())
         self._broken = False

@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .model_hooks import hook
+
 BatchNorm = nn.modules.batchnorm._BatchNorm   # private: the base of every BatchNorm layer; torch has no public one
 Dropout = nn.modules.dropout._DropoutNd       # private: the base of every dropout layer; torch has no public one
 Conv = nn.modules.conv._ConvNd                # private: the base of every convolution; torch has no public one
@@ -27,7 +29,7 @@ def forward_uses(model: nn.Module, x: torch.Tensor | None = None) -> dict[str, i
     FlopCounterMode, which fedlase/cost.py runs over a whole training step, counts 2 x batch x that for each conv
     and linear layer's forward (tests/test_channels.py checks both agree)."""
     weights = {n: p for n, p in model.named_parameters() if p.dim() >= 2}
-    shape = getattr(model, "input_shape", None)
+    shape = hook(model, "input_shape")
     if x is None and shape is None:
         return {n: 1 for n in weights}
     uses: dict[str, int] = {}

@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from .model_hooks import hook
+
 STE_MODES = ("official", "paper")
 
 
@@ -19,8 +21,9 @@ def maskable_names(model: nn.Module) -> list[str]:
     """Weights and biases of conv and linear layers, in registration (= forward) order: the parameters a
     resource budget counts. BatchNorm parameters are outside the budget. A model may declare its own list
     with a `budgeted_names()` method (a transformer budgets embeddings and encoder linears, not its head)."""
-    if hasattr(model, "budgeted_names"):
-        return list(model.budgeted_names())
+    declared = hook(model, "budgeted_names")
+    if declared is not None:
+        return list(declared())
     names = []
     for mod_name, mod in model.named_modules():
         if isinstance(mod, (nn.Conv1d, nn.Conv2d, nn.Linear)):

@@ -1,12 +1,12 @@
 """What fedlase learns about a run's model, kept beside it, never set on it: `ModelFacts`.
 
-A model's own hooks say most of it (`channel_groups()`, `group_units()`, `sliceable`: docs/library.md, "The model
-protocol"), and they always win. What a model does not declare fedlase finds out and keeps here: the channel groups
-and the sliced-or-masked decision derived by tracing it (fedlase/models/trace.py), and the two training samples the
-trace runs on. fedlase.engine.build_parts builds them with the model (`ModelFacts.of`, `Parts.facts`) and hands
-them to the method (`Method.build`), which reads them as `self.facts`; the width slicing (fedlase/slicing.py)
-and the `kept` coverage rule's owners read them from there. The trace is lazy: it runs when a width method first
-asks for the groups, so a method that does not slice never traces."""
+A model's own hooks say most of it (`channel_groups()`, `group_units()`, `sliceable`: fedlase/model_hooks.py,
+docs/library.md "The model protocol"), and they always win. What a model does not declare fedlase finds out and
+keeps here: the channel groups and the sliced-or-masked decision derived by tracing it (fedlase/models/trace.py),
+and the two training samples the trace runs on. fedlase.engine.build_parts builds them with the model
+(`ModelFacts.of`, `Parts.facts`) and hands them to the method (`Method.build`), which reads them as `self.facts`;
+the width slicing (fedlase/slicing.py) and the `kept` coverage rule's owners read them from there. The trace is
+lazy: it runs when a width method first asks for the groups, so a method that does not slice never traces."""
 from __future__ import annotations
 
 import hashlib
@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from .model_hooks import hook
 from .slicing import width_slices
 
 __all__ = ["ModelFacts", "fingerprint"]
@@ -40,26 +41,28 @@ class ModelFacts:
         """Parameter name -> (group of dim 0, group of dim 1): the model's `channel_groups()`, or derived by
         tracing it (once), or the one-line ConfigError of `method` (its name, for the message) cutting the
         channels of a model that cannot be traced."""
-        if hasattr(self.model, "channel_groups"):
-            return self.model.channel_groups()
-        return dict(self._trace(method)[0])
+        declared = hook(self.model, "channel_groups")
+        return declared() if declared is not None else dict(self._trace(method)[0])
 
     def sliceable(self, method: str = "width slices") -> bool:
         """Whether a width slice trains as the physically smaller tensors: the model's own `sliceable`, else the
         trace's trial; a model that declares its groups but not `sliceable` trains masked."""
-        if hasattr(self.model, "sliceable"):
-            return bool(self.model.sliceable)
-        return not hasattr(self.model, "channel_groups") and self._trace(method)[1]
+        declared = hook(self.model, "sliceable")
+        if declared is not None:
+            return bool(declared)
+        return hook(self.model, "channel_groups") is None and self._trace(method)[1]
 
     def group_units(self) -> dict[str, int]:
         """Group -> channels per unit, for groups cut in whole units (the model's `group_units()`; else none)."""
-        return self.model.group_units() if hasattr(self.model, "group_units") else {}
+        declared = hook(self.model, "group_units")
+        return declared() if declared is not None else {}
 
     def known_groups(self) -> dict[str, tuple] | None:
         """The channel groups where the model declares them or a width method has traced them; None otherwise
         (asking never traces: the `kept` coverage rule names no BN owner of a model nothing sliced)."""
-        if hasattr(self.model, "channel_groups"):
-            return self.model.channel_groups()
+        declared = hook(self.model, "channel_groups")
+        if declared is not None:
+            return declared()
         return dict(self._traced["groups"]) if self._traced else None
 
     def traced(self) -> bool:
@@ -84,7 +87,7 @@ class ModelFacts:
 
 
 def declares_groups(model) -> bool:
-    return hasattr(model, "channel_groups") or hasattr(model, "group_units")
+    return hook(model, "channel_groups") is not None or hook(model, "group_units") is not None
 
 
 def fingerprint(model: nn.Module) -> dict | None:

@@ -528,3 +528,71 @@ def test_the_construction_check_catches_a_build_and_a_factory_call():
            "        self.clock = clock(cfg, self.parts) if clock is not None else None\n")
     found = _builds_in_init(ast.parse(old).body[0])
     assert len(found) == 2 and "build_parts(cfg)" in found[0] and "clock(cfg, self.parts)" in found[1]
+
+
+# ---- a model's optional hooks: declared in fedlase/model_hooks.py, read through its `hook` -------------------
+NOT_MODEL_HOOKS = {"forward",    # every module's own
+                   "features",   # LeNet5's and SmallCNN's inner helper, called by their own forward
+                   "twin"}       # LeNet5's own, called by RecipFL after checking the model is a LeNet5
+
+
+def model_probes(tree: ast.AST, hooks: set[str]) -> list[str]:
+    """hasattr/getattr calls naming a model hook, and `hook(...)` calls naming an undeclared one (a name held in a
+    variable is checked when the accessor runs)."""
+    out = []
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and len(node.args) >= 2):
+            continue
+        name = node.args[1].value if isinstance(node.args[1], ast.Constant) else None
+        probe = node.func.id in ("hasattr", "getattr") and name in hooks
+        if probe or (node.func.id == "hook" and name is not None and name not in hooks):
+            out.append(f"line {node.lineno}: {ast.unparse(node)}")
+    return out
+
+
+def test_no_model_hook_is_probed_outside_the_accessor():
+    from fedlase.model_hooks import HOOKS
+    files = [p for p in PKG.rglob("*.py") if p != PKG / "model_hooks.py"]
+    found = {str(p.relative_to(PKG)): model_probes(ast.parse(p.read_text()), HOOKS) for p in files}
+    assert not any(found.values()), {f: v for f, v in found.items() if v}
+    users = [str(p.relative_to(PKG)) for p in files if re.search(r"\bhook\(\w[\w.]*, \"", p.read_text())]
+    assert {"masks.py", "model_facts.py", "layers.py", "methods/heterofl.py", "methods/depthfl.py",
+            "methods/fedlase.py", "models/trace.py"} <= set(users)
+
+
+def test_the_model_probe_check_catches_a_probe_and_a_misspelt_hook():
+    from fedlase.model_hooks import HOOKS
+    for code in ('hasattr(model, "channel_groups")', 'getattr(self.model, "scaler_default", True)',
+                 'hook(model, "chanel_groups")'):
+        assert model_probes(ast.parse(code), HOOKS), code
+    assert not model_probes(ast.parse('hook(model, "channel_groups"); getattr(cfg, "seed", 0)'), HOOKS)
+
+
+def test_the_accessor_refuses_an_undeclared_hook():
+    from torch import nn
+
+    from fedlase.model_hooks import hook
+    from fedlase.models.lenet import LeNet5
+    model = LeNet5(1, 10)
+    assert hook(model, "channel_groups")() == model.channel_groups() and hook(model, "sliceable") is True
+    assert hook(model, "budgeted_names") is None and hook(nn.Linear(2, 2), "scaler_names") is None
+    with pytest.raises(ValueError, match="chanel_groups"):
+        hook(model, "chanel_groups")
+
+
+def test_the_hooks_protocol_lists_every_hook_the_built_in_models_define():
+    """Every public method or class attribute of a built-in model (fedlase/models, fedlase/llm) is a declared
+    hook, unless it is one of the few named above that fedlase never asks a model in general for."""
+    from fedlase.model_hooks import HOOKS
+    defined = {}
+    for path in [*(PKG / "models").glob("*.py"), *(PKG / "llm").glob("*.py")]:
+        for cls in ast.walk(ast.parse(path.read_text())):
+            if isinstance(cls, ast.ClassDef) and any(ast.unparse(b).endswith("Module") for b in cls.bases):
+                for node in cls.body:
+                    names = [node.name] if isinstance(node, ast.FunctionDef) else \
+                        [t.id for t in getattr(node, "targets", [getattr(node, "target", None)])
+                         if isinstance(t, ast.Name)]
+                    defined.update({n: f"{path.name}:{cls.name}" for n in names if not n.startswith("_")})
+    assert {"channel_groups", "budgeted_names", "level_rank", "scaler_default", "stages"} <= set(defined)
+    missing = set(defined) - HOOKS - NOT_MODEL_HOOKS
+    assert not missing, {n: defined[n] for n in missing}

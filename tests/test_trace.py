@@ -366,7 +366,9 @@ REFUSED = {"depthfl": r"depthfl needs a model with stages; Sequential declares n
            "fedlmt": r"fedlmt: Sequential declares no blocks to factorize",
            "pfedlmt": r"pfedlmt: Sequential declares no blocks to factorize",
            # a hypernetwork over its two declared architectures (refused at validation)
-           "recipfl": r"method recipfl runs on model lenet or resnet18 only"}
+           "recipfl": r"method recipfl runs on model lenet or resnet18 only",
+           # adapter methods aggregate LoRA adapters, which a run without `lora` has none of
+           **{m: r"aggregates LoRA adapters; set lora" for m in ("hetlora", "flexlora", "flora", "lora_fedavg")}}
 
 
 def test_a_users_mlp_trains_under_every_method_that_can_serve_it(tabular, tmp_path):

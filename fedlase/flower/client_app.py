@@ -1,8 +1,9 @@
 """The ClientApp: a node answers who it is (QUERY) and trains the submodel it is sent (TRAIN).
 
-It builds only what a client needs (fedlase/flower/node_data.py: its own samples from a node-local cache, the
-model, the trainer) and trains with `fedlase.client.ClientTrainer.update` (same seeded batches, same
-`local_train` as the embedded engine), so a node computes the very delta the embedded engine would.
+It builds only what a client needs (fedlase/flower/node_data.py: its own samples, cut once from the whole
+dataset and read from a node-local cache after; the model; the trainer; no method: each message carries its
+submodel) and trains with `fedlase.client.ClientTrainer.update` (same seeded batches, same `local_train` as the
+embedded engine), so a node computes the very delta the embedded engine would.
 
 The Deployment Engine starts a process per message, so this module imports only Flower at load time: a QUERY
 answers from the node config alone (no config parsing, no torch). A TRAIN message goes to the node's warm worker

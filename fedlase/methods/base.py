@@ -1,12 +1,13 @@
 """What a method is: an object that turns (global parameters, level, round) into a Submodel.
 
-A method runs neither the local training nor the aggregation: it decides what each client trains (masks, and the
-aggregation rule's name). A method whose clients need more than the cross-entropy of one forward also says how
-they train, through a `LocalObjective` on its submodels (each batch's loss, the submodel a client trains), which
-`fedlase.train.local_train` calls. Options are declared once as `Option`s (fedlase/options.py, the same mechanism
-as config keys) and checked at construction with errors that name `method_args.<key>`. A method receives the
-run's `System` (levels largest first, looked up by index) and each call a `Level`; `float(level)` is its
-fraction."""
+A method decides what each client trains (masks, and the aggregation rule's name); the engine runs the local
+training and the aggregation. A method takes part in either only where it declares so: one whose clients need more
+than the cross-entropy of one forward says how they train, through a `LocalObjective` on its submodels (each batch's
+loss, the submodel a client trains), which `fedlase.train.local_train` calls; one with a server step of its own
+declares `server_update`, which the server step calls after the rule (RecipFL, the adapter methods). Options are
+declared once as `Option`s (fedlase/options.py, the same mechanism as config keys) and checked at construction with
+errors that name `method_args.<key>`. A method receives the run's `System` (levels largest first, looked up by
+index) and each call a `Level`; `float(level)` is its fraction."""
 from __future__ import annotations
 
 import math

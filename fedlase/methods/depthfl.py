@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 from ..errors import ConfigError
 from ..masks import Submodel
+from ..model_hooks import hook
 from ..models.exits import EXIT_KINDS, EXIT_PREDICTIONS, attach_exits, depth_names
 from ..registry import register_method
 from .base import LocalObjective, Method, Option
@@ -76,11 +77,11 @@ class DepthFL(Method):
 
     @classmethod
     def prepare_model(cls, model, options):
-        missing = [m for m in EXIT_PROTOCOL if not hasattr(model, m)]
+        missing = [m for m in EXIT_PROTOCOL if hook(model, m) is None]
         if missing:
             raise ConfigError("method", f"depthfl needs a model with stages; {type(model).__name__} declares no "
                               f"{', '.join(missing)}() (fedlase/models/exits.py)")
-        if getattr(model, "exit_heads", None) is None:
+        if hook(model, "exit_heads") is None:
             args = cls.check_args(options)
             attach_exits(model, args["heads"], args["predict"])
         return model

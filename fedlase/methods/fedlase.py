@@ -23,6 +23,7 @@ import math
 import torch
 
 from ..errors import ConfigError
+from ..model_hooks import hook
 from ..registry import register_method
 from ..server_step import on_host
 from .base import Option, ThresholdMethod
@@ -94,8 +95,9 @@ class FedLASE(ThresholdMethod):
             # the layers kept whole: the model's own choice (a transformer's edge_layers(), see docs/text.md)
             # unless edge_layers=first_last; models that declare none keep their first and last weights
             edges = [weights[0], weights[-1]]
-            if self.args["edge_layers"] == "model" and hasattr(model, "edge_layers"):
-                edges = list(model.edge_layers())
+            declared = hook(model, "edge_layers")
+            if self.args["edge_layers"] == "model" and declared is not None:
+                edges = list(declared())
             self.extracted = [n for n in weights if n not in edges]
         fixed = sum(params[n].numel() for n in self.maskable if n not in self.extracted)
         smallest = float(self.system.smallest)

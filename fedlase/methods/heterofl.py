@@ -13,6 +13,7 @@ The scaler (each conv output times 1/rate in training) is folded into those conv
 from __future__ import annotations
 
 from ..errors import ConfigError
+from ..model_hooks import hook
 from ..registry import register_method
 from ..slicing import WidthSlicer, state_widths, width_rate
 from .base import Method, Option
@@ -32,13 +33,14 @@ class HeteroFL(Method):
     def __init__(self, model, system=(1.0,), **options):
         super().__init__(model, system, **options)
         scaler = self.args["scaler"]
+        names, default = hook(model, "scaler_names"), hook(model, "scaler_default")
         if scaler is None:   # the model's choice; a model without scaler_names() has nothing to scale
-            scaler = hasattr(model, "scaler_names") and getattr(model, "scaler_default", True)
-        if scaler and not hasattr(model, "scaler_names"):
+            scaler = names is not None and (default is None or default)
+        if scaler and names is None:
             raise ConfigError("method_args.scaler", f"model {type(model).__name__} declares no scaler_names(); "
                               "leave method_args.scaler unset or false")
         self.scaler = bool(scaler)
-        self.slicer = WidthSlicer(self.facts, model.scaler_names() if self.scaler else (), self.name)
+        self.slicer = WidthSlicer(self.facts, names() if self.scaler else (), self.name)
         # a traced model is checked at each window the run will use now, not at the round that first uses it
         self.slicer.check({n: p.detach() for n, p in model.named_parameters()}, self.system.levels, self.rolls)
         state_widths(self, lambda lvl: width_rate(float(lvl)))   # a level is a width: say what it really holds

@@ -41,6 +41,7 @@ from torch import nn
 
 from ..errors import ConfigError
 from ..layers import BatchNorm, Conv
+from ..model_hooks import hook
 
 _CACHE: dict[tuple, tuple[dict, bool]] = {}   # (class, parameter shapes, input shape, dtype) -> (groups, sliceable)
 _CHECKED: set[tuple] = set()   # (that key, the kept channels of every group) already checked
@@ -54,7 +55,7 @@ def derive_groups(model: nn.Module, example: torch.Tensor | None, method: str, w
     Nothing is set on the model (fedlase/model_facts.py keeps the result). `width_slices`: fedlase/slicing.py's,
     handed in (slicing calls this module, so it does not import slicing back)."""
     kind = type(model).__name__
-    if hasattr(model, "group_units"):
+    if hook(model, "group_units") is not None:
         raise ConfigError("model", f"{method} slices channels; model {kind} declares group_units() but no "
                           "channel_groups(): write channel_groups() too (docs/library.md, 'The model protocol')")
     if example is None:
