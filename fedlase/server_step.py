@@ -8,10 +8,10 @@ options, registered in fedlase/registry.py and named by the config):
    receives it.
 2. the screen (every rule that declares the `screen` option: all built-ins but `none`): an update is rejected,
    with its reason, when a value of its delta or its loss is not finite, or when its norm per coordinate held
-   exceeds `robust_args.screen` times its reference: the median of that figure (its level's or the round's;
-   near-zero updates left out of it and of the step; under an asynchronous schedule, a step of one update is
-   judged against the recent arrivals: `judge`). docs/methods.md, "Robust aggregation", says why this rule
-   and this bound.
+   exceeds `robust_args.screen` times its reference: the lower median of that figure (its level's or the
+   round's; small figures and near-zero updates left out of it, near-zero ones out of the step too; under an
+   asynchronous schedule, a step with fewer than two updates above near zero is judged against the recent
+   arrivals: `judge`). docs/methods.md, "Robust aggregation", says why this rule and this bound.
 3. the stages (`Stage`): a step between the screen and the rule: differential privacy (fedlase/privacy.py,
    under the `dp` key: clip each accepted update, then the public denominator and the noise on the new model).
 4. the rule (`robust`) turns the accepted updates into the new global model, per coordinate, under the run's
