@@ -254,8 +254,9 @@ def judge(updates: list, subs: dict, full: dict, factor: float | None, recent: l
     only shrink the others' step: five free riders in ten halve it) and reported, not rejected; a step that
     moves nothing but exact zeros (RecipFL's engine updates) is taken as it is. `near_zero` False (dp, whose
     denominator is public): no update is near zero. A level with the figures of at least PER_LEVEL clients has its
-    own reference (a small level's updates differ in scale from a large one's), the lower third of its figures,
-    so that fewer than two thirds of a level cannot set it; the others take the step's. A figure beyond `factor`
+    own reference (a small level's updates differ in scale from a large one's; above the step's, at most the
+    lower third of its figures, so that fewer than two thirds of a level cannot lift it); the others take the
+    step's. A figure beyond `factor`
     x the step's reference counts towards no level's, so that an absurd client neither makes nor moves its
     level's. `recent` (a schedule's running reference, None in synchronous rounds): in a step of fewer than two
     finite updates above near zero (fedasync, a small buffer, a buffer of zeros and one update), the (level,
@@ -305,7 +306,7 @@ def judge(updates: list, subs: dict, full: dict, factor: float | None, recent: l
     kept = {c: x for c, x in solid.items() if str(c) not in rejected}
     step_kept, level_kept = references(kept, factor)
     refs = [level_kept.get(level_key(updates[i]), step_kept) for i in accepted]
-    for c, why in rejected.items():   # routine: the run's log says it once per evaluation (ServerStep.summary)
+    for c, why in rejected.items():   # routine: said once per evaluation (ServerStep.evaluated)
         log.debug("rejected client %s's update: %s", c, why)
     solid_now = [(level_key(updates[i]), updates[i].client, rms[i]) for i in keep if rms[i] > tiny]
     return Verdict([updates[i] for i in accepted], rejected, [rms[i] for i in accepted], refs, near, solid_now)
