@@ -214,11 +214,11 @@ def up_median(values: list[float]) -> float:
     return s[len(s) // 2] if s else math.nan
 
 
-# near zero: a norm per coordinate held at most 1/K^2 of the reference of the figures it is judged among, K the
-# screen's factor (`near_zero_cut`: the screen rejects beyond K times the reference; an update K^2 times below it
-# adds less to the step than the clip takes from honest ones, and averaged in it would only shrink the others'
-# step). A figure alone, with nothing to be judged among (the first arrival of an asynchronous run), is near zero
-# at most NEAR_ZERO_MODEL of the global model's own norm per coordinate.
+# near zero: a norm per coordinate held at most 1/K^3 of the reference of the figures it is judged among, K the
+# screen's factor (`near_zero_cut`; 1/27 under `bounded`): x1e-2 of any update the screen takes (at most K times
+# the reference) falls under it, while honest updates were never under 1/20 of their reference in any measured run
+# (level 1's in the CNN regime's system come nearest). A figure alone, with nothing to be judged among (the
+# first arrival of an asynchronous run), is near zero at most NEAR_ZERO_MODEL of the global model's own.
 NEAR_ZERO_MODEL = 1e-6
 PER_LEVEL = 3      # a level's own reference needs the figures of at least this many of its clients
 ALARM = 0.2       # a share of a level's updates rejected since the last evaluation that honest runs do not show
@@ -249,14 +249,14 @@ def judge(updates: list, subs: dict, full: dict, factor: float | None, recent: l
     The reference (`reference`) is the lower median of the norms per coordinate held of the figures that are
     neither non-finite, nor near zero, nor more than `factor` times below the step's upper median: small updates
     cannot do harm by being taken, only by pulling the reference down, so that a minority of them would get the
-    honest updates clipped or rejected. Near zero (1/factor^2 of the reference of all the finite figures; a free
+    honest updates clipped or rejected. Near zero (1/factor^3 of the reference of all the finite figures; a free
     rider's zero or x1e-12 update): left out of the step as if its client had not replied (averaged in, it would
     only shrink the others' step: five free riders in ten halve it) and reported, not rejected; a step that
     moves nothing but exact zeros (RecipFL's engine updates) is taken as it is. `near_zero` False (dp, whose
     denominator is public): no update is near zero. A level with the figures of at least PER_LEVEL clients has its
-    own reference (a small level's updates differ in scale from a large one's; above the step's, at most the
-    lower third of its figures, so that fewer than two thirds of a level cannot lift it); the others take the
-    step's. A figure beyond `factor`
+    own reference (a small level's updates differ in scale from a large one's; at most the larger of the step's
+    upper median and the level's lower third, so that fewer than two thirds of a level cannot lift it); the
+    others take the step's. A figure beyond `factor`
     x the step's reference counts towards no level's, so that an absurd client neither makes nor moves its
     level's. `recent` (a schedule's running reference, None in synchronous rounds): in a step of fewer than two
     finite updates above near zero (fedasync, a small buffer, a buffer of zeros and one update), the (level,
@@ -314,22 +314,26 @@ def judge(updates: list, subs: dict, full: dict, factor: float | None, recent: l
 
 def near_zero_cut(figures: dict, factor: float, model: float) -> float:
     """The norm per coordinate held at or below which a figure of {client: (level, figure)} is near zero:
-    1/factor^2 of their `reference`, or, for a figure alone, NEAR_ZERO_MODEL of the model's own (`model`)."""
+    1/factor^3 of their `reference`, or, for a figure alone, NEAR_ZERO_MODEL of the model's own (`model`)."""
     values = [r for _, r in figures.values()]
-    return reference(values, factor) / factor ** 2 if len(values) >= 2 else NEAR_ZERO_MODEL * model
+    return reference(values, factor) / factor ** 3 if len(values) >= 2 else NEAR_ZERO_MODEL * model
+
+
+def counted_from(values: list[float], factor: float) -> float:
+    """The smallest figure of `values` that counts towards their reference: 1/`factor` of their upper median.
+    Small figures are left out of it, as the screen rejects large ones, so that shrunken updates (a free
+    rider's, a wrong learning rate's) cannot lower it under the honest updates, down to their exact half. Where
+    that half is fewer than PER_LEVEL figures (of two updates, the larger one), the norms cannot say which side is
+    wrong, and every figure counts (the lower median of all: the side that cannot break the model)."""
+    low = up_median(values) / factor
+    big = sum(v >= low for v in values)
+    return -math.inf if 2 * big == len(values) and big < PER_LEVEL else low
 
 
 def reference(values: list[float], factor: float, rank=low_median) -> float:
-    """The figure `values` are judged against: `rank` (the lower median) of those at least 1/`factor` of their upper
-    median. Small figures are left out of it, as the screen rejects large ones, so that shrunken updates (a free
-    rider's, a wrong learning rate's) cannot lower it under the honest updates, down to their exact half. Where
-    that half is fewer than PER_LEVEL figures (of two updates, the larger one), the norms cannot say which side is
-    wrong, and the reference is the lower median of all: the side that cannot break the model."""
-    up = up_median(values)
-    big = [v for v in values if v >= up / factor]
-    if 2 * len(big) == len(values) and len(big) < PER_LEVEL:
-        big = values
-    return rank(big)
+    """The figure `values` are judged against: `rank` (the lower median) of those that count (`counted_from`)."""
+    low = counted_from(values, factor)
+    return rank([v for v in values if v >= low])
 
 
 def low_third(values: list[float]) -> float:
@@ -340,16 +344,20 @@ def low_third(values: list[float]) -> float:
 
 def references(figures: dict, factor: float) -> tuple[float, dict[str, float]]:
     """(the `reference` of the figures {client: (level, figure)}, {level: its own} for the levels with PER_LEVEL or
-    more clients' figures). A level's own is its `reference`, but above the step's no higher than its lower
-    third: fewer than two thirds of a level's clients cannot lift it (two of three, sending 2.5x, would set the
-    lower median). A figure beyond `factor` x the step's counts towards no level's."""
+    more clients' figures). A level's own is its `reference`, but no higher than the larger of the step's upper
+    median and the level's lower third: fewer than two thirds of a level's clients cannot lift it beyond the
+    step's own spread (two of three, sending 2.5x, would set the lower median). A figure that does not count
+    towards the step's (`counted_from`: too small) or lies beyond `factor` x it counts towards no level's:
+    neither shrunken nor absurd updates make or move a level's."""
     values = [r for _, r in figures.values()]
     step = reference(values, factor) if values else math.nan
+    low = counted_from(values, factor) if values else -math.inf
+    up = up_median([v for v in values if v >= low])   # the step's own upper median (of the figures that count)
     by_level: dict[str, list[float]] = {}
     for lv, r in figures.values():
-        if not step > 0 or r <= factor * step:
+        if r >= low and (not step > 0 or r <= factor * step):
             by_level.setdefault(lv, []).append(r)
-    return step, {lv: min(reference(rs, factor), max(step, reference(rs, factor, low_third)))
+    return step, {lv: min(reference(rs, factor), max(up, reference(rs, factor, low_third)))
                   for lv, rs in by_level.items() if len(rs) >= PER_LEVEL}
 
 

@@ -362,6 +362,16 @@ def test_a_minority_of_shrunken_updates_sets_no_reference():
         v = judge(honest + small, {}, ONES, 3.0)
         assert v.rejected == {} and v.refs[:6] == alone.refs, (k, factor)
         assert sorted(v.near_zero) == ([] if factor == 0.2 else [6 + c for c in range(k)]), (k, factor)
+    # five of a level's nine at x0.2 (above near zero) are its majority, but set no reference: not the level's
+    from fractions import Fraction
+
+    from fedlase.levels import Level
+    big, quarter = Level(0, Fraction(1), 9), Level(1, Fraction(1, 4), 1)
+    level = [dataclasses.replace(_up(c, [0.1 + 0.01 * c] * 4), level=big) for c in range(4)] + \
+            [dataclasses.replace(_up(4, [0.12] * 4), level=quarter)] + \
+            [dataclasses.replace(_up(5 + c, [0.2 * 0.12] * 4), level=big) for c in range(5)]
+    v = judge(level, {}, ONES, 3.0)
+    assert v.rejected == {} and v.near_zero == [] and min(v.refs[:5]) > 0.1
     # a large minority is rejected as before, and of two updates the larger is still judged against the smaller
     assert list(judge(honest + [_up(9, [50.0] * 4)], {}, ONES, 3.0).rejected) == ["9"]
     assert list(judge([_up(0, [0.01] * 4), _up(1, [0.1] * 4)], {}, ONES, 3.0).rejected) == ["1"]
