@@ -431,6 +431,7 @@ def run_experiment(cfg: Config, resume: bool = False, progress: bool = True, run
             line.update(exp.evaluate(rnd), eval_time=time.perf_counter() - t1)
             folder.append(line)
             last = line
+            exp.server.evaluated(rnd)   # the screen's rejections since the last evaluation: one line at most
             if "epsilon" in line:   # dp: the privacy spent, in the log too (Flower's ServerApp's)
                 log.info("round %d: epsilon %.4g at delta %g", rnd, line["epsilon"], line["dp"]["delta"])
         for t in exp.trackers:

@@ -90,6 +90,7 @@ class Colluding(Attack):
     each holds, a `target` made from the honest updates' coordinate-wise mean and standard deviation over the
     honest clients credited with each coordinate (a coordinate no honest client holds keeps the colluder's own
     value). A step without an honest update, or without a colluder, is left as it is."""
+    colludes = True
 
     def corrupt(self, delta, sub, full_shapes, rnd, client):
         return delta   # the step's `collude` replaces it, once the others' are in

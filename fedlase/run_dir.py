@@ -127,9 +127,12 @@ class Progress:
     """The progress bar (tqdm): rounds done, seconds a round, the loss, simulated time, the last accuracy."""
 
     def __init__(self, cfg, start: int, show: bool):
-        self.bar = None
+        self.bar = self.redirect = None
         if show:
             from tqdm import tqdm
+            from tqdm.contrib.logging import logging_redirect_tqdm
+            self.redirect = logging_redirect_tqdm()   # log lines go above the bar, not through it
+            self.redirect.__enter__()
             self.bar = tqdm(total=cfg.rounds, initial=start, desc=f"{cfg.method}", unit="round", dynamic_ncols=True)
 
     def update(self, seconds: float, line: dict, last: dict | None) -> None:
@@ -146,3 +149,4 @@ class Progress:
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
+            self.redirect.__exit__(None, None, None)

@@ -8,10 +8,10 @@ options, registered in fedlase/registry.py and named by the config):
    receives it.
 2. the screen (every rule that declares the `screen` option: all built-ins but `none`): an update is rejected,
    with its reason, when a value of its delta or its loss is not finite, or when its norm per coordinate held
-   exceeds `robust_args.screen` times its reference: the median of that figure (its level's or the round's;
-   near-zero updates left out of it and of the step; under an asynchronous schedule, a step of one update is
-   judged against the recent arrivals: `judge`). docs/methods.md, "Robust aggregation", says why this rule
-   and this bound.
+   exceeds `robust_args.screen` times its reference: the lower median of that figure (its level's or the
+   round's; small figures and near-zero updates left out of it, near-zero ones out of the step too; under an
+   asynchronous schedule, a step with fewer than two updates above near zero is judged against the recent
+   arrivals: `judge`). docs/methods.md, "Robust aggregation", says why this rule and this bound.
 3. the stages (`Stage`): a step between the screen and the rule: differential privacy (fedlase/privacy.py,
    under the `dp` key: clip each accepted update, then the public denominator and the noise on the new model).
 4. the rule (`robust`) turns the accepted updates into the new global model, per coordinate, under the run's
@@ -116,6 +116,9 @@ class Attack:
     name: ClassVar[str] = ""
     options: ClassVar[dict[str, Option]] = {}
     chooses_clients: ClassVar[bool] = True
+    # whether it replaces its updates after seeing the step's honest ones (`collude`), which a step of one update
+    # (fedasync, a buffer of one) never holds: refused there (fedlase/sim_config.py), where it would do nothing
+    colludes: ClassVar[bool] = False
 
     def __init__(self, args: dict, system, seed: int):
         self.args, self.seed = args, seed
@@ -224,11 +227,14 @@ def up_median(values: list[float]) -> float:
     return s[len(s) // 2] if s else math.nan
 
 
-# near zero: a norm per coordinate held at most NEAR_ZERO of the upper median of the figures and at most
-# NEAR_ZERO_MODEL of the global model's own (the second so that of two updates, one absurd, the honest one is not
-# taken for a free rider: among two, the ratio alone cannot tell which is wrong)
-NEAR_ZERO, NEAR_ZERO_MODEL = 1e-3, 1e-6
+# near zero: a norm per coordinate held at most 1/K^3 of the reference of the figures it is judged among, K the
+# screen's factor (`near_zero_cut`; 1/27 under `bounded`): x1e-2 of any update the screen takes (at most K times
+# the reference) falls under it, while honest updates were never under 1/20 of their reference in any measured run
+# (level 1's in the CNN regime's system come nearest). A figure alone, with nothing to be judged among (the
+# first arrival of an asynchronous run), is near zero at most NEAR_ZERO_MODEL of the global model's own.
+NEAR_ZERO_MODEL = 1e-6
 PER_LEVEL = 3      # a level's own reference needs the figures of at least this many of its clients
+ALARM = 0.2       # a share of a level's updates rejected since the last evaluation that honest runs do not show
 RECENT = 20        # a schedule's running reference: the figures of the last RECENT arrivals (ServerStep.recent)
 
 
@@ -248,24 +254,28 @@ class Verdict:
     solid: list             # (level, client, norm per coordinate) of the finite updates not near zero
 
 
-def judge(updates: list, subs: dict, full: dict, factor: float | None, recent: list | None = None) -> Verdict:
+def judge(updates: list, subs: dict, full: dict, factor: float | None, recent: list | None = None,
+          near_zero: bool = True) -> Verdict:
     """The screen. An update is rejected when a value of its delta or its loss is not finite, or when its norm
     per coordinate held exceeds `factor` times its reference. factor None: no screen at all (robust=none).
 
-    The reference is the lower median of the norms per coordinate of the figures that are neither non-finite
-    nor near zero (NEAR_ZERO, NEAR_ZERO_MODEL: a free rider's zero or x1e-12 update, which would otherwise pull
-    the median to 0 and switch the screen off, or let a clip bound of 0 stop every honest update). A near-zero
-    update is left out of the step as if its client had not replied (averaged in, it would only shrink the
-    others' step: five free riders in ten halve it) and reported, not rejected; a step of near-zero updates only
-    moves nothing either way and is taken as it is. A level with the figures of at least PER_LEVEL clients has
-    its own reference (a small level's updates differ in scale from a large one's); the others take the step's.
-    A figure beyond `factor` x the step's reference counts towards no level's, so that an absurd client neither
-    makes nor moves its level's. `recent` (a schedule's running
-    reference, None in synchronous rounds): in a step of one finite update (fedasync, a buffer of one, a buffer
-    of which one is left), the (level, client, figure) of the last arrivals join it, one figure per client (its
-    latest), so that it is judged against the others; until two clients' figures are known it cannot be judged,
-    and is rejected. A step of two or more judges its own, as a synchronous round does (the lower median of two
-    is the smaller)."""
+    The reference (`reference`) is the lower median of the norms per coordinate held of the figures that are
+    neither non-finite, nor near zero, nor more than `factor` times below the step's upper median: small updates
+    cannot do harm by being taken, only by pulling the reference down, so that a minority of them would get the
+    honest updates clipped or rejected. Near zero (1/factor^3 of the reference of all the finite figures; a free
+    rider's zero or x1e-12 update): left out of the step as if its client had not replied (averaged in, it would
+    only shrink the others' step: five free riders in ten halve it) and reported, not rejected; a step that
+    moves nothing but exact zeros (RecipFL's engine updates) is taken as it is. `near_zero` False (dp, whose
+    denominator is public): no update is near zero. A level with the figures of at least PER_LEVEL clients has its
+    own reference (a small level's updates differ in scale from a large one's; at most the larger of the step's
+    upper median and the level's lower third, so that fewer than two thirds of a level cannot lift it); the
+    others take the step's. A figure beyond `factor`
+    x the step's reference counts towards no level's, so that an absurd client neither makes nor moves its
+    level's. `recent` (a schedule's running reference, None in synchronous rounds): in a step of fewer than two
+    finite updates above near zero (fedasync, a small buffer, a buffer of zeros and one update), the (level,
+    client, figure) of the last arrivals join it, one figure per client (its latest), so that it is judged
+    against the others; until two clients' figures are known it cannot be judged, and is rejected. A step of two
+    or more judges its own, as a synchronous round does (the lower median of two is the smaller)."""
     _, rms = norms(updates, subs, full)
     n = len(updates)
     if factor is None:
@@ -278,24 +288,26 @@ def judge(updates: list, subs: dict, full: dict, factor: float | None, recent: l
             rejected[str(u.client)] = "non-finite value in its update"
         else:
             keep.append(i)
-    if len(keep) >= 2:   # a step of two or more judges its own: the running reference is for steps of one
-        recent = None
-    latest = {c: (lv, r) for lv, c, r in recent or []}   # one figure per client: its latest
-    latest.update({updates[i].client: (level_key(updates[i]), rms[i]) for i in keep})
     model = math.sqrt(squared_norms([full])[0] / max(sum(p.numel() for p in full.values()), 1))
-    tiny = min(NEAR_ZERO * up_median([r for _, r in latest.values()]) if latest else 0.0, NEAR_ZERO_MODEL * model)
+    own = {updates[i].client: (level_key(updates[i]), rms[i]) for i in keep}
+    tiny = near_zero_cut(own, factor, model) if near_zero else -math.inf
+    running = recent is not None and sum(r > tiny for _, r in own.values()) < 2
+    latest = own
+    if running:   # one figure per client: its latest
+        latest = {**{c: (lv, r) for lv, c, r in recent}, **own}
+        tiny = near_zero_cut(latest, factor, model) if near_zero else -math.inf
     solid = {c: (lv, r) for c, (lv, r) in latest.items() if r > tiny}
     step_ref, level_ref = references(solid, factor)
     accepted, near = [], []
-    moving = any(rms[i] > tiny for i in keep)   # a step of zeros only (RecipFL's engine updates) is taken as is
+    moving = any(rms[i] > tiny for i in keep)
     for i in keep:
         u = updates[i]
         ref = level_ref.get(level_key(u), step_ref)
         if rms[i] <= tiny:
-            if moving:
+            if moving or (running and rms[i] > 0):   # a step of exact zeros only is taken as it is
                 near.append(u.client)
                 continue
-        elif recent is not None and len(solid) < 2:
+        elif running and len(solid) < 2:
             rejected[str(u.client)] = "no reference yet: the first arrival is judged by the ones after it"
             continue
         elif ref > 0 and rms[i] > factor * ref:
@@ -307,21 +319,59 @@ def judge(updates: list, subs: dict, full: dict, factor: float | None, recent: l
     kept = {c: x for c, x in solid.items() if str(c) not in rejected}
     step_kept, level_kept = references(kept, factor)
     refs = [level_kept.get(level_key(updates[i]), step_kept) for i in accepted]
-    for c, why in rejected.items():
-        log.warning("rejected client %s's update: %s", c, why)
+    for c, why in rejected.items():   # routine: said once per evaluation (ServerStep.evaluated)
+        log.debug("rejected client %s's update: %s", c, why)
     solid_now = [(level_key(updates[i]), updates[i].client, rms[i]) for i in keep if rms[i] > tiny]
     return Verdict([updates[i] for i in accepted], rejected, [rms[i] for i in accepted], refs, near, solid_now)
 
 
+def near_zero_cut(figures: dict, factor: float, model: float) -> float:
+    """The norm per coordinate held at or below which a figure of {client: (level, figure)} is near zero:
+    1/factor^3 of their `reference`, or, for a figure alone, NEAR_ZERO_MODEL of the model's own (`model`)."""
+    values = [r for _, r in figures.values()]
+    return reference(values, factor) / factor ** 3 if len(values) >= 2 else NEAR_ZERO_MODEL * model
+
+
+def counted_from(values: list[float], factor: float) -> float:
+    """The smallest figure of `values` that counts towards their reference: 1/`factor` of their upper median.
+    Small figures are left out of it, as the screen rejects large ones, so that shrunken updates (a free
+    rider's, a wrong learning rate's) cannot lower it under the honest updates, down to their exact half. Where
+    that half is fewer than PER_LEVEL figures (of two updates, the larger one), the norms cannot say which side is
+    wrong, and every figure counts (the lower median of all: the side that cannot break the model)."""
+    low = up_median(values) / factor
+    big = sum(v >= low for v in values)
+    return -math.inf if 2 * big == len(values) and big < PER_LEVEL else low
+
+
+def reference(values: list[float], factor: float, rank=low_median) -> float:
+    """The figure `values` are judged against: `rank` (the lower median) of those that count (`counted_from`)."""
+    low = counted_from(values, factor)
+    return rank([v for v in values if v >= low])
+
+
+def low_third(values: list[float]) -> float:
+    """The figure a third of the way up (rank floor((n - 1) / 3)): of three, the smallest."""
+    s = sorted(values)
+    return s[(len(s) - 1) // 3] if s else math.nan
+
+
 def references(figures: dict, factor: float) -> tuple[float, dict[str, float]]:
-    """(the lower median of the figures {client: (level, figure)}, {level: its own lower median} for the levels
-    with PER_LEVEL or more clients' figures). A figure beyond `factor` x the first counts towards no level's."""
-    step = low_median([r for _, r in figures.values()])
+    """(the `reference` of the figures {client: (level, figure)}, {level: its own} for the levels with PER_LEVEL or
+    more clients' figures). A level's own is its `reference`, but no higher than the larger of the step's upper
+    median and the level's lower third: fewer than two thirds of a level's clients cannot lift it beyond the
+    step's own spread (two of three, sending 2.5x, would set the lower median). A figure that does not count
+    towards the step's (`counted_from`: too small) or lies beyond `factor` x it counts towards no level's:
+    neither shrunken nor absurd updates make or move a level's."""
+    values = [r for _, r in figures.values()]
+    step = reference(values, factor) if values else math.nan
+    low = counted_from(values, factor) if values else -math.inf
+    up = up_median([v for v in values if v >= low])   # the step's own upper median (of the figures that count)
     by_level: dict[str, list[float]] = {}
     for lv, r in figures.values():
-        if not step > 0 or r <= factor * step:
+        if r >= low and (not step > 0 or r <= factor * step):
             by_level.setdefault(lv, []).append(r)
-    return step, {lv: low_median(rs) for lv, rs in by_level.items() if len(rs) >= PER_LEVEL}
+    return step, {lv: min(reference(rs, factor), max(up, reference(rs, factor, low_third)))
+                  for lv, rs in by_level.items() if len(rs) >= PER_LEVEL}
 
 
 def screen(updates: list, subs: dict, full: dict, factor: float | None) -> tuple[list, dict, list[float]]:
@@ -388,6 +438,8 @@ class ServerStep:
     # metrics line carries them: one is written only at evaluated steps)
     totals: dict = dataclasses.field(default_factory=lambda: {k: {} for k in TOTALS})
     near_zero: list = dataclasses.field(default_factory=list)   # the last step's near-zero updates' clients
+    # since the last evaluation, per level: updates screened, and rejected (`evaluated` says it in one line)
+    window: dict = dataclasses.field(default_factory=lambda: {"seen": Counter(), "rejected": Counter()})
 
     @classmethod
     def of(cls, robust: str, robust_args: dict, attack: str, attack_args: dict, system, seed: int, mode: str,
@@ -417,7 +469,7 @@ class ServerStep:
             raise ValueError(f"robust={self.rule.name} does not take weighted updates (its `weighted`)")
         updates = self.attack.collude(updates, subs, params)
         if "screen" in self.rule.args and not all(s.screen_by_others for s in self.stages):
-            v = judge(updates, subs, params, math.inf)   # the per-update checks only (docs/methods.md)
+            v = judge(updates, subs, params, math.inf, near_zero=False)   # the per-update checks only (dp)
         else:
             v = self.rule.judge(updates, subs, params, self.recent)
         self.rule.refs, self.near_zero = v.refs, v.near_zero
@@ -425,8 +477,27 @@ class ServerStep:
             self.recent = (self.recent + v.solid)[-RECENT:]
         level = {str(u.client): level_key(u) for u in updates}
         self._count("rejected", Counter(level[c] for c in v.rejected))
+        self.window["seen"].update(level.values())
+        self.window["rejected"].update(level[c] for c in v.rejected)
         self._count("near_zero", Counter(level[str(c)] for c in v.near_zero))
         return v.accepted, v.rejected, v.rms
+
+    def evaluated(self, rnd: int) -> None:
+        """Say what the screen rejected since the last evaluation, in one line, and start counting again. The
+        3x screen rejects some honest updates by design (docs/methods.md, "The default rule"), so that line is
+        routine (INFO; each rejection and its reason are in the metrics and, at DEBUG, the log); a level of which
+        more than ALARM of the updates (and at least 3) were rejected gets a warning: honest runs do not show it."""
+        seen, rejected = self.window["seen"], self.window["rejected"]
+        if rejected:
+            share = ", ".join(f"{lv}: {rejected[lv]} of {seen[lv]}" for lv in sorted(rejected))
+            log.info("round %d: the screen rejected %d of %d updates since the last evaluation (%s; see the "
+                     "metrics' `rejected`)", rnd, sum(rejected.values()), sum(seen.values()), share)
+        for lv in sorted(rejected):
+            if rejected[lv] >= 3 and rejected[lv] > ALARM * seen[lv]:
+                log.warning("round %d: the screen rejected %d of level %s's %d updates since the last evaluation, "
+                            "more than honest runs show; the reasons are in metrics.jsonl (`rejected`)", rnd,
+                            rejected[lv], lv, seen[lv])
+        self.window = {"seen": Counter(), "rejected": Counter()}
 
     def _count(self, kind: str, per_level: dict[str, int]) -> None:
         """Add a step's counts per level to the running totals of `kind` (TOTALS)."""

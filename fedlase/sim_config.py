@@ -176,6 +176,12 @@ def check_schedule(cfg, participation) -> dict:
                           f"update (schedule={cfg.schedule}{'' if cfg.schedule == 'fedasync' else ' with buffer 1'}"
                           f") leaves it nothing to compare, so it would let anything the screen passes through; "
                           f"use {judged}, which judge an arrival against the recent ones")
+    from .registry import ATTACKS
+    if args["buffer"] == 1 and ATTACKS.get(cfg.attack).colludes:   # declared by the attack (Attack.colludes)
+        where = cfg.schedule if cfg.schedule == "fedasync" else f"{cfg.schedule} with buffer 1"
+        raise ConfigError("attack", f"attack={cfg.attack} colludes with the honest updates of a server step; a step "
+                          f"of one update (schedule={where}) holds none, so it would send its own update unchanged; "
+                          "use schedule=sync, or fedbuff with schedule_args.buffer of 2 or more")
     if cfg.schedule == "fedbuff" and args["staleness"] != "constant" and not RULES.get(cfg.robust).weighted:
         raise ConfigError("schedule_args.staleness", f"robust={cfg.robust} takes no weighted updates; use "
                           "schedule_args.staleness=constant or a weighted rule (screen, none)")

@@ -39,8 +39,8 @@ def one_run(spec: tuple[str, int, bool, list[str]]) -> tuple[list, dict]:
     server_step.PER_LEVEL = PER_LEVEL if per_level else 10 ** 9
     seen, real = [], getattr(server_step.judge, "real", server_step.judge)   # not a wrapper of an earlier run's
 
-    def judge(updates, subs, full, factor, recent=None):
-        v = real(updates, subs, full, factor, recent)
+    def judge(updates, subs, full, factor, recent=None, **kw):
+        v = real(updates, subs, full, factor, recent, **kw)
         if factor is not None and recent is None:   # what the screen decided: (level, figure, clip reference)
             level = {str(u.client): server_step.level_key(u) for u in updates}
             seen.extend((server_step.level_key(u), r, ref) for u, r, ref in zip(v.accepted, v.rms, v.refs))

@@ -2,7 +2,7 @@
 every built-in rule against every attack, 3 seeds, on the digits case of issue 39, with each rule's honest cost
 paired over seeds against `none`.
 
-    python scripts/robust_matrix.py run [--jobs 2]     # writes runs/robust-matrix/sweep.yaml, runs fedlase sweep
+    python scripts/robust_matrix.py run [--jobs 2] [--rules R ...]   # runs/robust-matrix/sweep.yaml, fedlase sweep
     python scripts/robust_matrix.py table              # the markdown table from whatever has finished
 
 `run` is resumable (a run with summary.json is skipped); runs are ordered seed by seed, so a sweep cut short
@@ -50,18 +50,17 @@ def _tag(attack: str) -> str:
     return attack.split()[0] if attack != "free riders x1e-12" else "free"
 
 
-def plan() -> dict:
+def plan(rules=tuple(RULES)) -> dict:
     runs = [{"name": f"{r}-{_tag(a)}-s{s}", **RULES[r], **ATTACKS[a], "seed": s}
-            for s in SEEDS for a in ATTACKS for r in RULES]
+            for s in SEEDS for a in ATTACKS for r in rules]
     return {"base": DIGITS, "out": str(OUT), "runs": runs}
 
 
-def run(jobs: int) -> None:
+def run(jobs: int, rules=tuple(RULES)) -> None:
     OUT.mkdir(parents=True, exist_ok=True)
     path = OUT / "sweep.yaml"
-    path.write_text(yaml.safe_dump(plan(), sort_keys=False))
-    subprocess.run([str(Path(sys.executable).parent / "fedlase"), "sweep", str(path), "--quiet", "--jobs",
-                    str(jobs)], check=True)
+    path.write_text(yaml.safe_dump(plan(rules), sort_keys=False))
+    subprocess.run([sys.executable, "-m", "fedlase", "sweep", str(path), "--quiet", "--jobs", str(jobs)], check=True)
 
 
 def acc(rule: str, attack: str, seed: int) -> float | None:
@@ -109,8 +108,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("what", choices=("run", "table"))
     ap.add_argument("--jobs", type=int, default=1)
+    ap.add_argument("--rules", nargs="+", choices=tuple(RULES), default=tuple(RULES), help="run: these rules only")
     a = ap.parse_args()
-    run(a.jobs) if a.what == "run" else table()
+    run(a.jobs, a.rules) if a.what == "run" else table()
 
 
 if __name__ == "__main__":

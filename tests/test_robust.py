@@ -348,3 +348,120 @@ def test_the_server_step_reads_the_device_per_update_not_per_tensor(tiny_cfg, ru
     # the screen: one read of the norms, one of the model's, one per distinct submodel's size; the rule: one per
     # update (its size), and centered clipping one more for the distances (before: one per tensor, >= `tensors`)
     assert len(reads) <= 3 + len(subs) + len(updates), reads
+
+
+# ---- issue 56: shrunken updates, the running reference, a level's attackers, dp, colluders under fedasync ---------
+def test_a_minority_of_shrunken_updates_sets_no_reference():
+    """Four of ten updates at x1e-2 pulled the lower median down to the smallest honest update (every honest update
+    clipped to it); five of ten made it theirs (every honest update rejected). Small figures (x0.2) are now left
+    out of the reference, and x1e-2 ones out of the step too: the verdict is the one without them."""
+    honest = [_up(c, [0.1 + 0.01 * c] * 4) for c in range(6)]
+    alone = judge(honest, {}, ONES, 3.0)
+    for k, factor in ((4, 1e-2), (4, 0.2), (5, 1e-2), (5, 1e-3)):
+        small = [_up(6 + c, [factor * 0.12] * 4) for c in range(k)]
+        v = judge(honest + small, {}, ONES, 3.0)
+        assert v.rejected == {} and v.refs[:6] == alone.refs, (k, factor)
+        assert sorted(v.near_zero) == ([] if factor == 0.2 else [6 + c for c in range(k)]), (k, factor)
+    # five of a level's nine at x0.2 (above near zero) are its majority, but set no reference: not the level's
+    from fractions import Fraction
+
+    from fedlase.levels import Level
+    big, quarter = Level(0, Fraction(1), 9), Level(1, Fraction(1, 4), 1)
+    level = [dataclasses.replace(_up(c, [0.1 + 0.01 * c] * 4), level=big) for c in range(4)] + \
+            [dataclasses.replace(_up(4, [0.12] * 4), level=quarter)] + \
+            [dataclasses.replace(_up(5 + c, [0.2 * 0.12] * 4), level=big) for c in range(5)]
+    v = judge(level, {}, ONES, 3.0)
+    assert v.rejected == {} and v.near_zero == [] and min(v.refs[:5]) > 0.1
+    # a large minority is rejected as before, and of two updates the larger is still judged against the smaller
+    assert list(judge(honest + [_up(9, [50.0] * 4)], {}, ONES, 3.0).rejected) == ["9"]
+    assert list(judge([_up(0, [0.01] * 4), _up(1, [0.1] * 4)], {}, ONES, 3.0).rejected) == ["1"]
+
+
+RECENT = [("-", 10 + c, 0.1 + 0.01 * c) for c in range(5)]   # a running reference of five honest arrivals
+
+
+def test_a_buffer_of_a_zero_update_and_a_large_one_is_judged_against_the_recent_arrivals():
+    """Item 5: the running reference was used only for a step of one finite update, so FedBuff's [0, x1e3] judged
+    the x1e3 update against itself and took it, unclipped."""
+    v = judge([_up(0, [0.0] * 4), _up(1, [100.0] * 4)], {}, ONES, 3.0, list(RECENT))
+    assert list(v.rejected) == ["1"] and "median" in v.rejected["1"] and v.accepted == [] and v.near_zero == [0]
+
+
+def test_a_near_zero_fedasync_arrival_is_not_taken_and_kept_out_of_the_running_reference():
+    """Item 6: under fedasync a near-zero arrival was taken (it spent a step) and never listed; the run's first one
+    entered the running reference, and the next honest arrival was rejected against it."""
+    v = judge([_up(0, [1e-13] * 4)], {}, ONES, 3.0, list(RECENT))
+    assert v.accepted == [] and v.near_zero == [0] and v.solid == [] and v.rejected == {}
+    first = judge([_up(0, [1e-13] * 4)], {}, ONES, 3.0, [])   # nothing yet to be judged among: the model's norm
+    assert first.accepted == [] and first.near_zero == [0] and first.solid == []
+
+
+def test_a_level_reference_is_not_set_by_two_of_its_three_clients():
+    """Item 7: two of a level's three clients flipped at x2.5 set its lower median (2.5x the step's), and were
+    taken unclipped; a level's reference above the step's is now at most its lower third."""
+    from fractions import Fraction
+
+    from fedlase.levels import Level
+    big, small = Level(0, Fraction(1), 4), Level(1, Fraction(1, 4), 3)
+    ups = [dataclasses.replace(_up(c, [0.1] * 4), level=big) for c in range(4)] + \
+          [dataclasses.replace(_up(4, [0.1] * 4), level=small)] + \
+          [dataclasses.replace(_up(5 + c, [-0.25] * 4), level=small) for c in range(2)]
+    v = judge(ups, {}, ONES, 3.0)
+    assert v.rejected == {} and v.refs == [pytest.approx(0.1)] * 7
+    rule = make_rule()
+    kept, _, rms = rule.screen(ups, {}, ONES)
+    assert rule.aggregate(ONES, kept, {}, rms, "coverage", "mask", None)[1] == {"clipped": {"1/4": 2}}
+
+
+def test_under_dp_no_update_is_near_zero_whatever_the_others_send():
+    """Item 8: under dp the near-zero cut made whether an update is counted depend on the others' updates; the
+    denominator is public there, so the cut is off: every finite update is counted, whatever the others sent."""
+    from fedlase.server_step import ServerStep, Stage
+
+    class Private(Stage):
+        screen_by_others = False
+    system = load_config(None, [*DIGITS, "out=x"]).levels
+    counted = []
+    for wild in (0.1, 1e3):
+        step = ServerStep.of("bounded", {}, "none", {}, system, 0, "coverage", "mask", None, (Private(),))
+        ups = [_up(0, [0.1] * 4), _up(1, [0.12] * 4), _up(2, [0.0] * 4), _up(3, [1e-9] * 4), _up(4, [wild] * 4)]
+        kept, rejected, _ = step.screen(ups, {}, ONES)
+        assert rejected == {} and step.near_zero == []
+        counted.append([u.client for u in kept])
+    assert counted == [[0, 1, 2, 3, 4]] * 2
+
+
+@pytest.mark.parametrize("attack", ["little_is_enough", "inner_product"])
+@pytest.mark.parametrize("schedule", [["schedule=fedasync"], ["schedule=fedbuff", "schedule_args.buffer=1"]])
+def test_colluders_are_refused_where_a_step_holds_one_update(tmp_path, attack, schedule):
+    """Item 9: a step of one update has no honest update to collude with: the run was the honest one, bit for bit."""
+    args = [*DIGITS, f"out={tmp_path / 'x'}", *schedule, "device_model={}", f"attack={attack}"]
+    with pytest.raises(ConfigError, match="colludes") as e:
+        load_config(None, args)
+    assert e.value.key == "attack" and "\n" not in str(e.value)
+    load_config(None, [*args[:-4], f"out={tmp_path / 'y'}", "schedule=fedbuff", "schedule_args.buffer=2",
+                       "device_model={}", f"attack={attack}"])   # a buffer of two holds others
+
+
+def test_routine_rejections_are_one_line_per_evaluation_and_a_wild_level_is_warned_about(tmp_path, caplog):
+    """Issue 57: honest runs printed a line per rejected update (the 3x screen rejects some by design). Each
+    rejection is now in the metrics and at DEBUG; the log says them once per evaluation, and warns only where
+    more than a fifth of a level's updates were rejected since the last evaluation."""
+    import logging
+    caplog.set_level(logging.DEBUG, logger="fedlase")
+    four = ["rounds=4", "eval_every=2"]
+    one = ["attack=scale", "attack_args.factor=50", "attack_args.clients=[0]"]   # 1 of level 1's 9: routine
+    _, lines = _run(tmp_path, "one", *four, *one)
+    assert all("0" in x["rejected"] for x in lines)
+    records = [r for r in caplog.records if r.name == "fedlase"]
+    assert [r.levelname for r in records if "rejected client" in r.getMessage()] == ["DEBUG"] * 4
+    summary = [r for r in records if "the screen rejected" in r.getMessage()]
+    assert [r.levelname for r in summary] == ["INFO", "INFO"] and "1: 2 of 18" in summary[0].getMessage()
+    caplog.clear()
+    _run(tmp_path, "wild", *four, *FAULTY)   # every update of level 1/4 rejected
+    loud = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(loud) == 0   # 2 of 2 per evaluation: fewer than 3
+    caplog.clear()
+    _run(tmp_path, "wild6", "rounds=6", "eval_every=6", *FAULTY)
+    loud = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(loud) == 1 and "6 of level 1/4's 6 updates" in loud[0], loud
