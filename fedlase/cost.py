@@ -236,7 +236,7 @@ def _mib(x: int | None) -> str:
 
 # the columns of format_cost_table, printed under it by `fedlase cost`
 LEGEND = """\
-params held    parameters a client holds to train: the whole model under masks (dense) or the gathered slice (slice)
+params held    parameters a client holds to train: dense, the whole model under masks; slice, the gathered slice
 frozen base    frozen parameters every client of the level holds besides, whole (a LoRA run's base; shown if any)
 kept (budget)  budgeted coordinates of the level's submodel, and their share of the model's budgeted ones
 optimizer      the local optimizer's state for the held parameters (AdamW: two moments; SGD: its momentum) (MiB)

@@ -456,14 +456,12 @@ def test_node_cache_key_is_what_the_data_code_reads(tmp_path, monkeypatch):
                                                "alpha=5"), 1, cache)
     assert len(entries()) == 2 and not torch.equal(other.y_train, data.y_train)
 
-    class Probe:   # a plugin loader that also reads `width`
-        def __init__(self, entry):
-            self.entry = entry
+    load = node_data.load_dataset
 
-        def load(self, c):
-            _ = c.width
-            return self.entry.load(c)
-    monkeypatch.setattr(node_data, "DATASETS", type("R", (), {"get": staticmethod(lambda n: Probe(DATASETS.get(n)))}))
+    def probe(c):   # a plugin loader that also reads `width`
+        _ = c.width
+        return load(c)
+    monkeypatch.setattr(node_data, "load_dataset", probe)
     cache = tmp_path / "plugin-cache"
     node_data.client_dataset(cfg, 1, cache)
     assert "width" in json.loads((cache / "digits" / "keys.json").read_text()) and len(entries()) == 1
