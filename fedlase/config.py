@@ -292,7 +292,7 @@ def validate(cfg: Config) -> Config:
     check_robust(cfg.robust, cfg.robust_args)
     check_attack(cfg.attack, cfg.attack_args, cfg.levels)
     check_stages(cfg, options()["robust"].default)
-    from .llm.lora_config import check_lora
+    from .lora_config import check_lora
     cfg = dataclasses.replace(cfg, lora=check_lora(cfg))   # adapters (fedlase/llm/adapters.py); {}: none
     if not isinstance(cfg.dp, dict):
         raise ConfigError("dp", f"expected a mapping such as {{clip: 1, noise_multiplier: 1}}, got {cfg.dp!r}")

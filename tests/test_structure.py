@@ -258,7 +258,7 @@ def test_the_config_imports_nothing_above_it():
     assert seen <= {"fedlase", "fedlase.errors", "fedlase.levels", "fedlase.machine", "fedlase.options",
                     "fedlase.registry", "fedlase.resources", "fedlase.robust_config", "fedlase.sim_config",
                     "fedlase.data_config", "fedlase.deploy_config", "fedlase.method_config", "fedlase.util",
-                    "fedlase.llm", "fedlase.llm.lora_config"}, seen
+                    "fedlase.lora_config"}, seen
     assert not any(_heavy(m) for m in seen)
 
 

@@ -120,7 +120,7 @@ class AdaptedModel(nn.Module):
 
 
 def attach(model: nn.Module, lora: dict, seed: int) -> AdaptedModel:
-    """`model` with LoRA adapters on its transformer (`lora`: the checked `lora` mapping, fedlase/llm/lora_config.py),
+    """`model` with LoRA adapters on its transformer (`lora`: the checked `lora` mapping, fedlase/lora_config.py),
     the transformer frozen, a head outside it left trainable. The adapters' initial A is drawn from `seed` (B is
     zero, as peft's), leaving torch's global generator as it was. One-line ConfigErrors for a target the model does
     not have or a rank above a target's dimensions."""

@@ -54,7 +54,7 @@ class AdapterMethod(Method):
     """Base of the adapter methods: a level trains its rank's slice of every adapter (`rank`), the other trainable
     tensors whole."""
     adapters = True
-    # no objective of its own; `lora` runs on the embedded engine only (fedlase/llm/lora_config.py), and a text
+    # no objective of its own; `lora` runs on the embedded engine only (fedlase/lora_config.py), and a text
     # model refuses batched clients itself
     runs_on = ("embedded", "batched")
     server_stages = ("attack",)   # its own aggregation follows the default rule's screen (fedlase/server_step.py)

@@ -4,9 +4,9 @@ dimensions allow) run where the adapters are put on it (fedlase/llm/adapters.py)
 a config stays cheap (fedlase/config.py)."""
 from __future__ import annotations
 
-from ..errors import ConfigError
-from ..options import Option, check_options
-from ..registry import METHODS, MODELS
+from .errors import ConfigError
+from .options import Option, check_options
+from .registry import METHODS, MODELS
 
 LORA = {
     "r": Option(8, "the adapters' rank at level 1 (the largest level): each adapter is B (out x r) A (r x in)",
