@@ -214,7 +214,6 @@ def evaluate_levels(model: nn.Module, method, params: dict, buffers: dict, level
         x_glob, y_glob = x_glob[keep], y_glob[keep]
         client_test = [c[scored_subset(len(c), settings.blocks, settings.seed + 1 + i).to(c.device)]
                        for i, c in enumerate(data.client_test)]
-    scored: dict[str, list] = {}   # the task's metrics, per level: global, and each client's
 
     def metric(net, weights, bufs, x, y, cls=None, into=None) -> float:
         """Accuracy (task=classify), or the task's metrics (kept in `into`, its accuracy returned)."""
@@ -227,6 +226,7 @@ def evaluate_levels(model: nn.Module, method, params: dict, buffers: dict, level
     out: dict = {"levels": {}}
     all_local, all_ppl = [], []
     for lvl, clients in level_clients.items():
+        glob_ppl: list[float] = []   # task=lm: perplexities on the global subset (per client if personalized)
         sub = method.eval_submodel(params, lvl, rnd).to(data.x_test.device)
         with torch.no_grad():   # a width slice is evaluated as the smaller model (unless sliced=false)
             weights, bufs = sub.model(params, buffers, sliced=settings.sliced)
@@ -235,13 +235,13 @@ def evaluate_levels(model: nn.Module, method, params: dict, buffers: dict, level
         net = method.module_for(lvl)
         if not personal:
             bufs = recompute_bn_stats(model, weights, bufs, bn_x, bs)
-            glob = metric(model, weights, bufs, x_glob, y_glob, into=scored.setdefault("global", []))
+            glob = metric(model, weights, bufs, x_glob, y_glob, into=glob_ppl)
             models = {c: (weights, bufs) for c in clients}
         else:   # its global accuracy: the mean over the level's clients of their own models' on the global set
             bufs = bufs if net is model else dict(net.named_buffers())
             models = {c: (w, recompute_bn_stats(net, w, bufs, bn_x, bs))
                       for c in clients for w in [method.personal_weights(c, lvl, weights, sub)]}
-            glob = float(np.mean([metric(net, *models[c], x_glob, y_glob, into=scored.setdefault("global", []))
+            glob = float(np.mean([metric(net, *models[c], x_glob, y_glob, into=glob_ppl)
                                   for c in clients])) if clients and method.global_eval else float("nan")
         if settings.finetune:   # each client's model after local training on its own data (then its BN statistics)
             tuned = {}
@@ -261,7 +261,6 @@ def evaluate_levels(model: nn.Module, method, params: dict, buffers: dict, level
         out["levels"][lvl.name] = {"clients": len(clients), "global_acc": glob, "local_acc": fair["mean"],
                                    "local_std": fair["std"], "local_worst10": fair["worst10"], "kept": held}
         if lm:   # perplexity: the level's on the global subset (the mean over a personalized level's clients)
-            glob_ppl = scored.pop("global", [])
             out["levels"][lvl.name].update(global_ppl=float(np.mean(glob_ppl)) if glob_ppl else float("nan"),
                                            local_ppl=float(np.mean(ppl)) if ppl else float("nan"))
             all_ppl += ppl

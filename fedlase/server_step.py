@@ -370,8 +370,8 @@ def references(figures: dict, factor: float) -> tuple[float, dict[str, float]]:
     for lv, r in figures.values():
         if r >= low and (not step > 0 or r <= factor * step):
             by_level.setdefault(lv, []).append(r)
-    return step, {lv: min(reference(rs, factor), max(up, reference(rs, factor, low_third)))
-                  for lv, rs in by_level.items() if len(rs) >= PER_LEVEL}
+    return step, {lv: min(own, max(up, reference(rs, factor, low_third)))
+                  for lv, rs in by_level.items() if len(rs) >= PER_LEVEL for own in [reference(rs, factor)]}
 
 
 def screen(updates: list, subs: dict, full: dict, factor: float | None) -> tuple[list, dict, list[float]]:

@@ -217,15 +217,14 @@ def _steps(batch_loss: Callable, plist: list[torch.Tensor], x: torch.Tensor, y: 
 _TRAINING_MODULES: weakref.WeakKeyDictionary[nn.Module, tuple] = weakref.WeakKeyDictionary()
 
 
-def _training_module(model: nn.Module) -> tuple[nn.Module, dict, dict, dict]:
-    """A private copy of `model` in training mode, its parameters and buffers by name, and the shapes of both
-    (the model's own, for `_fits`); made once per model."""
+def _training_module(model: nn.Module) -> tuple[nn.Module, dict, dict]:
+    """A private copy of `model` in training mode, and its parameters and buffers by name; made once per model."""
     if model not in _TRAINING_MODULES:
         net = deepcopy(model).train()
         if next(net.parameters()).device.type == "cuda":   # conv weights channels-last, as `channels_last`
             net.to(memory_format=torch.channels_last)
         own, bufs = dict(net.named_parameters()), dict(net.named_buffers())
-        _TRAINING_MODULES[model] = (net, own, bufs, {n: t.shape for n, t in {**own, **bufs}.items()})
+        _TRAINING_MODULES[model] = (net, own, bufs)
     return _TRAINING_MODULES[model]
 
 
@@ -250,7 +249,7 @@ def _train_whole(model: nn.Module, global_params: dict[str, torch.Tensor], buffe
     the module whose own parameters are set to the global ones, called directly. `functional_call` would swap
     every tensor into the module twice a step, ~10% of a small CNN's step (docs/benchmarks.md); the values
     and operations are the same, so the delta is bit-identical. The caller's module is never written."""
-    net, own, own_buffers, _ = _training_module(model)
+    net, own, own_buffers = _training_module(model)
     with torch.no_grad():
         for n, p in global_params.items():
             own[n].copy_(p)

