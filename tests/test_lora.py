@@ -89,12 +89,13 @@ def test_hetlora_pads_weights_by_product_norm_and_truncates():
                        torch.tensor([[1.5, 2.5], [0.0, 0.0]]))   # its trained row, zero-padded
 
 
-def test_flexlora_svd_splits_singular_values_evenly_and_truncates():
-    w = torch.tensor([[3.0, 0.0, 0.0], [0.0, 0.0, 2.0]])   # singular values 3 and 2
+def test_flexlora_svd_puts_the_singular_values_on_b_and_truncates():
+    """As the authors' code: B = U_r S_r, A = V_r^T. w's SVD by hand: U = I, S = (3, 2), V^T = (e_1, e_3)."""
+    w = torch.tensor([[3.0, 0.0, 0.0], [0.0, 0.0, 2.0]])
     b, a = svd_factors(w, 2)
     assert torch.allclose(b @ a, w, atol=1e-6)
-    assert torch.allclose(b.norm(dim=0), torch.tensor([3.0, 2.0]).sqrt(), atol=1e-6)   # sqrt(S) on B's columns
-    assert torch.allclose(a.norm(dim=1), torch.tensor([3.0, 2.0]).sqrt(), atol=1e-6)   # and on A's rows
+    assert torch.allclose(b.abs(), torch.tensor([[3.0, 0.0], [0.0, 2.0]]), atol=1e-6)   # U S: the values on B
+    assert torch.allclose(a.abs(), torch.tensor([[1.0, 0.0, 0.0], [0.0, 0.0, 1.0]]), atol=1e-6)   # V^T: unit rows
     b1, a1 = b[:, :1], a[:1]   # a rank-1 level keeps the first component: the largest singular value
     assert torch.allclose((b1 @ a1).abs(), torch.tensor([[3.0, 0.0, 0.0], [0.0, 0.0, 0.0]]), atol=1e-6)
 
@@ -117,11 +118,12 @@ def test_flexlora_and_flora_aggregate_the_products_of_a_run(lora_cfg):
         assert {u.level.index for u in updates} == {0, 1}   # the rank-2 clients' products are of rank <= 2
         exp.serve(1, updates, subs, {})
         want = sum(s * p for s, p in zip(share, prods))
-        if method == "flexlora":
-            b, a = svd_factors(want, 4)   # the sum has rank up to 4 + 2 + 2: cut back to lora.r = 4
-            assert torch.allclose(exp.params[ad.b] @ exp.params[ad.a], b @ a, atol=1e-6)
-            s = torch.linalg.svdvals(want)
-            assert torch.linalg.matrix_norm(want - b @ a) ** 2 == pytest.approx(float((s[4:] ** 2).sum()), rel=1e-3)
+        if method == "flexlora":   # the sum has rank up to 4 + 2 + 2: cut back to lora.r = 4
+            u, s, vh = torch.linalg.svd(want)
+            b, a = exp.params[ad.b], exp.params[ad.a]
+            assert torch.allclose(b @ a, u[:, :4] @ torch.diag(s[:4]) @ vh[:4], atol=1e-6)   # the rank-4 truncation
+            assert torch.allclose(a @ a.T, torch.eye(4), atol=1e-5)   # A = V_4^T: orthonormal rows
+            assert torch.allclose(b.norm(dim=0), s[:4], atol=1e-5)    # B = U_4 S_4: the singular values on B
         else:
             base = dict(exp.model.named_parameters())[ad.base].detach()
             assert torch.allclose(base - base_before, exp.model.scaling * want, atol=1e-6)
@@ -390,16 +392,50 @@ def test_a_rank_slice_trains_as_the_masked_full_adapter(lora_cfg, tmp_path):
 
 
 def test_hetlora_rank_self_pruning_by_hand():
-    """Rank 4, decay 0.5: the last 2 components are pruned when their product is smaller than the 2 before."""
+    """Rank 4, prune 0.5 (the paper's decay 0.5): the last 2 components are pruned when the product they sent is
+    smaller than the one they received at the round's start. A = I, so component j's product is B's column j."""
     from fedlase.llm.lora_methods import self_pruned_rank
     a = torch.eye(4)
-    strong, weak = torch.diag(torch.tensor([3.0, 2.0, 0.5, 0.5])), torch.diag(torch.tensor([1.0, 1.0, 2.0, 0.1]))
-    assert self_pruned_rank([(a, strong)], 4, 0.5) == 2          # ||(0.5, 0.5)|| < ||(3, 2)||
-    assert self_pruned_rank([(a, weak)], 4, 0.5) == 4            # ||(2, 0.1)|| > ||(1, 1)||
-    assert self_pruned_rank([(a, weak)], 4, 0.25) == 3           # the last one alone (0.1) against the one before (2)
-    late = torch.diag(torch.tensor([0.0, 0.0, 5.0, 5.0]))   # summed over the modules: 0.5^2 + 0.5^2 + 5^2 + 5^2
-    assert self_pruned_rank([(a, strong), (a, late)], 4, 0.5) == 4   # against 3^2 + 2^2
-    assert self_pruned_rank([(a[:1], strong[:, :1])], 1, 0.5) == 1   # never below rank 1
+
+    def b(*col):
+        return torch.diag(torch.tensor(col))
+    got = [(a, b(3.0, 2.0, 1.0, 1.0))]   # received: a tail of norm ||(1, 1)|| = 1.41
+    assert self_pruned_rank(got, [(a, b(3.0, 2.0, 0.5, 0.5))], 4, 0.5) == 2    # sent ||(0.5, 0.5)|| = 0.71: pruned
+    assert self_pruned_rank(got, [(a, b(1.0, 1.0, 2.0, 0.1))], 4, 0.5) == 4    # sent ||(2, 0.1)|| = 2.0: kept
+    assert self_pruned_rank(got, [(a, b(1.0, 1.0, 2.0, 0.1))], 4, 0.25) == 3   # the last one alone: 0.1 < 1
+    assert self_pruned_rank(got, [(a, b(3.0, 2.0, 0.5, 0.5))], 4, 0.3) == 2    # ceil(0.3 x 4) = 4 - floor(0.7 x 4)
+    # over both modules: received sqrt(4 x 1^2) = 2, sent sqrt(0.5^2 + 0.5^2 + 3^2) = 3.08: kept
+    assert self_pruned_rank(got * 2, [(a, b(3.0, 2.0, 0.5, 0.5)), (a, b(0.0, 0.0, 3.0, 0.0))], 4, 0.5) == 4
+    zero = [(a, torch.zeros(4, 4))]   # the first round: B starts at zero, so no tail can have shrunk
+    assert self_pruned_rank(zero, [(a, b(3.0, 2.0, 0.0, 0.01))], 4, 0.5) == 4
+    assert self_pruned_rank([(a[:1], b(3.0)[:, :1])], [(a[:1], b(0.1)[:, :1])], 1, 0.5) == 1   # never below rank 1
+
+
+def test_hetlora_prunes_a_tail_that_shrank_below_what_it_received(lora_cfg):
+    """A round-2 server step (B no longer zero): each client's decision recomputed from the global adapter it
+    received and the one it sent, over every adapted module; ranks 4 and 2, prune 0.5: tails of 2 and 1."""
+    exp = Experiment.from_config(lora_cfg("method_args.prune=0.5", "lr=0.5"))
+    exp.step(1)
+    pruned = dict(exp.method.pruned)
+    picked = exp.sample(2)
+    subs = exp.submodels([lvl for _, lvl in picked], 2)
+    updates = exp.runner.train(exp, 2, picked, subs).updates
+    old = {n: p.clone() for n, p in exp.params.items()}
+    for u in updates:
+        sub = u.sub or subs[u.level]
+        k = pruned.get(u.client, 4 if u.level.index == 0 else 2)
+        lo = k - math.ceil(0.5 * k)
+        got = sent = 0.0
+        for ad in exp.method.pairs:
+            a, b = client_adapter(ad.a, old, u.delta, sub), client_adapter(ad.b, old, u.delta, sub)
+            sent += float(torch.linalg.matrix_norm(b[:, lo:k] @ a[lo:k])) ** 2
+            got += float(torch.linalg.matrix_norm(old[ad.b][:, lo:k] @ old[ad.a][lo:k])) ** 2
+        if lo >= 1 and sent < got:
+            pruned[u.client] = lo
+    assert pruned   # not vacuous: a tail shrank in this round (client 1's, to 0.7x what it received, here)
+    exp.serve(2, updates, subs, {})
+    assert exp.method.pruned == pruned
+
 
 
 def test_a_pruned_hetlora_client_trains_its_own_rank_and_resumes(lora_cfg, tmp_path):

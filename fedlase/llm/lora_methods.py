@@ -11,11 +11,13 @@ through which a method's server step is fed:
   averaged with weights ||B_k A_k||_F normalised over the round (per adapted module); each level then trains the
   first components of the result (truncation).
 - `flexlora` (Bai et al., NeurIPS 2024): the clients' full products B_k A_k averaged by data size, and the
-  average cut back to rank r by a truncated SVD, B = U_r sqrt(S_r), A = sqrt(S_r) V_r^T; a level of rank k trains
-  its first k components, the best rank-k approximation.
+  average cut back to rank r by a truncated SVD, B = U_r S_r, A = V_r^T (the singular values on B, as the
+  authors' code puts them); a level of rank k trains its first k components, the best rank-k approximation.
 - `flora` (Wang et al., NeurIPS 2024): the exact data-weighted sum of the products (stacking), scaled as peft
   scales an adapter, merged into the frozen base every round, and the adapters re-initialised. The merged update
   is part of the method's state (so of the checkpoint), never the base.
+
+docs/methods.md says, per method, which authors' code each was checked against and where it departs.
 - `lora_fedavg`: every client at one rank (the smallest level's, or the full one), A and B averaged separately
   by the run's rule (the homogeneous baseline); it takes every server stage, dp included.
 """
@@ -102,9 +104,10 @@ class HetLoRA(AdapterMethod):
     ||B_k A_k||_F normalised over the round; each level trains the first components (truncation)."""
     name = "hetlora"
     options = {"prune": Option(None, "rank self-pruning: a client whose last ceil(prune x k) rank components "
-                               "(k: its rank) sent a product smaller than the ceil(prune x k) components before "
-                               "them trains k - ceil(prune x k) components from the next round on (at least 1); "
-                               "unset: off", kind=float, low=0, low_open=True, high=1, high_open=True)}
+                               "(k: its rank) sent a product smaller than they had when it received them trains "
+                               "k - ceil(prune x k) components from the next round on (at least 1); the paper's "
+                               "decay factor is 1 - prune; unset: off", kind=float, low=0, low_open=True, high=1,
+                               high_open=True)}
 
     def __init__(self, model, system=(1.0,), **options):
         super().__init__(model, system, **options)
@@ -128,9 +131,11 @@ class HetLoRA(AdapterMethod):
             if self.args["prune"] is not None:
                 trained[ad] = (a_k, b_k)
         if self.args["prune"] is not None:
+            received = [(params[ad.a], params[ad.b]) for ad in trained]   # every client's start: the global adapter
             for i, u in enumerate(updates):
                 k = self.held_rank(u.sub or subs[u.level])
-                keep = self_pruned_rank([(a[i], b[i]) for a, b in trained.values()], k, self.args["prune"])
+                keep = self_pruned_rank(received, [(a[i], b[i]) for a, b in trained.values()], k,
+                                        self.args["prune"])
                 if keep < k:
                     self.pruned[u.client] = keep
         return out
@@ -147,16 +152,18 @@ class HetLoRA(AdapterMethod):
         self.pruned = {int(c): int(k) for c, k in state.get("pruned", {}).items()}
 
 
-def self_pruned_rank(adapters: list[tuple[torch.Tensor, torch.Tensor]], k: int, decay: float) -> int:
-    """The rank a client of rank k keeps under HetLoRA's self-pruning with `decay`: its last m = ceil(decay k)
-    components are pruned when their product sum_j B[:, j] A[j] (Frobenius norm over every adapted module) is
-    smaller than that of the m components before them; `adapters`: the client's (A, B) per module, padded."""
-    m = math.ceil(decay * k)
+def self_pruned_rank(received: list[tuple[torch.Tensor, torch.Tensor]], sent: list[tuple[torch.Tensor, torch.Tensor]],
+                     k: int, prune: float) -> int:
+    """The rank a client of rank k keeps under HetLoRA's self-pruning: its last m = ceil(prune k) components are
+    pruned (the paper's r_k -> floor(gamma r_k), gamma = 1 - prune) when their product sum_j B[:, j] A[j]
+    (Frobenius norm over every adapted module) is smaller in what it sent than in what it received at the round's
+    start, the paper's test. `received`, `sent`: the (A, B) of every module at rank r, in one order."""
+    m = math.ceil(prune * k)
     if k - m < 1:
         return k
-    def strength(lo: int, hi: int) -> float:
-        return math.sqrt(sum(float(torch.linalg.matrix_norm(b[:, lo:hi] @ a[lo:hi])) ** 2 for a, b in adapters))
-    return k - m if strength(k - m, k) < strength(max(0, k - 2 * m), k - m) else k
+    def tail(adapters) -> float:
+        return math.sqrt(sum(float(torch.linalg.matrix_norm(b[:, k - m:k] @ a[k - m:k])) ** 2 for a, b in adapters))
+    return k - m if tail(sent) < tail(received) else k
 
 
 def hetlora_average(a_k: list[torch.Tensor], b_k: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -185,11 +192,10 @@ class FlexLoRA(AdapterMethod):
 
 def svd_factors(w: torch.Tensor, r: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(B, A) of rank r with B A the best rank-r approximation of `w` (out x in): the truncated SVD U_r S_r V_r^T,
-    its singular values split evenly, B = U_r sqrt(S_r), A = sqrt(S_r) V_r^T (components in decreasing order, so
-    the first k are the best rank-k approximation)."""
+    the singular values on B, B = U_r S_r, A = V_r^T (orthonormal rows), as the authors' code splits it; the
+    components in decreasing order, so the first k are the best rank-k approximation."""
     u, s, vh = torch.linalg.svd(w, full_matrices=False)
-    root = s[:r].sqrt()
-    return (u[:, :r] * root).contiguous(), (root[:, None] * vh[:r]).contiguous()   # r <= min(out, in): lora.r
+    return (u[:, :r] * s[:r]).contiguous(), vh[:r].contiguous()   # r <= min(out, in): lora.r
 
 
 @register_method
@@ -212,8 +218,8 @@ class FLoRA(AdapterMethod):
         g = self.generator(self.system.levels[0], rnd)   # the fresh adapters' draw: (run seed, round)
         for ad in self.pairs:
             a_k, b_k = self.trained(params, updates, subs, ad.a), self.trained(params, updates, subs, ad.b)
-            stacked_b = torch.cat([s * b for s, b in zip(shares, b_k)], 1)   # B_1 ... B_K side by side, weighted
-            stacked_a = torch.cat(a_k, 0)                                     # A_1 ... A_K stacked along the rank
+            stacked_b = torch.cat(b_k, 1)                                     # B_1 ... B_K side by side
+            stacked_a = torch.cat([s * a for s, a in zip(shares, a_k)], 0)   # A_1 ... A_K along the rank, weighted
             update = self.model.scaling * (stacked_b @ stacked_a)   # = sum_k s_k B_k A_k, as peft scales it
             self.merged[ad.base] = self.merged[ad.base] + update if ad.base in self.merged else update
             out[ad.a] = init_a(tuple(params[ad.a].shape), g).to(params[ad.a])
