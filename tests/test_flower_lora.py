@@ -85,18 +85,22 @@ def _rounds(cfg, rounds=(1, 2), node_cfg=None):
     return exp, grid, [exp.run_round(r) for r in rounds]
 
 
-@pytest.mark.parametrize("method", ["hetlora", "heterofl", "fedlase"])
+@pytest.mark.parametrize("overrides", [["method=hetlora"], ["method=flexlora"], ["method=heterofl"],
+                                       ["method=fedlase"],
+                                       ["method=lora_fedavg", "dp.clip=1", "dp.noise_multiplier=0.5"]],
+                         ids=["hetlora", "flexlora", "heterofl", "fedlase", "lora_fedavg-dp"])
 def test_a_lora_run_on_flower_nodes_equals_the_embedded_run_and_sends_only_adapters(lora_cfg, task_identity,
-                                                                                     monkeypatch, method):
-    """Two rounds of an adapter method (hetlora), a width method on the ranks (heterofl) and a threshold method
-    (fedlase) on nodes that build their own base: the embedded engine's adapters bit for bit. Every message and
-    reply holds trainable tensors only (no base weight, whose names the node never receives), a reply is at most
-    its client's slice of the adapters and the head, and each node hashes its base once, not once a message."""
+                                                                                     monkeypatch, overrides):
+    """Two rounds of the adapter methods (hetlora, flexlora; lora_fedavg under dp: the nodes clip), a width method
+    on the ranks (heterofl) and a threshold method (fedlase) on nodes that build their own base: the embedded
+    engine's adapters bit for bit. Every message and reply holds trainable tensors only (no base weight, whose names
+    the node never receives), a reply is at most its client's slice of the adapters and the head, and each node
+    hashes its base once, not once a message."""
     from fedlase import model_facts
     hashed = []
     real = model_facts.fingerprint
     monkeypatch.setattr(model_facts, "fingerprint", lambda m: hashed.append(id(m)) or real(m))
-    cfg = lora_cfg(f"method={method}", "system={1,1/4}_{1,2}")
+    cfg = lora_cfg(*overrides, "system={1,1/4}_{1,2}")
     exp, grid, lines = _rounds(cfg)
     assert all(not x["failed"] and not x["rejected"] for x in lines), lines
     assert same_params(exp.params, _embedded(cfg, rounds=(1, 2)))
@@ -114,14 +118,15 @@ def test_a_lora_run_on_flower_nodes_equals_the_embedded_run_and_sends_only_adapt
     assert len(nodes) == 3 and sorted(h for h in hashed if h in nodes) == sorted(nodes)   # once a model, not a message
 
 
-def test_a_node_whose_base_is_another_refuses_in_one_line(lora_cfg, tmp_path, task_identity):
+def test_a_node_whose_base_is_another_refuses_in_one_line(lora_cfg, tmp_path, task_identity, capfd):
     """A node reading another model file (the same layout, other weights) gets the server's fingerprint, finds its
     own differs and refuses to train: the round's line rejects every client with the node's reason and the model
-    is left as it was."""
+    is left as it was. A node's warm worker refuses the same way (and says so in its log)."""
+    from fedlase.flower.worker import Worker
     other = write_bert_folder(tmp_path / "other-bert", seed=1)   # another revision: same layout, other weights
     cfg = lora_cfg("method=hetlora", "system={1,1/4}_{1,1}")
-    exp, grid, lines = _rounds(cfg, rounds=(1,), node_cfg=lora_cfg("method=hetlora", "system={1,1/4}_{1,1}",
-                                                                   *lora_args(other)))
+    node_cfg = lora_cfg("method=hetlora", "system={1,1/4}_{1,1}", *lora_args(other))
+    exp, grid, lines = _rounds(cfg, rounds=(1,), node_cfg=node_cfg)
     rejected = lines[0]["rejected"]
     assert set(rejected) == {"0", "1"} and lines[0]["clients"] == 0
     for why in rejected.values():
@@ -129,6 +134,11 @@ def test_a_node_whose_base_is_another_refuses_in_one_line(lora_cfg, tmp_path, ta
         assert "\n" not in why
     assert same_params(exp.params, Experiment.from_config(cfg).params)   # nothing trained on the wrong base
     assert not any("delta" in r.content.array_records for r in grid.replies)
+    header = {"op": "train", "run": 1, "partition": 0, "config": grid.run_config["fedlase-config"]}
+    first = next(m for m in grid.sent if m.content.config_records["task"]["partition-id"] == 0)
+    status, reply = Worker(partition=0, node=100).handle(header, first.content)
+    assert status["ok"] and "not the server's" in reply.config_records["refused"]["reason"]
+    assert "round 1: refused partition 0's work: its frozen base" in capfd.readouterr().err
 
 
 def test_fedbuff_with_a_width_method_on_ranks_runs_on_flower_nodes(lora_cfg, tmp_path, task_identity, monkeypatch):

@@ -376,8 +376,9 @@ class Worker:
                 self.run = (header["run"], _digest(header["config"]))
         except Exception as e:   # reported to the ClientApp, which fails the message as in-process training would
             return {"error": f"{type(e).__name__}: {e}"}, None
-        _say(f"run {header['run']} round {rnd}: trained partition {pid} "
-             f"({', '.join(f'{k} {v:.3f} s' for k, v in times.items())})")
+        refused = reply.config_records.get("refused")   # the server's frozen base is not this node's
+        done = f"refused partition {pid}'s work: {refused['reason']}" if refused else f"trained partition {pid}"
+        _say(f"run {header['run']} round {rnd}: {done} ({', '.join(f'{k} {v:.3f} s' for k, v in times.items())})")
         return {"ok": True, "times": times}, reply
 
     @contextmanager
