@@ -9,6 +9,7 @@ import sys
 import uuid
 
 import pytest
+import torch
 
 pytest.importorskip("flwr")
 pytest.importorskip("ray")
@@ -154,6 +155,32 @@ def test_fedbuff_with_a_width_method_on_ranks_runs_on_flower_nodes(lora_cfg, tmp
     replay = lora_cfg(*args, f"schedule_args.replay={tmp_path / 'grid'}", out=str(tmp_path / "replay"))
     _clocked(replay)
     assert same_params(_params(tmp_path / "grid"), _params(tmp_path / "replay"))
+
+
+def test_a_decoders_next_token_lora_run_on_flower_nodes_equals_the_embedded_run(tmp_path, task_identity, monkeypatch):
+    """A tiny random Llama (tests/test_llm_decoder.py's), task=lm, HetLoRA: two rounds on nodes that build the
+    decoder themselves give the embedded engine's adapters bit for bit."""
+    import numpy as np
+    import test_llm_decoder as dec
+    from transformers import LlamaConfig, LlamaForCausalLM
+    monkeypatch.setenv("FEDLASE_CACHE", str(tmp_path / "cache"))
+    client_app._CACHE.clear()
+    folder, texts = tmp_path / "llama", tmp_path / "texts"
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        LlamaForCausalLM(LlamaConfig(**dec.TINY)).save_pretrained(folder)
+    dec._char_tokenizer().save_pretrained(folder)
+    rng = np.random.default_rng(0)
+    for cat, words in {"sport": "goal match team score win cup", "tech": "chip code data cloud phone app"}.items():
+        (texts / cat).mkdir(parents=True)
+        for i in range(6):
+            (texts / cat / f"{i:02d}.txt").write_text(" ".join(rng.choice(words.split(), 40)) + ".")
+    cfg = dec._cfg(tmp_path, folder, texts, method="hetlora", lora={"r": 4}, rounds=2)
+    exp, grid, lines = _rounds(cfg)
+    assert all(not x["failed"] and not x["rejected"] and x["clients"] == 4 for x in lines), lines
+    assert same_params(exp.params, _embedded(cfg, rounds=(1, 2)))
+    frozen = {n for n, p in exp.model.named_parameters() if not p.requires_grad}
+    assert all(not set(m.content.array_records["values"]) & frozen for m in grid.sent)
 
 
 @pytest.mark.parametrize("engine", ["flower-sim", "flower-deploy"])
