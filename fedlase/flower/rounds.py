@@ -27,6 +27,7 @@ from ..privacy import client_bound, l2
 from .codec import ReplyError, encode_submodel, record_bytes, validate_reply
 
 log = logging.getLogger("fedlase")
+REASON_CHARS = 400   # of a node's reason for refusing a task kept in the log and the metrics line (the node wrote it)
 
 
 class NodeRounds:
@@ -242,8 +243,9 @@ class NodeRounds:
             raise ReplyError(f"reply from node {reply.metadata.src_node_id}, not from node "
                              f"{sent.metadata.dst_node_id}")
         refused = reply.content.config_records.get("refused")
-        if refused is not None:   # the node would not train (client_app.base_refusal): say why
-            raise ReplyError(f"the node refused to train: {refused.get('reason', '(no reason given)')}")
+        if refused is not None:   # the node would not train (client_app.base_refusal): its reason, on one short line
+            why = " ".join(str(refused.get("reason", "(no reason given)")).split())
+            raise ReplyError(f"the node refused to train: {why[:REASON_CHARS]}")
         try:
             m = reply.content.metric_records["metrics"]
             if int(m["partition-id"]) != pid or int(m["round"]) != rnd:
