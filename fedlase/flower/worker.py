@@ -215,11 +215,12 @@ def bind(folder: Path) -> Bound:
 # ---- serving ---------------------------------------------------------------------------------------------------
 def message_limit(model) -> int:
     """The most payload bytes a TRAIN message for `model` can carry, with the front proxy's margin of 2: per
-    parameter or buffer its values (dense), two packed bit masks, its kept indices per dimension (int64) and
-    three .npy headers; at least 1 MiB."""
+    trainable parameter or buffer its values (dense), two packed bit masks, its kept indices per dimension (int64)
+    and three .npy headers (a LoRA run's frozen base never travels); at least 1 MiB."""
+    from ..train import trainable
     from .codec import NPY_HEADER_SLACK
     need = sum(t.numel() * t.element_size() + t.numel() // 4 + 8 * sum(t.shape) + 3 * NPY_HEADER_SLACK
-               for t in [*model.parameters(), *model.buffers()])
+               for t in [*trainable(model).values(), *model.buffers()])
     return max(1 << 20, 2 * need)
 
 
