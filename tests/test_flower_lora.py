@@ -87,16 +87,16 @@ def _rounds(cfg, rounds=(1, 2), node_cfg=None):
 
 
 @pytest.mark.parametrize("overrides", [["method=hetlora"], ["method=flexlora"], ["method=heterofl"],
-                                       ["method=fedlase"],
+                                       ["method=fedrolex"], ["method=fiarse"], ["method=fedlase"],
                                        ["method=lora_fedavg", "dp.clip=1", "dp.noise_multiplier=0.5"]],
-                         ids=["hetlora", "flexlora", "heterofl", "fedlase", "lora_fedavg-dp"])
+                         ids=["hetlora", "flexlora", "heterofl", "fedrolex", "fiarse", "fedlase", "lora_fedavg-dp"])
 def test_a_lora_run_on_flower_nodes_equals_the_embedded_run_and_sends_only_adapters(lora_cfg, task_identity,
                                                                                      monkeypatch, overrides):
-    """Two rounds of the adapter methods (hetlora, flexlora; lora_fedavg under dp: the nodes clip), a width method
-    on the ranks (heterofl) and a threshold method (fedlase) on nodes that build their own base: the embedded
-    engine's adapters bit for bit. Every message and reply holds trainable tensors only (no base weight, whose names
-    the node never receives), a reply is at most its client's slice of the adapters and the head, and each node
-    hashes its base once, not once a message."""
+    """Two rounds of the adapter methods (hetlora, flexlora; lora_fedavg under dp: the nodes clip), the width
+    methods on the ranks (heterofl, fedrolex) and the threshold methods (fiarse, fedlase) on nodes that build their
+    own base: the embedded engine's adapters bit for bit. Every message and reply holds trainable tensors only (no
+    base weight, whose names the node never receives), a reply is at most its client's slice of the adapters and the
+    head, and each node hashes its base once, not once a message."""
     from fedlase import model_facts
     hashed = []
     real = model_facts.fingerprint
