@@ -73,10 +73,11 @@ class ServerPort(Protocol):
     runner: Any     # the engine's RoundRunner
     device: Any
     round: int
-    trainer: Any    # these four: what the runner reads of the port it is handed
+    trainer: Any    # these five: what the runner reads of the port it is handed
     params: dict
     buffers: dict
     server: Any
+    frozen: dict | None
 
     def submodels(self, levels, rnd: int) -> dict: ...
 

@@ -77,13 +77,14 @@ class RoundResult:
 
 class RunnerPort(Protocol):
     """What a round runner may read of the run (the engine's `Experiment` is one): the config, the client trainer,
-    the global model's parameters and buffers, and the server step (whose checks a Flower runner applies to the
-    nodes' replies)."""
+    the global model's parameters and buffers, the server step (whose checks a Flower runner applies to the
+    nodes' replies), and the fingerprint of a frozen base (a LoRA run's; None: nothing frozen)."""
     cfg: Config
     trainer: Any
     params: dict[str, torch.Tensor]
     buffers: dict[str, torch.Tensor]
     server: Any
+    frozen: dict | None   # the frozen base's fingerprint (model_facts.fingerprint), which a Flower node checks
 
 
 class RoundRunner(Protocol):

@@ -61,9 +61,6 @@ def check_lora(cfg) -> dict:
             raise ConfigError("lora.ranks", f"must start at lora.r={out['r']} and not grow from a level to a smaller "
                               f"one, each in 1..{out['r']}; got {ranks!r}")
     out["ranks"] = list(ranks)
-    if cfg.engine != "embedded":
-        raise ConfigError("engine", f"lora runs on engine=embedded only (a Flower node would need the frozen base "
-                          f"beside the adapter payload); got engine={cfg.engine}")
     if method.adapters and "rule" not in method.server_stages and cfg.schedule != "sync":
         raise ConfigError("schedule", f"method {cfg.method} aggregates a synchronous round's adapters at once (its "
                           f"own server step); schedule={cfg.schedule} is not supported with it")

@@ -15,6 +15,8 @@ the reply's `reply_content`) run in `train_content`, which times each when asked
 the very path a node takes (tools/flower_profile.py) without reaching into this module."""
 from __future__ import annotations
 
+import weakref
+
 from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
@@ -78,12 +80,42 @@ def trainer_for(cfg, pid: int):
 
 
 def decode(msg: Message | RecordDict, trainer):
-    """The submodel and global parameters the message (or its content) carries, on the trainer's device."""
+    """The submodel and global parameters the message (or its content) carries, on the trainer's device: the
+    trainable ones only (a LoRA run's frozen base is the node's own, never sent)."""
+    from ..train import trainable
     from .codec import decode_submodel
     content = msg.content if isinstance(msg, Message) else msg
-    params, buffers, sub = decode_submodel(content, dict(trainer.model.named_parameters()))
+    params, buffers, sub = decode_submodel(content, trainable(trainer.model))
     dev = trainer.x.device
     return {n: p.to(dev) for n, p in params.items()}, {n: b.to(dev) for n, b in buffers.items()}, sub.to(dev)
+
+
+_BASES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # per process: model -> its base's fingerprint
+
+
+def base_fingerprint(model) -> dict | None:
+    """The fingerprint of `model`'s frozen base (fedlase/model_facts.py: what a checkpoint names it by), hashed once
+    per process and model: hashing a base reads every byte of it (538 MB for SmolLM2), and a node's model lives
+    across its messages (a warm worker, a Ray actor)."""
+    if model not in _BASES:
+        from ..model_facts import fingerprint
+        _BASES[model] = fingerprint(model)
+    return _BASES[model]
+
+
+def base_refusal(task, model) -> str | None:
+    """Why this node must not train the task (None: it may): the server's frozen base (`frozen-*` in the task, a
+    LoRA run's) is not the one this node built from the same config (another model file, another revision), and
+    adapters trained on another base would be averaged into the server's as if they fitted it."""
+    if "frozen-sha256" not in task:
+        return None
+    mine = base_fingerprint(model)
+    theirs = {"frozen": int(task["frozen-count"]), "sha256": str(task["frozen-sha256"])}
+    if mine == theirs:
+        return None
+    held = "no frozen base" if mine is None else f"{mine['frozen']} parameters, sha256 {mine['sha256'][:16]}"
+    return (f"its frozen base ({held}) is not the server's ({theirs['frozen']} parameters, sha256 "
+            f"{theirs['sha256'][:16]}): give the node the server's model file (model/model_path) and revision")
 
 
 def train_step(trainer, pid: int, rnd: int, params: dict, buffers: dict, sub) -> tuple[dict, float]:
@@ -108,10 +140,13 @@ def train_content(cfg, content: RecordDict, pid: int, rnd: int, times: dict | No
             times[step], t = now - t, now
     trainer = trainer_for(cfg, pid)
     lap("trainer")
+    task = content.config_records["task"]
+    why = base_refusal(task, trainer.model)
+    if why is not None:   # a reply, not an error: it reaches the server's round line whichever path trained
+        return RecordDict({"refused": ConfigRecord({"reason": why, "partition-id": pid, "round": rnd})})
     params, buffers, sub = decode(content, trainer)
     lap("decode")
     delta, loss = train_step(trainer, pid, rnd, params, buffers, sub)
-    task = content.config_records["task"]
     if "dp-clip" in task:   # differential privacy: the node clips its update before it replies
         from ..privacy import clip
         delta, _ = clip(delta, float(task["dp-clip"]))

@@ -118,8 +118,9 @@ def largest_request(shapes: dict[str, tuple[int, ...]]) -> int:
 
 def body_limit(cfg=None) -> int:
     """`client_max_body_size` in bytes for a run's model: BODY_MARGIN times its `largest_request` (every
-    parameter and buffer of the full model), at least BODY_FLOOR. Without a config: the bound for any model
-    whose arrays Flower chunks, measured on one 32 MiB array (larger than a chunk, so it travels as chunks)."""
+    trainable parameter and buffer of the full model: a LoRA run's frozen base never travels), at least
+    BODY_FLOOR. Without a config: the bound for any model whose arrays Flower chunks, measured on one 32 MiB
+    array (larger than a chunk, so it travels as chunks)."""
     if cfg is None:
         shapes = {"array": (8 * 2**20,)}
     else:
@@ -129,7 +130,8 @@ def body_limit(cfg=None) -> int:
         if model is None:   # a model that needs its data to be built (the text models): built for real, once
             from ..client import build_model_for
             model = build_model_for(cfg, load_dataset(cfg))
-        shapes = {n: tuple(t.shape) for n, t in [*model.named_parameters(), *model.named_buffers()]}
+        from ..train import trainable
+        shapes = {n: tuple(t.shape) for n, t in [*trainable(model).items(), *model.named_buffers()]}
     return max(BODY_FLOOR, BODY_MARGIN * largest_request(shapes))
 
 

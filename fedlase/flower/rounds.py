@@ -27,6 +27,7 @@ from ..privacy import client_bound, l2
 from .codec import ReplyError, encode_submodel, record_bytes, validate_reply
 
 log = logging.getLogger("fedlase")
+REASON_CHARS = 400   # of a node's reason for refusing a task kept in the log and the metrics line (the node wrote it)
 
 
 class NodeRounds:
@@ -186,6 +187,8 @@ class NodeRounds:
         payload = {lvl: encode_submodel(exp.params, exp.buffers, s) for lvl, s in subs.items()}
         self.bound = client_bound(exp.server)   # dp: each node clips to it before it replies; checked in update_from()
         task = {} if self.bound is None else {"dp-clip": float(self.bound)}
+        if exp.frozen is not None:   # a LoRA run: the node trains adapters on its own copy of the base, checked
+            task |= {"frozen-count": int(exp.frozen["frozen"]), "frozen-sha256": str(exp.frozen["sha256"])}
         out = {}
         for pid, lvl in picked:
             if pid not in self.nodes:   # no node holds it: a failed client
@@ -239,6 +242,10 @@ class NodeRounds:
         if reply.metadata.src_node_id != sent.metadata.dst_node_id:
             raise ReplyError(f"reply from node {reply.metadata.src_node_id}, not from node "
                              f"{sent.metadata.dst_node_id}")
+        refused = reply.content.config_records.get("refused")
+        if refused is not None:   # the node would not train (client_app.base_refusal): its reason, on one short line
+            why = " ".join(str(refused.get("reason", "(no reason given)")).split())
+            raise ReplyError(f"the node refused to train: {why[:REASON_CHARS]}")
         try:
             m = reply.content.metric_records["metrics"]
             if int(m["partition-id"]) != pid or int(m["round"]) != rnd:

@@ -215,11 +215,12 @@ def bind(folder: Path) -> Bound:
 # ---- serving ---------------------------------------------------------------------------------------------------
 def message_limit(model) -> int:
     """The most payload bytes a TRAIN message for `model` can carry, with the front proxy's margin of 2: per
-    parameter or buffer its values (dense), two packed bit masks, its kept indices per dimension (int64) and
-    three .npy headers; at least 1 MiB."""
+    trainable parameter or buffer its values (dense), two packed bit masks, its kept indices per dimension (int64)
+    and three .npy headers (a LoRA run's frozen base never travels); at least 1 MiB."""
+    from ..train import trainable
     from .codec import NPY_HEADER_SLACK
     need = sum(t.numel() * t.element_size() + t.numel() // 4 + 8 * sum(t.shape) + 3 * NPY_HEADER_SLACK
-               for t in [*model.parameters(), *model.buffers()])
+               for t in [*trainable(model).values(), *model.buffers()])
     return max(1 << 20, 2 * need)
 
 
@@ -376,8 +377,9 @@ class Worker:
                 self.run = (header["run"], _digest(header["config"]))
         except Exception as e:   # reported to the ClientApp, which fails the message as in-process training would
             return {"error": f"{type(e).__name__}: {e}"}, None
-        _say(f"run {header['run']} round {rnd}: trained partition {pid} "
-             f"({', '.join(f'{k} {v:.3f} s' for k, v in times.items())})")
+        refused = reply.config_records.get("refused")   # the server's frozen base is not this node's
+        done = f"refused partition {pid}'s work: {refused['reason']}" if refused else f"trained partition {pid}"
+        _say(f"run {header['run']} round {rnd}: {done} ({', '.join(f'{k} {v:.3f} s' for k, v in times.items())})")
         return {"ok": True, "times": times}, reply
 
     @contextmanager

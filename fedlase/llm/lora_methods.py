@@ -56,9 +56,8 @@ class AdapterMethod(Method):
     """Base of the adapter methods: a level trains its rank's slice of every adapter (`rank`), the other trainable
     tensors whole."""
     adapters = True
-    # no objective of its own; `lora` runs on the embedded engine only (fedlase/lora_config.py), and a text
+    # every engine (runs_on's default): a Flower node builds the base from the config and gets the adapters; a text
     # model refuses batched clients itself
-    runs_on = ("embedded", "batched")
     server_stages = ("attack",)   # its own aggregation follows the default rule's screen (fedlase/server_step.py)
 
     def __init__(self, model, system=(1.0,), **options):
@@ -203,6 +202,10 @@ class FLoRA(AdapterMethod):
     """FLoRA: the exact data-weighted sum of the clients' products (stacking), merged into the frozen base every
     round, and fresh adapters for the next."""
     name = "flora"
+    runs_on = ("embedded", "batched")
+    runs_on_why = ("FLoRA merges the adapters into the frozen base every round, so a Flower node, which builds its "
+                   "base from the config, would train on the pretrained one; the merged updates are as large as "
+                   "the adapted weights, so they do not travel")
 
     def __init__(self, model, system=(1.0,), **options):
         super().__init__(model, system, **options)

@@ -76,6 +76,8 @@ class Method:
     # rounds and "batched" the embedded engine's batched_clients=true. A method whose submodels carry their
     # own LocalObjective declares ("embedded",): neither Flower nor the vmapped step runs that objective.
     runs_on: ClassVar[tuple[str, ...]] = TRAIN_PATHS
+    # why it runs nowhere else, said when a config asks for another engine ("": the refusal names runs_on alone)
+    runs_on_why: ClassVar[str] = ""
     # The models (registry names) it can run on, checked at config validation; None: any model.
     models: ClassVar[tuple[str, ...] | None] = None
     # whether the simulated clock (fedlase/simtime.py) can charge it: it costs a client as its level's submodel of
