@@ -48,6 +48,7 @@ import sys
 from dataclasses import dataclass
 
 import torch
+from torch.utils.flop_counter import FlopCounterMode
 
 __all__ = ["LEGEND", "LevelCost", "format_cost_table", "level_costs", "measure_memory", "with_memory"]
 
@@ -115,53 +116,48 @@ class _SavedBytes:
         return int(sum(self.seen.values()))
 
 
-class _LayerFlops:
-    """FLOPs of a step, in all and per layer that owns a masked weight (a conv or linear layer; the name is its
-    weight's, a tied weight's layer counts under the one name). FlopCounterMode's own per-module counts cannot be
-    scaled: in the backward it holds a module open from its output's gradient until its input's whole gradient
-    is summed, so where that input feeds another branch too (a ResNet shortcut beside its block's convs, a BERT
-    layer's query, key and value reading one hidden state, a residual) the other branch's backward is counted in
-    the module as well, and the layers' counts add up to more than the step (negative "sparse" FLOPs). Here each
-    operation counts in one layer at most: in the forward, the innermost layer running; in the backward, the layer
-    whose forward created the autograd node being run (torch._C._current_autograd_node)."""
+class _LayerFlops(FlopCounterMode):
+    """FLOPs of a step, in all and per layer that owns a weight of `names` (a conv or linear layer, under its
+    weight's name; a tied weight's layers count under the one name). FlopCounterMode's own per-module counts
+    cannot be scaled by layer: in the backward it holds a module open from its output's gradient until its
+    input's whole gradient is summed, so where that input feeds another branch too (a ResNet shortcut beside its
+    block's convs; a BERT layer's query, key and value reading one hidden state; a residual) the other branch's
+    backward counts in the module as well, the layers' counts add up to more than the step, and the sparse FLOPs
+    came out negative. Here each operation counts in one layer at most: in the forward, the innermost layer
+    running; in the backward, the layer whose forward created the autograd node being run."""
 
     def __init__(self, model, names):
-        from torch.utils.flop_counter import FlopCounterMode
+        super().__init__(display=False)
         owner = {id(p): n for n, p in model.named_parameters()}
-        self.layers = {m: owner[id(m._parameters["weight"])] for m in model.modules()
-                       if m._parameters.get("weight") is not None and owner.get(id(m._parameters["weight"])) in names}
+        self.layers = {m: owner[id(w)] for m in model.modules()
+                       if (w := m._parameters.get("weight")) is not None and owner.get(id(w)) in names}
         self.total, self.per_layer = 0, dict.fromkeys(self.layers.values(), 0)
-        self.running: list[tuple] = []      # (layer, its start) of the layers running forward, innermost last
-        self.created: dict = {}             # autograd node -> the layer whose forward created it
-        counter = self
+        self.running: list[tuple[str, int | None]] = []   # (layer, its start) of the layers running, innermost last
+        self.created: dict = {}                           # autograd node -> the layer whose forward created it
 
-        class Counter(FlopCounterMode):     # counts every operation as FlopCounterMode does, attributed once
-            def _count_flops(self, func_packet, out, args, kwargs):
-                if func_packet in self.flop_registry:
-                    counter.count(self.flop_registry[func_packet](*args, **kwargs, out_val=out))
-                return out
-
-        self.mode = Counter(display=False)
-
-    def count(self, flops: int) -> None:
-        self.total += flops
-        if torch._C._current_graph_task_id() != -1:   # in a backward
-            layer = self.created.get(torch._C._current_autograd_node())
-        else:
-            layer = self.running[-1][0] if self.running else None
-        if layer is not None:
-            self.per_layer[layer] += flops
+    def _count_flops(self, func_packet, out, args, kwargs):   # FlopCounterMode's counting, attributed as above
+        if func_packet in self.flop_registry:
+            flops = self.flop_registry[func_packet](*args, **kwargs, out_val=out)
+            node = torch._C._current_autograd_node()   # the node a backward runs (None in a forward): no public name
+            if node is not None:
+                layer = self.created.get(node)
+            else:
+                layer = self.running[-1][0] if self.running else None
+            self.total += flops
+            if layer is not None:
+                self.per_layer[layer] += flops
+        return out
 
     def _enter(self, module, args):
-        mark = torch.zeros((), requires_grad=True).view(())   # the autograd node made last before the layer runs
+        mark = torch.zeros((), requires_grad=True).view(())   # the latest autograd node before the layer runs
         self.running.append((self.layers[module], mark.grad_fn._sequence_nr() if mark.grad_fn else None))
 
     def _leave(self, module, args, out):
         name, start = self.running.pop()
-        if start is None:
+        if start is None:   # no graph (no_grad)
             return
-        # the nodes created since _enter (sequence numbers rise) and reached from the output: the layer's own
-        todo = [t.grad_fn for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+        # the layer's own nodes: reached from its output, made after _enter (sequence numbers rise)
+        todo = [t.grad_fn for t in (out if isinstance(out, (tuple, list)) else [out]) if isinstance(t, torch.Tensor)]
         seen = set()
         while todo:
             node = todo.pop()
@@ -174,14 +170,14 @@ class _LayerFlops:
     def __enter__(self):
         self.hooks = [h for m in self.layers for h in (m.register_forward_pre_hook(self._enter),
                                                         m.register_forward_hook(self._leave))]
-        self.mode.__enter__()
-        return self
+        return super().__enter__()
 
     def __exit__(self, *exc):
-        self.mode.__exit__(*exc)
+        out = super().__exit__(*exc)
         for h in self.hooks:
             h.remove()
         self.created.clear()
+        return out
 
 
 def _step_flops(model, trainer, params: dict, buffers: dict, client: int, trained) -> tuple[int, int, int]:

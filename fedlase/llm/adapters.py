@@ -170,3 +170,8 @@ def init_a(shape: tuple[int, int], generator: torch.Generator) -> torch.Tensor:
     `generator`."""
     bound = 1.0 / math.sqrt(shape[1])
     return (torch.rand(shape, generator=generator) * 2 - 1) * bound
+
+
+from ..registry import register_adapters  # noqa: E402
+
+register_adapters("lora", attach)
