@@ -129,8 +129,8 @@ class _LayerFlops(FlopCounterMode):
     def __init__(self, model, names):
         super().__init__(display=False)
         owner = {id(p): n for n, p in model.named_parameters()}
-        self.layers = {m: owner[id(w)] for m in model.modules()
-                       if (w := m._parameters.get("weight")) is not None and owner.get(id(w)) in names}
+        own = ((m, dict(m.named_parameters(recurse=False)).get("weight")) for m in model.modules())
+        self.layers = {m: owner[id(w)] for m, w in own if w is not None and owner.get(id(w)) in names}
         self.total, self.per_layer = 0, dict.fromkeys(self.layers.values(), 0)
         self.running: list[tuple[str, int | None]] = []   # (layer, its start) of the layers running, innermost last
         self.created: dict = {}                           # autograd node -> the layer whose forward created it
