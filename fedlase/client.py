@@ -15,7 +15,7 @@ import torch
 from .data.partition import local_test_split
 from .errors import UserError
 from .masks import Submodel
-from .registry import MODELS, PARTITIONS
+from .registry import ADAPTERS, MODELS, PARTITIONS
 from .resources import check_clients
 from .sampling import client_job, dropout_seed, seed_global_stream
 from .train import LocalWork, class_keep, classifier_names, label_split_masks, local_train, restrict_submodel
@@ -50,9 +50,8 @@ def build_model_for(cfg: Config, data) -> torch.nn.Module:
     from . import models  # noqa: F401 -- here: importing fedlase.models registers the built-in models
     torch.manual_seed(cfg.seed)
     model = MODELS.get(cfg.model).build(cfg, data)
-    if cfg.lora:   # the adapters are the trainable set (fedlase/llm/adapters.py)
-        from .llm.adapters import attach
-        model = attach(model, cfg.lora, cfg.seed)
+    if cfg.lora:   # the adapters are the trainable set (registered by fedlase/llm/adapters.py)
+        model = ADAPTERS.get("lora")(model, cfg.lora, cfg.seed)
     return model
 
 

@@ -22,8 +22,10 @@ Per level, on the submodel of round 1 of the initial model (or of the model a ch
               optimizer are not counted); with a frozen base, its whole forward and the activation gradients
               through it, then the trainable part's own gradients;
   sparse      the FLOPs of that step if the submodel's sparsity were exploited: each conv or linear layer's
-              counted FLOPs (forward, weight gradient and input gradient) times the kept fraction of its weight;
-              equal to step_flops for a slice, which already computes only what it keeps;
+              counted FLOPs (forward, weight gradient and input gradient) times the kept fraction of its weight,
+              every operation counted in one layer at most (`_LayerFlops`); what no masked layer computes
+              (attention's products, unmasked layers) stays whole; equal to step_flops for a slice, which
+              already computes only what it keeps;
   down / up   payload bytes each way as the Flower codec sends them (fedlase/payload.py: kept values, mask
               bits, slice indices, buffers; up: the delta on the credited mask); trainable parameters only, so a
               LoRA client's are its adapter's;
@@ -46,6 +48,7 @@ import sys
 from dataclasses import dataclass
 
 import torch
+from torch.utils.flop_counter import FlopCounterMode
 
 __all__ = ["LEGEND", "LevelCost", "format_cost_table", "level_costs", "measure_memory", "with_memory"]
 
@@ -113,30 +116,85 @@ class _SavedBytes:
         return int(sum(self.seen.values()))
 
 
+class _LayerFlops(FlopCounterMode):
+    """FLOPs of a step, in all and per layer that owns a weight of `names` (a conv or linear layer, under its
+    weight's name; a tied weight's layers count under the one name). FlopCounterMode's own per-module counts
+    cannot be scaled by layer: in the backward it holds a module open from its output's gradient until its
+    input's whole gradient is summed, so where that input feeds another branch too (a ResNet shortcut beside its
+    block's convs; a BERT layer's query, key and value reading one hidden state; a residual) the other branch's
+    backward counts in the module as well, the layers' counts add up to more than the step, and the sparse FLOPs
+    came out negative. Here each operation counts in one layer at most: in the forward, the innermost layer
+    running; in the backward, the layer whose forward created the autograd node being run."""
+
+    def __init__(self, model, names):
+        super().__init__(display=False)
+        owner = {id(p): n for n, p in model.named_parameters()}
+        own = ((m, dict(m.named_parameters(recurse=False)).get("weight")) for m in model.modules())
+        self.layers = {m: owner[id(w)] for m, w in own if w is not None and owner.get(id(w)) in names}
+        self.total, self.per_layer = 0, dict.fromkeys(self.layers.values(), 0)
+        self.running: list[tuple[str, int | None]] = []   # (layer, its start) of the layers running, innermost last
+        self.created: dict = {}                           # autograd node -> the layer whose forward created it
+
+    def _count_flops(self, func_packet, out, args, kwargs):   # FlopCounterMode's counting, attributed as above
+        if func_packet in self.flop_registry:
+            flops = self.flop_registry[func_packet](*args, **kwargs, out_val=out)
+            node = torch._C._current_autograd_node()   # the node a backward runs (None in a forward): no public name
+            if node is not None:
+                layer = self.created.get(node)
+            else:
+                layer = self.running[-1][0] if self.running else None
+            self.total += flops
+            if layer is not None:
+                self.per_layer[layer] += flops
+        return out
+
+    def _enter(self, module, args):
+        mark = torch.zeros((), requires_grad=True).view(())   # the latest autograd node before the layer runs
+        self.running.append((self.layers[module], mark.grad_fn._sequence_nr() if mark.grad_fn else None))
+
+    def _leave(self, module, args, out):
+        name, start = self.running.pop()
+        if start is None:   # no graph (no_grad)
+            return
+        # the layer's own nodes: reached from its output, made after _enter (sequence numbers rise)
+        todo = [t.grad_fn for t in (out if isinstance(out, (tuple, list)) else [out]) if isinstance(t, torch.Tensor)]
+        seen = set()
+        while todo:
+            node = todo.pop()
+            if node is None or node in seen or node._sequence_nr() <= start:
+                continue
+            seen.add(node)
+            self.created.setdefault(node, name)   # an inner layer's nodes stay its own
+            todo.extend(n for n, _ in node.next_functions)
+
+    def __enter__(self):
+        self.hooks = [h for m in self.layers for h in (m.register_forward_pre_hook(self._enter),
+                                                        m.register_forward_hook(self._leave))]
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        out = super().__exit__(*exc)
+        for h in self.hooks:
+            h.remove()
+        self.created.clear()
+        return out
+
+
 def _step_flops(model, trainer, params: dict, buffers: dict, client: int, trained) -> tuple[int, int, int]:
     """(FLOPs of one local step, the same with each layer's FLOPs times its weight's kept fraction, the bytes
     autograd keeps for the step's backward)."""
-    from torch.utils.flop_counter import FlopCounterMode
-
     from .train import local_train
     batches, augment = trainer.job(client, 1)
     one = dataclasses.replace(trainer.work, steps=1, epochs=None)
     classes = trainer.classes[client] if trainer.classes is not None else None
+    masks = trained.inner().masks if trained.slices else trained.masks   # a slice's inner masks, if any
     saved = _SavedBytes(model)
-    with torch.random.fork_rng(), FlopCounterMode(display=False) as counter, \
+    with torch.random.fork_rng(), _LayerFlops(model, masks) as counter, \
             torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t):
         local_train(model, params, buffers, trained, trainer.x, trainer.y, batches[:1], one, augment, classes)
-    counts = counter.get_flop_counts()
-    total = int(sum(counts.get("Global", {}).values()))
-    # the layers that own a weight: their counted FLOPs scale with its density (a slice's inner masks, if any)
-    masks = trained.inner().masks if trained.slices else trained.masks
-    saved_bytes, saved = saved, 0.0
-    for key, ops in counts.items():
-        name = key.split(".", 1)[1] + ".weight" if "." in key else None
-        if name in masks:
-            density = float(masks[name].float().mean())
-            saved += sum(ops.values()) * (1.0 - density)
-    return total, int(round(total - saved)), saved_bytes.total
+    # a layer's counted FLOPs (forward, weight gradient, input gradient) scale with its weight's density
+    skipped = sum(flops * (1.0 - float(masks[name].float().mean())) for name, flops in counter.per_layer.items())
+    return counter.total, int(round(counter.total - skipped)), saved.total
 
 
 def _payload(params: dict, buffers: dict, sub) -> tuple[int, int]:

@@ -31,7 +31,7 @@ from .evaluate import EvalData, EvalSettings, evaluate_levels
 from .levels import Level
 from .machine import apply_threads
 from .masks import Submodel
-from .model_facts import ModelFacts, fingerprint
+from .model_facts import ModelFacts, frozen_fingerprint
 from .privacy import stages_for
 from .registry import METHODS, TRACKERS, check_analysis, load_dataset
 from .resources import check_loaded
@@ -260,7 +260,7 @@ class Experiment:
         # the trainable parameters only: a frozen base (a LoRA run's) stays in the module, once per process
         self.state = RunState(0, {k: v.detach().clone() for k, v in trainable(self.model).items()},
                               {k: v.detach().clone() for k, v in self.model.named_buffers()})
-        self.frozen = fingerprint(self.model)   # what a checkpoint names the frozen base by (None: nothing frozen)
+        self.frozen = frozen_fingerprint(self.model)   # what a checkpoint names the frozen base by (None: none)
         view = RunView(self)   # what a tracker may read: a few of the run's members, none it may replace
         self.trackers = [TRACKERS.get(name)(view, opts) for name, opts in check_analysis(cfg.analysis).items()]
         self.runner = runner or (BatchedRounds() if trains_batched(cfg, p) else SequentialRounds())

@@ -10,6 +10,7 @@ lazy: it runs when a width method first asks for the groups, so a method that do
 from __future__ import annotations
 
 import hashlib
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -18,7 +19,7 @@ from torch import nn
 from .model_hooks import hook
 from .slicing import width_slices
 
-__all__ = ["ModelFacts", "fingerprint"]
+__all__ = ["ModelFacts", "frozen_fingerprint"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -90,13 +91,36 @@ def declares_groups(model) -> bool:
     return hook(model, "channel_groups") is not None or hook(model, "group_units") is not None
 
 
-def fingerprint(model: nn.Module) -> dict | None:
+# the frozen bases hashed in this process: their state (`_frozen_state`) -> their fingerprint
+_FINGERPRINTS: dict[tuple, dict] = {}
+
+
+def _frozen_state(frozen: list) -> tuple:
+    """What identifies the frozen tensors' values without reading them: each one's name, its storage (a weak
+    reference: alive while that storage is, so a freed base's address taken by a new one is a different state),
+    its place in it, and its version (torch counts every in-place write through the tensor; not writes through
+    `.data`, which fedlase never makes to a base: FLoRA's merge gives its base weights new storages)."""
+    return tuple((n, weakref.ref(p.untyped_storage()), p.storage_offset(), tuple(p.shape), p.stride(), p.dtype,
+                  p._version) for n, p in frozen)
+
+
+def frozen_fingerprint(model: nn.Module) -> dict | None:
     """{"frozen": parameter count, "sha256": hash of the frozen parameters' names and bytes in order} of a model
     with frozen parameters (a LoRA run's base), which a checkpoint names instead of holding them; None for a model
-    that trains every parameter."""
+    that trains every parameter. Hashed once per process per base (half a gigabyte for SmolLM2's): the same
+    tensors, unchanged, give the kept fingerprint, whichever model object holds them."""
     frozen = [(n, p) for n, p in model.named_parameters() if not p.requires_grad]
     if not frozen:
         return None
+    state = _frozen_state(frozen)
+    if state not in _FINGERPRINTS:
+        for old in [k for k in _FINGERPRINTS if any(ref() is None for _, ref, *_ in k)]:   # bases since freed
+            del _FINGERPRINTS[old]
+        _FINGERPRINTS[state] = _hash_frozen(frozen)
+    return dict(_FINGERPRINTS[state])
+
+
+def _hash_frozen(frozen: list) -> dict:
     h = hashlib.sha256()
     for n, p in frozen:
         h.update(n.encode())

@@ -186,6 +186,9 @@ TRACKERS: Registry[type] = Registry("analysis")  # Tracker subclasses
 RULES: Registry[type] = Registry("robust")       # server rules: fedlase.server_step.Rule subclasses
 ATTACKS: Registry[type] = Registry("attack")     # simulated attacks: fedlase.robust_config.Attack subclasses
 TASKS: Registry[TaskEntry] = Registry("task")    # tasks besides the built-in classify
+# attach(model, checked options, seed) -> the model with adapters as its trainable set, by the config key that
+# asks for them (`lora`: fedlase/llm/adapters.py); the core builds a model through it without importing the llm
+ADAPTERS: Registry[Callable] = Registry("adapters")
 
 
 def task_names() -> tuple[str, ...]:
@@ -227,6 +230,12 @@ def register_task(name: str, load: Callable, loss: Callable, score: Callable, ch
                   help: str = "", replace: bool = False) -> TaskEntry:
     """Make `task=name` valid everywhere (see TaskEntry)."""
     return TASKS.add(name, TaskEntry(load, loss, score, check, help), replace)
+
+
+def register_adapters(key: str, attach: Callable, replace: bool = False) -> Callable:
+    """Make the config key `key` (a mapping of options) put adapters on a model: attach(model, options, seed)
+    returns the model whose trainable set they are (fedlase.client.build_model_for calls it)."""
+    return ADAPTERS.add(key, attach, replace)
 
 
 def register_partition(name: str, split: Callable, help: str = "", replace: bool = False) -> PartitionEntry:

@@ -537,6 +537,7 @@ class ServerStep:
     def state_dict(self) -> dict:
         return {"stages": [stage.state_dict() for stage in self.stages], "rule": self.rule.state_dict(),
                 "totals": {k: dict(v) for k, v in self.totals.items()},
+                "window": {k: dict(v) for k, v in self.window.items()},   # a resumed run's next line says the same
                 **({"recent": [list(x) for x in self.recent]} if self.recent is not None else {})}
 
     def load_state_dict(self, state: dict) -> None:
@@ -544,5 +545,6 @@ class ServerStep:
             stage.load_state_dict(s)
         self.rule.load_state_dict(state.get("rule", {}))
         self.totals = {k: dict(state.get("totals", {}).get(k, {})) for k in TOTALS}
+        self.window = {k: Counter(state.get("window", {}).get(k, {})) for k in ("seen", "rejected")}
         if self.recent is not None:
             self.recent = [tuple(x) for x in state.get("recent", [])]

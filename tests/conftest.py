@@ -54,6 +54,13 @@ def host_reads():
         yield reads
 
 
+def assert_sparse_flops_sound(costs):
+    """Each level's sparse FLOPs positive, at most its dense FLOPs, and falling with the level (largest first)."""
+    sparse = [c.sparse_flops for c in costs]
+    assert all(0 < c.sparse_flops <= c.step_flops for c in costs), [(c.step_flops, c.sparse_flops) for c in costs]
+    assert sparse == sorted(sparse, reverse=True) and sparse[0] == costs[0].step_flops
+
+
 @pytest.fixture
 def tiny_cfg(tmp_path):
     """tiny_cfg(key=value, ...) -> a validated Config of the tiny run writing into a fresh tmp folder."""

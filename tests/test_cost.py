@@ -2,9 +2,11 @@
 import json
 
 import pytest
+import torch
 
+from conftest import assert_sparse_flops_sound
 from fedlase.cli import main
-from fedlase.cost import level_costs, measure_memory
+from fedlase.cost import _LayerFlops, level_costs, measure_memory
 from fedlase.engine import Experiment, run_experiment
 from fedlase.errors import ConfigError, UserError
 from fedlase.simtime import SimClock, client_steps, clock_for
@@ -40,6 +42,28 @@ def test_width_methods_hold_and_compute_their_slice(tiny_cfg, method):
     assert flops == sorted(flops, reverse=True) and flops[-1] < flops[0]
     assert all(c.sparse_flops == c.step_flops for c in costs)   # a slice computes only what it keeps
     assert all(c.sliced for c in costs[1:])
+
+
+@pytest.mark.parametrize("method", ["fedlase", "fiarse"])
+def test_sparse_flops_of_a_resnet_are_positive_at_most_dense_and_fall_with_the_level(tiny_cfg, method):
+    # a shortcut reads its block's input beside the block's convs; torch's per-module counts held it open through
+    # the convs' backward, and FedLASE's 1/64 came out negative (docs/reference/resnet-width-regime before the fix)
+    exp = Experiment.from_config(tiny_cfg(*FOUR, f"method={method}", "model=resnet18", "width=0.0625"))
+    assert_sparse_flops_sound(costs_of(exp))
+
+
+def test_each_operation_counts_in_one_layer_whatever_reads_the_same_input():
+    """Two layers read one hidden state (a block and its shortcut): each layer's FLOPs are its own forward, weight
+    gradient and input gradient, by hand; the first layer's input needs no gradient."""
+    torch.manual_seed(0)
+    model = torch.nn.ModuleDict({"a": torch.nn.Linear(3, 4), "b": torch.nn.Linear(4, 5), "c": torch.nn.Linear(4, 5)})
+    x = torch.randn(2, 3)
+    with _LayerFlops(model, {"a.weight", "b.weight", "c.weight"}) as counter:
+        h = model["a"](x)
+        (model["b"](h) + model["c"](h)).sum().backward()
+    mm = 2 * 2   # FLOPs per weight coordinate of one matmul over a batch of 2
+    assert counter.per_layer == {"a.weight": 2 * mm * 12, "b.weight": 3 * mm * 20, "c.weight": 3 * mm * 20}
+    assert counter.total == sum(counter.per_layer.values())
 
 
 def test_costing_leaves_the_run_unchanged(tiny_cfg, tmp_path):

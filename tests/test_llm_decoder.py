@@ -103,6 +103,20 @@ def test_lm_loss_and_perplexity_against_a_hand_computed_value():
     assert got["acc"] == pytest.approx(0.5)
 
 
+def test_the_loss_and_the_score_read_the_same_next_token_pairs():
+    """One shift (`next_tokens`) serves training's loss and evaluation's score: position t against token t + 1,
+    in float, the last position left out; the loss is the score's mean, whatever the logits' dtype."""
+    from fedlase.llm.lm_task import lm_loss, lm_score, next_tokens
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(2, 4, 5, generator=g).to(torch.bfloat16)
+    xb = torch.randint(0, 5, (2, 4), generator=g)
+    pred, target = next_tokens(logits, xb)
+    assert pred.dtype == torch.float32 and pred.shape == (6, 5)
+    assert torch.equal(pred[3], logits[1, 0].float()) and target.tolist() == xb[:, 1:].reshape(-1).tolist()
+    total, count, _ = lm_score(logits, xb, None)
+    assert count == 6 and lm_loss(logits, xb, None).item() == pytest.approx(total / count, rel=1e-6)
+
+
 # ---------------------------------------------------------------------- hf_causal: loading and refusals
 
 def test_hf_causal_reads_the_folder_as_data_and_shares_one_loaded_copy(tiny, texts, tmp_path):

@@ -217,6 +217,29 @@ def test_a_killed_lora_run_resumes_bit_identically_and_its_checkpoint_holds_no_b
         assert all(torch.equal(merged[n], b["method"]["merged"][n]) for n in merged)
 
 
+def test_the_frozen_base_is_hashed_once_per_process_and_a_changed_base_hashes_anew(monkeypatch):
+    from fedlase import model_facts
+    hashed = []
+    real = model_facts._hash_frozen
+    monkeypatch.setattr(model_facts, "_hash_frozen", lambda frozen: (hashed.append(1), real(frozen))[1])
+    torch.manual_seed(0)
+    base = torch.nn.Linear(6, 5).requires_grad_(False)
+    model = torch.nn.Sequential(base, torch.nn.Linear(5, 2))   # the head trains
+    first = model_facts.frozen_fingerprint(model)
+    assert first == real([("0.weight", base.weight), ("0.bias", base.bias)]) and first["frozen"] == 35
+    assert model_facts.frozen_fingerprint(model) == first and len(hashed) == 1
+    other = torch.nn.Sequential(base, torch.nn.Linear(5, 3))   # another model on the same base: not hashed again
+    assert model_facts.frozen_fingerprint(other) == first and len(hashed) == 1
+    with torch.no_grad():
+        base.weight[0, 0] += 1   # written in place
+    changed = model_facts.frozen_fingerprint(model)
+    assert changed["sha256"] != first["sha256"] and len(hashed) == 2
+    base.bias.data = base.bias.detach() * 2   # a new tensor for a base weight (FLoRA's merge)
+    assert model_facts.frozen_fingerprint(model)["sha256"] not in (first["sha256"], changed["sha256"])
+    assert len(hashed) == 3
+    assert model_facts.frozen_fingerprint(torch.nn.Linear(2, 2)) is None   # nothing frozen
+
+
 # ---- every family on the adapters, and what combines ----------------------------------------------------------
 @pytest.mark.parametrize("overrides", [["method=heterofl"], ["method=fiarse"], ["method=fedlase"],
                                        ["method=lora_fedavg", "method_args.rank=full"],

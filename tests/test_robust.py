@@ -297,6 +297,41 @@ def test_a_resumed_fedasync_run_keeps_its_running_reference_and_totals(tiny_cfg,
     assert whole_lines[-1]["robust_totals"]["rejected"]   # the wild client's, counted across the resume
 
 
+def test_a_run_killed_between_evaluations_says_at_the_next_what_the_whole_run_says(tiny_cfg, tmp_path, monkeypatch,
+                                                                                    caplog):
+    """The screen's rejections since the last evaluation (ServerStep.window) are in the checkpoint: killed in round
+    3 (its checkpoint: round 2's, rounds 1-2 rejected the wild client's update), resumed, the run logs the
+    evaluation line of round 3 the uninterrupted run logs, and ends with the same model and state."""
+    from fedlase import checkpoint
+    run = ["participation=1", "rounds=4", "eval_every=3", "checkpoint_every=1", "attack=scale",
+           "attack_args.factor=1e6", "attack_args.clients=[1]"]
+
+    def said(name, resume=False):
+        caplog.clear()
+        with caplog.at_level("INFO", logger="fedlase"):
+            run_experiment(tiny_cfg(*run, out=str(tmp_path / name)), resume=resume, progress=False)
+        return [r.getMessage() for r in caplog.records if "the screen rejected" in r.getMessage()]
+
+    whole = said("whole")
+    assert whole[0].startswith("round 3: the screen rejected 3 of 12 updates")   # rounds 1-3, one a round
+    real = Experiment.run_round
+
+    def killed(self, rnd):
+        if rnd == 3:
+            raise RuntimeError("killed")
+        return real(self, rnd)
+
+    monkeypatch.setattr(Experiment, "run_round", killed)
+    with pytest.raises(RuntimeError, match="killed"):
+        said("split")
+    monkeypatch.setattr(Experiment, "run_round", real)
+    stopped = checkpoint.load(tmp_path / "split" / "checkpoint.pt")["server"]
+    assert said("split", resume=True) == whole
+    assert stopped["window"]["rejected"] == {"1": 2}
+    a, b = (checkpoint.load(tmp_path / name / "checkpoint.pt") for name in ("whole", "split"))
+    assert a["server"] == b["server"] and all(torch.equal(a["params"][k], b["params"][k]) for k in a["params"])
+
+
 def test_colluders_send_a_little_is_enough_and_inner_product_from_the_honest_updates():
     from fedlase.rules import InnerProduct, LittleIsEnough, alie_z
     assert alie_z(10, 3) == pytest.approx(0.5244, abs=1e-4) and alie_z(1, 1) == 0.0

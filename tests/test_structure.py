@@ -105,6 +105,14 @@ def test_the_engine_imports_nothing_that_builds_on_it():
     assert not [m for m in imports(PKG / "engine.py") if m.startswith(above)]
 
 
+def test_only_the_command_line_imports_the_llm_package():
+    """The language-model track plugs in through the registry (its models, task, methods and the `lora` adapters:
+    fedlase.registry.ADAPTERS); a module below it that imported it would point up the layers."""
+    users = {m for m, names in graph().items()
+             if not m.startswith("fedlase.llm") and any(n.startswith("fedlase.llm") for n in names)}
+    assert users <= {"fedlase.cli"}, users   # `fedlase export`
+
+
 # Flower's and Ray's modules fedlase may use: their documented API, each module by its exact name (so a private
 # module without an underscore fails too, not only `flwr.*._*`).
 PUBLIC = {"flwr.app", "flwr.clientapp", "flwr.serverapp", "flwr.simulation",
@@ -163,7 +171,9 @@ TORCH_PRIVATE = {"nn.modules.batchnorm._BatchNorm": "fedlase/layers.py",
                  "torch._foreach_add": "fedlase/train.py", "torch._foreach_add_": "fedlase/train.py",
                  "torch._foreach_mul_": "fedlase/train.py",
                  # torch.use_deterministic_algorithms without its import of inductor's config (1.2 s a process)
-                 "torch._C": "fedlase/determinism.py"}
+                 "torch._C": "fedlase/determinism.py",
+                 # which layer's forward made the autograd node a backward runs: the cost table's FLOPs per layer
+                 "torch._C._current_autograd_node": "fedlase/cost.py"}
 
 
 def _torch_private_uses(path: Path, tree: ast.Module | None = None) -> list[tuple[int, str]]:

@@ -636,6 +636,24 @@ def test_head_norm_run_resumes_bit_identically(hf_folder, tmp_path, cache):
     assert not torch.allclose(stats[0], stats[1])
 
 
+@pytest.mark.parametrize("method,args", [("fedlase", ["method_args.extract_all_layers=true"]), ("fiarse", [])])
+def test_sparse_flops_of_a_transformer_are_positive_at_most_dense_and_fall_with_the_level(hf_folder, tmp_path, cache,
+                                                                                           method, args):
+    """MiniLM's layout (query, key and value reading one hidden state, residuals), whole word embeddings: the
+    cost table's sparse FLOPs were negative from 1/16 down before each operation counted in one layer only."""
+    from conftest import assert_sparse_flops_sound
+    from fedlase.config import load_config
+    from fedlase.cost import level_costs
+    from fedlase.engine import Experiment
+    data = write_agnews(tmp_path / "ag", n_train=24, n_test=8)
+    cfg = load_config(None, ["dataset=agnews", f"data_dir={data}", "model=hf", f"model_path={hf_folder}",
+                             "max_length=16", "system={1,1/4,1/16}_{1,1,1}", "participation=1", "local_steps=1",
+                             "batch_size=4", "threads=1", "word_embeddings=whole", f"method={method}", *args,
+                             f"out={tmp_path / 'run'}"])
+    exp = Experiment.from_config(cfg)
+    assert_sparse_flops_sound(level_costs(exp.model, exp.method, exp.trainer, exp.levels, exp.level_clients))
+
+
 def test_head_norm_needs_a_text_model():
     from fedlase.api import make_config
     from fedlase.engine import Experiment

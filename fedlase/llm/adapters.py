@@ -5,7 +5,7 @@ inside a text model and freezes it: the base weights are held once, by the modul
 the run's state, its payloads and its checkpoints hold only the trainable tensors (the adapters, and a task head
 outside the transformer), local training computes gradients and optimizer state for those only
 (fedlase/train.py, `trainable`), and a checkpoint names the base by a hash of it (fedlase/model_facts.py,
-`fingerprint`).
+`frozen_fingerprint`).
 
 The adapted model (`AdaptedModel`) declares what methods read of it: its budget is the adapters' tensors, and the
 rank components of each adapter (the rows of its A, the columns of its B) are one channel group, so a width
@@ -170,3 +170,8 @@ def init_a(shape: tuple[int, int], generator: torch.Generator) -> torch.Tensor:
     `generator`."""
     bound = 1.0 / math.sqrt(shape[1])
     return (torch.rand(shape, generator=generator) * 2 - 1) * bound
+
+
+from ..registry import register_adapters  # noqa: E402
+
+register_adapters("lora", attach)

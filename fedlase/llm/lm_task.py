@@ -89,16 +89,22 @@ def load_lm(cfg, entry) -> Dataset:
 
 # ---------------------------------------------------------------------- loss and score
 
+def next_tokens(logits: torch.Tensor, xb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(each position's logits, in float, one row a position, the token that follows it) of a batch of blocks:
+    the pairs next-token prediction is scored on (the last position predicts nothing)."""
+    return logits[:, :-1].float().reshape(-1, logits.shape[-1]), xb[:, 1:].reshape(-1)
+
+
 def lm_loss(logits: torch.Tensor, xb: torch.Tensor, yb: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy of each position's logits against the block's next token (the last position
-    predicts nothing). `yb` (the blocks' categories) plays no part."""
-    return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(), xb[:, 1:].reshape(-1))
+    """Mean cross-entropy of each position's logits against the block's next token. `yb` (the blocks'
+    categories) plays no part."""
+    return F.cross_entropy(*next_tokens(logits, xb))
 
 
 def lm_score(logits: torch.Tensor, xb: torch.Tensor, yb: torch.Tensor) -> tuple[float, int, int]:
     """(summed next-token cross-entropy, predicted tokens, correct top-1 predictions) of a batch of blocks."""
-    pred, target = logits[:, :-1].float(), xb[:, 1:]
-    nll = F.cross_entropy(pred.reshape(-1, pred.shape[-1]), target.reshape(-1), reduction="sum")
+    pred, target = next_tokens(logits, xb)
+    nll = F.cross_entropy(pred, target, reduction="sum")
     return float(nll), target.numel(), int((pred.argmax(-1) == target).sum())
 
 
