@@ -15,8 +15,6 @@ the reply's `reply_content`) run in `train_content`, which times each when asked
 the very path a node takes (tools/flower_profile.py) without reaching into this module."""
 from __future__ import annotations
 
-import weakref
-
 from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
@@ -90,26 +88,14 @@ def decode(msg: Message | RecordDict, trainer):
     return {n: p.to(dev) for n, p in params.items()}, {n: b.to(dev) for n, b in buffers.items()}, sub.to(dev)
 
 
-_BASES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # per process: model -> its base's fingerprint
-
-
-def base_fingerprint(model) -> dict | None:
-    """The fingerprint of `model`'s frozen base (fedlase/model_facts.py: what a checkpoint names it by), hashed once
-    per process and model: hashing a base reads every byte of it (538 MB for SmolLM2), and a node's model lives
-    across its messages (a warm worker, a Ray actor)."""
-    if model not in _BASES:
-        from ..model_facts import fingerprint
-        _BASES[model] = fingerprint(model)
-    return _BASES[model]
-
-
 def base_refusal(task, model) -> str | None:
     """Why this node must not train the task (None: it may): the server's frozen base (`frozen-*` in the task, a
     LoRA run's) is not the one this node built from the same config (another model file, another revision), and
     adapters trained on another base would be averaged into the server's as if they fitted it."""
     if "frozen-sha256" not in task:
         return None
-    mine = base_fingerprint(model)
+    from ..model_facts import frozen_fingerprint
+    mine = frozen_fingerprint(model)   # hashed once per process and base (fedlase/model_facts.py)
     theirs = {"frozen": int(task["frozen-count"]), "sha256": str(task["frozen-sha256"])}
     if mine == theirs:
         return None
