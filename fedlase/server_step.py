@@ -11,7 +11,9 @@ options, registered in fedlase/registry.py and named by the config):
    exceeds `robust_args.screen` times its reference: the lower median of that figure (its level's or the
    round's; small figures and near-zero updates left out of it, near-zero ones out of the step too; under an
    asynchronous schedule, a step with fewer than two updates above near zero is judged against the recent
-   arrivals: `judge`). docs/methods.md, "Robust aggregation", says why this rule and this bound.
+   arrivals: `judge`). docs/methods.md, "Robust aggregation", says why this rule and this bound. Under a stage
+   or for a method that may not judge one update by the others (dp; RecipFL, `Method.screen_by_others`), the
+   per-update checks only.
 3. the stages (`Stage`): a step between the screen and the rule: differential privacy (fedlase/privacy.py,
    under the `dp` key: clip each accepted update, then the public denominator and the noise on the new model).
 4. the rule (`robust`) turns the accepted updates into the new global model, per coordinate, under the run's
@@ -478,8 +480,8 @@ class ServerStep:
         if not self.rule.weighted and any(u.weight != 1.0 for u in updates):
             raise ValueError(f"robust={self.rule.name} does not take weighted updates (its `weighted`)")
         updates = self.attack.collude(updates, subs, params)
-        if "screen" in self.rule.args and not all(s.screen_by_others for s in self.stages):
-            v = judge(updates, subs, params, math.inf, near_zero=False)   # the per-update checks only (dp)
+        if "screen" in self.rule.args and not self.by_others():
+            v = judge(updates, subs, params, math.inf, near_zero=False)   # the per-update checks only (dp, RecipFL)
         else:
             v = self.rule.judge(updates, subs, params, self.recent)
         self.rule.refs, self.near_zero = v.refs, v.near_zero
@@ -491,6 +493,12 @@ class ServerStep:
         self.window["rejected"].update(level[c] for c in v.rejected)
         self._count("near_zero", Counter(level[str(c)] for c in v.near_zero))
         return v.accepted, v.rejected, v.rms
+
+    def by_others(self) -> bool:
+        """Whether the screen may reject an update for what the others are (its median bound, near zero), or only
+        for what it is itself (non-finite): not under a stage that forbids it (dp), nor for a method whose replies
+        no common median bounds (`Method.screen_by_others`: RecipFL's)."""
+        return all(s.screen_by_others for s in self.stages) and (self.method is None or self.method.screen_by_others)
 
     def evaluated(self, rnd: int) -> None:
         """Say what the screen rejected since the last evaluation, in one line, and start counting again. The

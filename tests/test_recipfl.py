@@ -181,9 +181,12 @@ def test_the_hypernetwork_steps_in_the_server_step_on_the_accepted_uploads(tiny_
 
 
 def test_a_non_finite_reply_is_dropped_as_any_other(tiny_cfg, monkeypatch):
-    """The screen judges a RecipFL reply as any other: one holding a NaN is rejected with its reason, its client's
-    upload never reaches the hypernetwork, which steps on the others and stays finite."""
+    """The screen judges a RecipFL reply as any other by its per-update checks: one holding a NaN is rejected with
+    its reason, its client's upload never reaches the hypernetwork, which steps on the others and stays finite. Its
+    median bound does not apply (a Goliath's change of two models has no common scale with a David's): a Goliath's
+    reply 10x larger than it was is taken."""
     exp = Experiment.from_config(tiny_cfg(*RECIP, "participation=1.0"))
+    assert exp.cfg.levels.level_of(0).index == 0 and exp.cfg.levels.level_of(1).index == 1   # 0: the Goliath
     train = exp.trainer.update
 
     def spoiled(client, *args, **kwargs):
@@ -192,6 +195,8 @@ def test_a_non_finite_reply_is_dropped_as_any_other(tiny_cfg, monkeypatch):
             name = next(iter(delta))
             delta[name] = delta[name].clone()
             delta[name].view(-1)[0] = float("nan")
+        if client == 0:   # the Goliath
+            delta = {n: 10 * d for n, d in delta.items()}
         return delta, loss
     monkeypatch.setattr(exp.trainer, "update", spoiled)
     stats = exp.run_round(1)

@@ -97,6 +97,10 @@ class Method:
     # method that aggregates the updates its own way (HetLoRA, FlexLoRA, FLoRA) declares ("attack",): its
     # `server_update` replaces the rule's mean.
     server_stages: ClassVar[tuple[str, ...]] = ("rule", "attack", "dp")
+    # whether the screen may reject one of its replies for what the others are (the default rule's median bound,
+    # near zero), or only for what it is itself (non-finite): False where the replies are not updates of one
+    # model at one scale (RecipFL's: a Goliath's change of two models, a David's of its small one)
+    screen_by_others: ClassVar[bool] = True
     # whether it trains LoRA adapters only (fedlase/llm/lora_methods.py): the config must then set `lora`
     adapters: ClassVar[bool] = False
     # whether a client is evaluated on a model of its own (`personal_weights`) rather than its level's submodel

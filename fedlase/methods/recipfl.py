@@ -8,12 +8,13 @@ and holds only the small variant. A round: the hypernetwork generates each sampl
 graphs, the summaries of what that client last uploaded, and its label histogram; the client trains them (plain
 SGD; a Goliath's small model may also learn from its large one, `distill`) and reply with what they trained,
 as any client does: the change of each model ('<large|small>.<name>', its payload). The server step
-(fedlase/server_step.py) screens the replies as any others (a non-finite one is dropped), then
-`RecipFL.server_update` adds each accepted change to what the server generated for that client (the upload), pushes
-(generated - uploaded) back through the generated tensors (a vector-Jacobian product, as pFedHN) into the
-hypernetwork's gradient, clips its norm and takes one Adam step. The run's own model (the engine's global
-parameters) is never trained: no reply holds a tensor of it, so the rule leaves it as it is; it runs under the
-default rule only, without attack or dp (`server_stages`), which would act on a model it does not train.
+(fedlase/server_step.py) screens the replies as any others, by the screen's per-update checks (a non-finite one is
+dropped; `screen_by_others`), then `RecipFL.server_update` adds each accepted change to what the server generated
+for that client (the upload), pushes (generated - uploaded) back through the generated tensors (a vector-Jacobian
+product, as pFedHN) into the hypernetwork's gradient, clips its norm and takes one Adam step. The run's own model
+(the engine's global parameters) is never trained: no reply holds a tensor of it, so the rule leaves it as it is;
+it runs under the default rule only, without attack or dp (`server_stages`), which would act on a model it does
+not train.
 
 It is personalized: a client is evaluated on the model generated for it (a Goliath on its large model), after
 `eval_finetune` epochs of local training as RecipFL reports (set eval_finetune=1)."""
@@ -143,6 +144,7 @@ class RecipFL(Method):
     models = ("lenet", "resnet18")   # the models with a David variant (david_model)
     clocked = False   # the clock would charge its clients as the run's model and its hypernetwork as nothing
     server_stages = ()   # its training is the hypernetwork's step, not the run's model a rule, attack or dp acts on
+    screen_by_others = False   # a Goliath's reply (two models) and a David's (one) share no median: non-finite only
     personalized = True   # a client is evaluated on the model generated for it
     options = {
         "lr": Option(1e-3, "the hypernetwork's Adam learning rate", low=0, low_open=True),
