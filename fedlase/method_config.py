@@ -15,9 +15,9 @@ def check_method(cfg) -> None:
         raise ConfigError("method_args", f"expected a mapping of options, got {cfg.method_args!r}")
     method.check_args(cfg.method_args)
     if cfg.engine not in method.runs_on:   # declared by the method (Method.runs_on), not found out by a run
-        why = f": {method.runs_on_why}" if method.runs_on_why else ""
-        raise ConfigError("engine", f"method {cfg.method} runs on {', '.join(method.runs_on)} only (its runs_on), "
-                          f"not engine={cfg.engine}{why}")
+        why = f": {method.confined}" if method.confined else ""
+        raise ConfigError("engine", f"method {cfg.method} runs on {', '.join(method.runs_on)} only (its "
+                          f"runs_on{why}), not engine={cfg.engine}")
     if cfg.batched_clients == "true" and (why := batching_refused(cfg)):
         raise ConfigError("batched_clients", why)
     if cfg.simulated and not method.clocked:   # declared by the method (Method.clocked)

@@ -10,6 +10,9 @@ Down (server -> client), per parameter:
     second bit array only where it differs from the support (never for FIARSE, whose mask is |w| >= tau).
   - not masked: the dense tensor.
   A width slice's kept indices per dim; the model's buffers and the submodel's buffer overrides, dense.
+  A method's own local objective (`Submodel.local`: FjORD's widths, DepthFL's exits) is code, not arrays, and is
+  not sent: the node rebuilds it with its own copy of the method from the level and the round
+  (fedlase/flower/client_app.py, `with_objective`), as the server built it.
 Up (client -> server): the delta's values on the credited mask only (dense for unmasked parameters).
 
 Each array travels as an .npy file (numpy's header, then the raw values): `npy_bytes` is its size."""
@@ -22,7 +25,6 @@ import math
 import numpy as np
 import torch
 
-from .errors import UserError
 from .masks import Submodel
 
 Array = torch.Tensor | np.ndarray
@@ -48,10 +50,7 @@ def support(sub: Submodel, name: str, w: torch.Tensor) -> torch.Tensor:
 def submodel_arrays(params: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor],
                     sub: Submodel) -> dict[str, dict[str, Array]]:
     """The arrays a submodel travels as, by group ("values", "bits", "credit", "slices", "buffers",
-    "sub-buffers"); a one-line UserError for a submodel with its own local objective, which is not sent."""
-    if sub.local is not None:   # FjORD, DepthFL, FedDSE: their local objective is not sent (yet)
-        raise UserError("engine: this method trains with its own local objective (Submodel.local), which a Flower "
-                        "ClientApp cannot receive; use engine=embedded")
+    "sub-buffers"); its local objective, if any, is not among them (the node rebuilds it)."""
     values, bits, credit = {}, {}, {}
     for n, w in params.items():
         if n in sub.masks:

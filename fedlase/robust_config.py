@@ -36,9 +36,9 @@ def check_attack(kind: str, args, system) -> dict:
 
 def check_stages(cfg, default_rule: str) -> None:
     """A method whose training some server stage does not reach (its `server_stages`: RecipFL's hypernetwork steps
-    on the uploads, not on the zero updates a rule, attack or dp would act on; an adapter method aggregates in its
-    own server step, where another rule or dp's calibration does not reach) is refused that stage in one line;
-    under the default rule (`default_rule`) its screen still applies."""
+    on what its clients trained of their generated models, not on the run's model a rule, attack or dp acts on; an
+    adapter method aggregates in its own server step, where another rule or dp's calibration does not reach) is
+    refused that stage in one line; under the default rule (`default_rule`) its screen still applies."""
     from .registry import METHODS
     stages = METHODS.get(cfg.method).server_stages
     for key, stage, used, value in (("robust", "rule", cfg.robust != default_rule, f"robust={cfg.robust}"),

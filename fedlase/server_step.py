@@ -11,14 +11,17 @@ options, registered in fedlase/registry.py and named by the config):
    exceeds `robust_args.screen` times its reference: the lower median of that figure (its level's or the
    round's; small figures and near-zero updates left out of it, near-zero ones out of the step too; under an
    asynchronous schedule, a step with fewer than two updates above near zero is judged against the recent
-   arrivals: `judge`). docs/methods.md, "Robust aggregation", says why this rule and this bound.
+   arrivals: `judge`). docs/methods.md, "Robust aggregation", says why this rule and this bound. Under a stage
+   or for a method that may not judge one update by the others (dp; RecipFL, `Method.screen_by_others`), the
+   per-update checks only.
 3. the stages (`Stage`): a step between the screen and the rule: differential privacy (fedlase/privacy.py,
    under the `dp` key: clip each accepted update, then the public denominator and the noise on the new model).
 4. the rule (`robust`) turns the accepted updates into the new global model, per coordinate, under the run's
    `coverage` and aggregation mode (fedlase/aggregate.py). The built-in rules and attacks are in
    fedlase/rules.py; a plug-in module registers its own the same way (docs/library.md, "Adding a rule").
-5. the method's own step on the accepted updates (`Method.server_update`, fed by their payloads): RecipFL's
-   hypernetwork; the adapter methods' own aggregation (HetLoRA, FlexLoRA, FLoRA: fedlase/llm/lora_methods.py), which
+5. the method's own step on the accepted updates (`Method.server_update`, fed by their payloads, the only channel
+   from a client to the server): RecipFL's hypernetwork, on the changes its clients trained of their generated
+   models; the adapter methods' own aggregation (HetLoRA, FlexLoRA, FLoRA: fedlase/llm/lora_methods.py), which
    replaces the rule's model; nothing for the others.
 
 Everything here is deterministic: a client's attack noise is seeded from (run seed, round, client) and the
@@ -187,9 +190,11 @@ def on_host(values: list[torch.Tensor]) -> list:
 
 
 def held(delta: dict, sub, full: dict) -> int:
-    """Coordinates a client holds: its mask's count per masked parameter, the whole size of the others."""
+    """Coordinates a client holds: its mask's count per masked parameter, the whole size of the others (of a
+    tensor of the method's own, not of the global model `full`, such as RecipFL's generated models: its size)."""
     counts = on_host([sub.masks[n].sum() for n in delta if n in sub.masks])
-    return sum(int(c) for c in counts) + sum(full[n].numel() for n in delta if n not in sub.masks)
+    return sum(int(c) for c in counts) + sum((full[n] if n in full else d).numel()
+                                             for n, d in delta.items() if n not in sub.masks)
 
 
 def squared_norms(deltas: list[dict]) -> list[float]:
@@ -264,8 +269,8 @@ def judge(updates: list, subs: dict, full: dict, factor: float | None, recent: l
     cannot do harm by being taken, only by pulling the reference down, so that a minority of them would get the
     honest updates clipped or rejected. Near zero (1/factor^3 of the reference of all the finite figures; a free
     rider's zero or x1e-12 update): left out of the step as if its client had not replied (averaged in, it would
-    only shrink the others' step: five free riders in ten halve it) and reported, not rejected; a step that
-    moves nothing but exact zeros (RecipFL's engine updates) is taken as it is. `near_zero` False (dp, whose
+    only shrink the others' step: five free riders in ten halve it) and reported, not rejected; a step of nothing
+    but near-zero updates takes none. `near_zero` False (dp, whose
     denominator is public): no update is near zero. A level with the figures of at least PER_LEVEL clients has its
     own reference (a small level's updates differ in scale from a large one's; at most the larger of the step's
     upper median and the level's lower third, so that fewer than two thirds of a level cannot lift it); the
@@ -299,14 +304,12 @@ def judge(updates: list, subs: dict, full: dict, factor: float | None, recent: l
     solid = {c: (lv, r) for c, (lv, r) in latest.items() if r > tiny}
     step_ref, level_ref = references(solid, factor)
     accepted, near = [], []
-    moving = any(rms[i] > tiny for i in keep)
     for i in keep:
         u = updates[i]
         ref = level_ref.get(level_key(u), step_ref)
         if rms[i] <= tiny:
-            if moving or (running and rms[i] > 0):   # a step of exact zeros only is taken as it is
-                near.append(u.client)
-                continue
+            near.append(u.client)
+            continue
         elif running and len(solid) < 2:
             rejected[str(u.client)] = "no reference yet: the first arrival is judged by the ones after it"
             continue
@@ -379,6 +382,15 @@ def screen(updates: list, subs: dict, full: dict, factor: float | None) -> tuple
     `judge` on a synchronous round. factor None: no screen at all (robust=none)."""
     v = judge(updates, subs, full, factor)
     return v.accepted, v.rejected, v.rms
+
+
+def of_model(updates: list, params: dict) -> list:
+    """The updates as the rule aggregates them: their tensors of the global model `params`. A payload may also
+    hold tensors of the method's own (RecipFL's: the change of each generated model), which only its
+    `server_update` reads; the screen judges the whole payload."""
+    if all(n in params for u in updates for n in u.delta):
+        return updates
+    return [dataclasses.replace(u, delta={n: d for n, d in u.delta.items() if n in params}) for u in updates]
 
 
 def make_rule(rule: str | None = None, args: dict | None = None) -> Rule:
@@ -468,8 +480,8 @@ class ServerStep:
         if not self.rule.weighted and any(u.weight != 1.0 for u in updates):
             raise ValueError(f"robust={self.rule.name} does not take weighted updates (its `weighted`)")
         updates = self.attack.collude(updates, subs, params)
-        if "screen" in self.rule.args and not all(s.screen_by_others for s in self.stages):
-            v = judge(updates, subs, params, math.inf, near_zero=False)   # the per-update checks only (dp)
+        if "screen" in self.rule.args and not self.by_others():
+            v = judge(updates, subs, params, math.inf, near_zero=False)   # the per-update checks only (dp, RecipFL)
         else:
             v = self.rule.judge(updates, subs, params, self.recent)
         self.rule.refs, self.near_zero = v.refs, v.near_zero
@@ -481,6 +493,12 @@ class ServerStep:
         self.window["rejected"].update(level[c] for c in v.rejected)
         self._count("near_zero", Counter(level[str(c)] for c in v.near_zero))
         return v.accepted, v.rejected, v.rms
+
+    def by_others(self) -> bool:
+        """Whether the screen may reject an update for what the others are (its median bound, near zero), or only
+        for what it is itself (non-finite): not under a stage that forbids it (dp), nor for a method whose replies
+        no common median bounds (`Method.screen_by_others`: RecipFL's)."""
+        return all(s.screen_by_others for s in self.stages) and (self.method is None or self.method.screen_by_others)
 
     def evaluated(self, rnd: int) -> None:
         """Say what the screen rejected since the last evaluation, in one line, and start counting again. The
@@ -510,7 +528,8 @@ class ServerStep:
             updates = stage.updates(updates, subs, params, rnd)
         if self.stages:   # a stage may have changed the updates (dp clips them): the rule reads their norms
             rms = norms(updates, subs, params)[1]
-        new, info = self.rule.aggregate(params, updates, subs, rms, self.mode, self.coverage, self.owners)
+        new, info = self.rule.aggregate(params, of_model(updates, params), subs, rms, self.mode, self.coverage,
+                                        self.owners)
         if isinstance(info.get("clipped"), dict):   # the rule's clipped updates per level
             self._count("clipped", info["clipped"])
         for stage in self.stages:

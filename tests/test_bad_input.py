@@ -15,6 +15,7 @@ from __future__ import annotations
 import copy
 import math
 import os
+import re
 import subprocess
 import sys
 
@@ -22,7 +23,8 @@ import pytest
 import yaml
 
 from fedlase.cli import main
-from fedlase.config import load_config, options
+from fedlase.config import ENGINES, load_config, options
+from fedlase.errors import ConfigError
 from fedlase.machine import sim_actors_rule, threads_rule, usable_cpus, writable_folder
 from fedlase.methods.base import TRAIN_PATHS
 from fedlase.options import Option
@@ -148,21 +150,27 @@ def test_the_bounds_are_declared_where_they_apply():
 
 # the adapter methods train LoRA on a text model, with no objective of their own (tests/test_lora.py)
 @pytest.mark.parametrize("name", [n for n in METHODS.names() if not METHODS.get(n).adapters])
-def test_a_method_with_its_own_local_objective_declares_only_the_sequential_rounds(name, tmp_path):
-    """Flower and the vmapped step cannot run a method's own LocalObjective: a method whose submodels carry
-    one must say so in `runs_on` (else it would be refused only at run time); every runner it declares passes
-    validation."""
+def test_a_method_declares_where_it_runs_and_why_not_elsewhere(name, tmp_path):
+    """The vmapped step cannot run a method's own LocalObjective: a method whose submodels carry one must leave
+    `batched` out of its `runs_on` (else it would be refused only at run time); one that leaves out an engine
+    says why (`confined`), and the refusal names it; every runner it declares passes validation."""
     from fedlase.engine import Experiment
-    models = METHODS.get(name).models   # a method that runs on some models only: the first of them
+    cls = METHODS.get(name)
+    models = cls.models   # a method that runs on some models only: the first of them
     argv = [f"{k}={v}" for k, v in BASE.items()] + [f"method={name}", f"out={tmp_path / 'run'}"] + \
         ([f"model={models[0]}"] if models else [])
     exp = Experiment.from_config(load_config(None, argv))
     local = any(exp.method.submodel(exp.state.params, lvl, 1).local is not None for lvl in exp.levels)
     if local:
-        assert tuple(METHODS.get(name).runs_on) == ("embedded",), METHODS.get(name).runs_on
-    for runner in METHODS.get(name).runs_on:
+        assert "batched" not in cls.runs_on, cls.runs_on
+    for runner in cls.runs_on:
         key, value = TRAIN_PATH_SETTINGS[runner]
         load_config(None, [*argv, f"{key}={str(value).lower()}"])
+    for engine in [e for e in ENGINES if e not in cls.runs_on]:
+        assert cls.confined, name
+        with pytest.raises(ConfigError, match=f"^engine: method {name} runs on .*{re.escape(cls.confined)}") as err:
+            load_config(None, [*argv, f"engine={engine}"])
+        assert "\n" not in str(err.value)
 
 
 @pytest.mark.parametrize("case", CASES, ids=[_id(c) for c in CASES])
@@ -182,7 +190,7 @@ def test_a_bad_value_exits_2_with_one_line(case, tmp_path, capsys):
 
 # A few cases in real processes: the exit status, stderr and no traceback as a shell sees them.
 SUBPROCESS = [["coverage="], ["lr=nan"], ["method_args.ste=maybe"], ["threads=100000"],
-              ["analysis.tensorboard=/proc/x"], ["method=fjord", "engine=flower-sim"]]
+              ["analysis.tensorboard=/proc/x"], ["method=pfedlmt", "engine=flower-sim"]]
 
 
 @pytest.mark.parametrize("override", SUBPROCESS, ids=[o[0] for o in SUBPROCESS])

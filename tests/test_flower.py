@@ -263,6 +263,25 @@ def test_strategy_round_equals_the_embedded_round(tmp_path, task_identity, metho
         assert 0 < per_client["1/4"] < per_client["1"] and b["received"] < b["dense_received"]
 
 
+@pytest.mark.parametrize("method", ["fjord method_args.widths=uniform5 method_args.distill=true",
+                                    "depthfl method_args.heads=linear method_args.kd_rampup=2", "fedlmt"])
+def test_a_local_objective_is_rebuilt_on_the_node(tmp_path, task_identity, method, monkeypatch):
+    """FjORD's widths and DepthFL's exits are code, not arrays, and are not sent: each node rebuilds its client's
+    objective with its own copy of the method, and the round equals the embedded engine's bit for bit (a node
+    that trained without it would not). FedLMT (no objective: every client the same factorized model) too."""
+    name, *args = method.split()
+    cfg = small_cfg(tmp_path, "system={1,1/4}_{1,2}", f"method={name}", *args)
+    params, stats = _round(cfg, rnd=3)
+    assert stats["clients"] == 3 and not stats["failed"] and not stats["rejected"]
+    embedded = _embedded(cfg, rnd=3)
+    assert same_params(params, embedded)
+    if name == "fedlmt":
+        return
+    monkeypatch.setattr(client_app, "with_objective", lambda cfg, pid, content, params, sub, rnd: sub)
+    plain, _ = _round(cfg, rnd=3)
+    assert not same_params(plain, embedded)
+
+
 @pytest.mark.parametrize("kind", ["nan", "outside-mask", "oversized", "dtype"])
 def test_bad_reply_leaves_the_model_as_if_the_client_was_not_sampled(tmp_path, task_identity, kind):
     cfg = small_cfg(tmp_path, "system={1,1/4}_{1,2}")

@@ -273,5 +273,6 @@ def test_fedlase_methods_lists_the_new_methods(capsys):
 
 def test_batched_clients_refuse_a_local_objective(tiny_cfg):
     """At validation, as the method declares (Method.runs_on), before anything runs."""
-    with pytest.raises(ConfigError, match="^batched_clients: method fjord runs on embedded only"):
+    with pytest.raises(ConfigError, match="^batched_clients: method fjord runs on embedded, flower-sim, "
+                                          "flower-deploy only"):
         tiny_cfg("method=fjord", "batched_clients=true")

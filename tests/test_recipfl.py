@@ -151,22 +151,60 @@ def test_bad_combinations_are_one_line_errors(tiny_cfg, override, key):
 
 
 def test_the_hypernetwork_steps_in_the_server_step_on_the_accepted_uploads(tiny_cfg):
-    """Training the round's clients records their uploads and steps nothing (a getter changes no state); the
-    server step (after the rule) takes one Adam step on the uploads it accepted, and drops the others."""
+    """A client's reply is the change it trained of its generated models (its payload, named '<large|small>.<name>'),
+    and training steps nothing; the server step (after the rule) takes one Adam step on the replies it accepted,
+    and drops the others."""
     exp = Experiment.from_config(tiny_cfg(*RECIP, "participation=1.0"))
     method = exp.method
     picked = exp.sample(1)
     subs = exp.submodels([lvl for _, lvl in picked], 1)
     updates = exp.runner.train(exp, 1, picked, subs).updates
     before = {n: p.detach().clone() for n, p in method.ghn.named_parameters()}
-    assert len(updates) == 4 and all(not any(d.any() for d in u.delta.values()) for u in updates)   # zeros
-    assert method.state_dict()["opt"]["step"] == 0 and not method.last and len(method.received) == 4
+    goliath = next(u for u in updates if u.level.index == 0)
+    assert {n.split(".")[0] for n in goliath.delta} == {"large", "small"}
+    assert all({n.split(".")[0] for n in u.delta} == {"small"} for u in updates if u is not goliath)
+    assert len(updates) == 4 and all(any(d.any() for d in u.delta.values()) for u in updates)   # what they trained
+    assert method.state_dict()["opt"]["step"] == 0 and not method.last
     assert all(torch.equal(p, before[n]) for n, p in method.ghn.named_parameters())
     accepted = [u for u in updates if u.client != updates[1].client]   # as if the screen had rejected one
+    old = {n: p.clone() for n, p in exp.params.items()}
+    sent = {key: start for key, (_, start) in method.pending.items()}   # what each client was sent
     exp.serve(1, accepted, subs, {})
-    assert method.opt.step_count == 1 and not method.received
+    assert method.opt.step_count == 1 and not method.pending
     assert set(method.last) == {u.client for u in accepted}
     assert any(not torch.equal(p, before[n]) for n, p in method.ghn.named_parameters())
+    assert all(torch.equal(p, old[n]) for n, p in exp.params.items())   # the run's own model is never trained
+    # the upload the hypernetwork learnt from: what the client was sent plus the change it replied with
+    for u in accepted:
+        for kind, up in method.last[u.client].items():
+            assert all(torch.equal(t, sent[(u.client, kind)][n] + u.delta[f"{kind}.{n}"]) for n, t in up.items())
+
+
+def test_a_non_finite_reply_is_dropped_as_any_other(tiny_cfg, monkeypatch):
+    """The screen judges a RecipFL reply as any other by its per-update checks: one holding a NaN is rejected with
+    its reason, its client's upload never reaches the hypernetwork, which steps on the others and stays finite. Its
+    median bound does not apply (a Goliath's change of two models has no common scale with a David's): a Goliath's
+    reply 10x larger than it was is taken."""
+    exp = Experiment.from_config(tiny_cfg(*RECIP, "participation=1.0"))
+    assert exp.cfg.levels.level_of(0).index == 0 and exp.cfg.levels.level_of(1).index == 1   # 0: the Goliath
+    train = exp.trainer.update
+
+    def spoiled(client, *args, **kwargs):
+        delta, loss = train(client, *args, **kwargs)
+        if client == 2:
+            name = next(iter(delta))
+            delta[name] = delta[name].clone()
+            delta[name].view(-1)[0] = float("nan")
+        if client == 0:   # the Goliath
+            delta = {n: 10 * d for n, d in delta.items()}
+        return delta, loss
+    monkeypatch.setattr(exp.trainer, "update", spoiled)
+    stats = exp.run_round(1)
+    assert stats["rejected"] == {"2": "non-finite value in its update"} and stats["clients"] == 3
+    assert set(exp.method.last) == {0, 1, 3} and exp.method.opt.step_count == 1
+    assert all(bool(torch.isfinite(p).all()) for p in exp.method.ghn.parameters())
+    assert all(bool(torch.isfinite(t).all()) for per in exp.method.last.values() for up in per.values()
+               for t in up.values())
 
 
 def test_a_resumed_run_is_bit_identical(tiny_cfg, tmp_path):

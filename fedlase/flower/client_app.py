@@ -1,9 +1,11 @@
 """The ClientApp: a node answers who it is (QUERY) and trains the submodel it is sent (TRAIN).
 
 It builds only what a client needs (fedlase/flower/node_data.py: its own samples, cut once from the whole
-dataset and read from a node-local cache after; the model; the trainer; no method: each message carries its
-submodel) and trains with `fedlase.client.ClientTrainer.update` (same seeded batches, same `local_train` as the
-embedded engine), so a node computes the very delta the embedded engine would.
+dataset and read from a node-local cache after; the model; the trainer; each message carries its submodel, and only
+a submodel that trains with its method's own local objective, which is code and is not sent, has the node build
+its own copy of the method to rebuild it: `with_objective`) and trains with `fedlase.client.ClientTrainer.update`
+(same seeded batches, same `local_train` as the embedded engine), so a node computes the very delta the embedded
+engine would.
 
 The Deployment Engine starts a process per message, so this module imports only Flower at load time: a QUERY
 answers from the node config alone (no config parsing, no torch). A TRAIN message goes to the node's warm worker
@@ -43,7 +45,7 @@ def config_of(text: str):
         load_builtins()
         cfg = config_from_dict(json.loads(text), validate_=False)
         _CACHE.clear()
-        _CACHE.update(text=text, cfg=cfg, trainers={})
+        _CACHE.update(text=text, cfg=cfg, trainers={}, methods={})
     return _CACHE["cfg"]
 
 
@@ -75,6 +77,31 @@ def trainer_for(cfg, pid: int):
         from .node_data import client_dataset, client_trainer
         trainers[pid] = client_trainer(cfg, pid, pick_device(cfg.device), data=client_dataset(cfg, pid))
     return trainers[pid]
+
+
+def method_for(cfg, pid: int):
+    """The run's method, built on partition `pid`'s model as the server built it (once per process): only what
+    rebuilds a local objective is read of it (`with_objective`); it holds no server state (no data is bound)."""
+    methods = _CACHE.setdefault("methods", {})
+    if pid not in methods:
+        from ..model_facts import ModelFacts
+        from ..registry import METHODS
+        from .node_data import client_dataset
+        model = trainer_for(cfg, pid).model
+        facts = ModelFacts.of(model, client_dataset(cfg, pid))
+        methods[pid] = METHODS.get(cfg.method).build(model, cfg.levels, facts, run_seed=cfg.seed, **cfg.method_args)
+    return methods[pid]
+
+
+def with_objective(cfg, pid: int, content: RecordDict, params: dict, sub, rnd: int):
+    """The submodel with the local objective its method trains it with (FjORD's widths, DepthFL's exits), which
+    the message does not carry: the node's own copy of the method (`method_for`) builds the submodel of the
+    client's level (the task's) and round, as the server did, and its objective is taken. Only methods whose
+    objective is a function of the config, the level, the round and the model run on Flower (their `runs_on`); one
+    that reads the server's state (RecipFL's hypernetwork) does not."""
+    import dataclasses
+    level = cfg.levels.find(str(content.config_records["task"]["level"]))
+    return dataclasses.replace(sub, local=method_for(cfg, pid).submodel(params, level, rnd).local)
 
 
 def decode(msg: Message | RecordDict, trainer):
@@ -131,6 +158,9 @@ def train_content(cfg, content: RecordDict, pid: int, rnd: int, times: dict | No
     if why is not None:   # a reply, not an error: it reaches the server's round line whichever path trained
         return RecordDict({"refused": ConfigRecord({"reason": why, "partition-id": pid, "round": rnd})})
     params, buffers, sub = decode(content, trainer)
+    from .codec import has_objective
+    if has_objective(content):   # not sent: rebuilt here
+        sub = with_objective(cfg, pid, content, params, sub, rnd)
     lap("decode")
     delta, loss = train_step(trainer, pid, rnd, params, buffers, sub)
     if "dp-clip" in task:   # differential privacy: the node clips its update before it replies

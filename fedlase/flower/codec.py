@@ -2,7 +2,8 @@
 
 What travels each way, as plain arrays, is fedlase/payload.py's (`submodel_arrays`, `delta_arrays`: the same
 arrays whose bytes the simulated clock counts); here they become Flower's records: the submodel's thresholds,
-scales and slice layout go in a ConfigRecord beside them.
+scales and slice layout go in a ConfigRecord beside them, with whether it trains with its method's own local
+objective, which the node rebuilds (fedlase/flower/client_app.py, `with_objective`).
 
 Nothing here knows Flower's transport beyond `Array`/`ArrayRecord`/`ConfigRecord`."""
 from __future__ import annotations
@@ -34,7 +35,7 @@ def record_bytes(*records: ArrayRecord) -> int:
 
 # ---- down: the submodel ----------------------------------------------------------------------------------------
 def encode_submodel(params: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor], sub: Submodel) -> RecordDict:
-    arrays = submodel_arrays(params, buffers, sub)   # a UserError for a submodel with its own local objective
+    arrays = submodel_arrays(params, buffers, sub)
     names = sorted(sub.thresholds or {})
     scaled = sorted(sub.scales)
     cfg = ConfigRecord({"ste": sub.ste, "threshold-names": names,
@@ -42,14 +43,16 @@ def encode_submodel(params: dict[str, torch.Tensor], buffers: dict[str, torch.Te
                         "has-thresholds": sub.thresholds is not None,
                         "scale-names": scaled, "scale-values": [float(sub.scales[n]) for n in scaled],
                         "slice-names": sorted(sub.slices),
-                        "slice-dims": [len(sub.slices[n]) for n in sorted(sub.slices)]})
+                        "slice-dims": [len(sub.slices[n]) for n in sorted(sub.slices)],
+                        "local": sub.local is not None})
     return RecordDict({**{group: ArrayRecord({n: _arr(a) for n, a in named.items()})
                           for group, named in arrays.items()}, "submodel": cfg})
 
 
 def decode_submodel(content: RecordDict, template: dict[str, torch.Tensor]):
     """-> (params, buffers, Submodel), with params rebuilt as zeros off the support. `template` gives the
-    names, shapes and dtypes of the client's own model."""
+    names, shapes and dtypes of the client's own model. The Submodel comes without its local objective: whether
+    it has one is the ConfigRecord's `local` (`has_objective`)."""
     records = content.array_records
     values, bits, credit = records["values"], records["bits"], records["credit"]
     params, masks = {}, {}
@@ -75,6 +78,11 @@ def decode_submodel(content: RecordDict, template: dict[str, torch.Tensor]):
     slices = {n: tuple(torch.from_numpy(arrays[f"{n}|{d}"].numpy()) if f"{n}|{d}" in arrays else None
                        for d in range(k)) for n, k in zip(cfg["slice-names"], cfg["slice-dims"])}
     return params, buffers, Submodel(masks, thresholds, str(cfg["ste"]), sub_buffers, slices, scales)
+
+
+def has_objective(content: RecordDict) -> bool:
+    """Whether the submodel a message carries trains with its method's own local objective (not sent)."""
+    return bool(content.config_records["submodel"].get("local", False))
 
 
 # ---- up: the reply ---------------------------------------------------------------------------------------------

@@ -203,9 +203,9 @@ class FLoRA(AdapterMethod):
     round, and fresh adapters for the next."""
     name = "flora"
     runs_on = ("embedded", "batched")
-    runs_on_why = ("FLoRA merges the adapters into the frozen base every round, so a Flower node, which builds its "
-                   "base from the config, would train on the pretrained one; the merged updates are as large as "
-                   "the adapted weights, so they do not travel")
+    confined = ("FLoRA merges the adapters into the frozen base every round, so a Flower node, which builds its "
+                "base from the config, would train on the pretrained one; the merged updates are as large as the "
+                "adapted weights, so they do not travel")
 
     def __init__(self, model, system=(1.0,), **options):
         super().__init__(model, system, **options)

@@ -49,8 +49,9 @@ class LocalObjective:
         return F.cross_entropy(forward(weights, buffers, xb), yb)
 
     # A personal objective (pFedLMT's, RecipFL's): the client trains parameters of its own, swapped in before
-    # local training (`params_for`) and taken out of its delta after it (`finish`); fedlase.client.ClientTrainer
-    # calls both for every objective, and the clock (fedlase/cost.py) charges a personal one as its plain submodel.
+    # local training (`params_for`); `finish` makes its reply from what it trained (pFedLMT takes its own part
+    # out; RecipFL's reply is all of it); fedlase.client.ClientTrainer calls both for every objective, and the
+    # clock (fedlase/cost.py) charges a personal one as its plain submodel.
     personal: ClassVar[bool] = False
 
     def params_for(self, client: int, params: dict[str, torch.Tensor], sub: Submodel) -> dict[str, torch.Tensor]:
@@ -73,11 +74,13 @@ class Method:
     options: ClassVar[dict[str, Option]] = {}
     coverage: ClassVar[str] = "mask"   # the aggregation's coverage rule unless the config sets one
     # Where its clients can train, checked at config validation: of TRAIN_PATHS, "embedded" is the sequential
-    # rounds and "batched" the embedded engine's batched_clients=true. A method whose submodels carry their
-    # own LocalObjective declares ("embedded",): neither Flower nor the vmapped step runs that objective.
+    # rounds and "batched" the embedded engine's batched_clients=true. A method whose submodels carry their own
+    # LocalObjective leaves out "batched" (the vmapped step does not run it); a Flower node rebuilds the objective
+    # with its own copy of the method (fedlase/flower/client_app.py, `with_objective`), so Flower runs it where it
+    # is a function of the config, the level, the round and the model (FjORD's, DepthFL's). A method that leaves
+    # out an engine says why in `confined`, which the config's refusal names.
     runs_on: ClassVar[tuple[str, ...]] = TRAIN_PATHS
-    # why it runs nowhere else, said when a config asks for another engine ("": the refusal names runs_on alone)
-    runs_on_why: ClassVar[str] = ""
+    confined: ClassVar[str] = ""
     # The models (registry names) it can run on, checked at config validation; None: any model.
     models: ClassVar[tuple[str, ...] | None] = None
     # whether the simulated clock (fedlase/simtime.py) can charge it: it costs a client as its level's submodel of
@@ -87,12 +90,17 @@ class Method:
     # and differential privacy refuses the method (fedlase/robust_config.py, check_dp)
     masks_from_data: ClassVar[bool] = False
     # the server stages its training goes through (fedlase/server_step.py, ServerStep): "rule" (any `robust`), "attack"
-    # and "dp"; config validation refuses the others (fedlase/robust_config.py, check_stages). A method that trains
-    # outside the global model's update (RecipFL: its updates are zeros, its hypernetwork steps in
-    # `server_update`) declares () and runs under the default rule, whose screen still drops a non-finite reply; a
-    # method that aggregates the updates its own way (HetLoRA, FlexLoRA, FLoRA) declares ("attack",): the default
-    # rule's screen runs before its `server_update`, which replaces the rule's mean.
+    # and "dp"; config validation refuses the others (fedlase/robust_config.py, check_stages). Every method's replies
+    # pass the default rule's screen (a non-finite one is dropped). A method that trains outside the global model
+    # (RecipFL: its clients reply with the change of their generated models, on which its hypernetwork steps in
+    # `server_update`) declares () and runs under the default rule, which leaves the global model as it is; a
+    # method that aggregates the updates its own way (HetLoRA, FlexLoRA, FLoRA) declares ("attack",): its
+    # `server_update` replaces the rule's mean.
     server_stages: ClassVar[tuple[str, ...]] = ("rule", "attack", "dp")
+    # whether the screen may reject one of its replies for what the others are (the default rule's median bound,
+    # near zero), or only for what it is itself (non-finite): False where the replies are not updates of one
+    # model at one scale (RecipFL's: a Goliath's change of two models, a David's of its small one)
+    screen_by_others: ClassVar[bool] = True
     # whether it trains LoRA adapters only (fedlase/llm/lora_methods.py): the config must then set `lora`
     adapters: ClassVar[bool] = False
     # whether a client is evaluated on a model of its own (`personal_weights`) rather than its level's submodel

@@ -61,7 +61,8 @@ class DepthObjective(LocalObjective):
 class DepthFL(Method):
     """DepthFL: each level trains the model's first stages with a classifier after each, distilling mutually."""
     name = "depthfl"
-    runs_on = ("embedded",)   # its own LocalObjective: the sequential embedded rounds only
+    # its own LocalObjective: not vmapped (no batched clients); a Flower node rebuilds it from the level and round
+    runs_on = ("embedded", "flower-sim", "flower-deploy")
     options = {
         "heads": Option("bottleneck", "exit classifiers after the inner stages: bottleneck (DepthFL's own: "
                         "attention, separable convs widening to the last stage, linear) or linear (pooling and "

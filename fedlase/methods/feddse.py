@@ -54,7 +54,9 @@ class ActivationExtraction(LocalObjective):
 class FedDSE(Method):
     """FedDSE: each client keeps, per layer, the channels most activated on its own data (within its budget)."""
     name = "feddse"
-    runs_on = ("embedded",)   # its own LocalObjective: the sequential embedded rounds only
+    runs_on = ("embedded",)   # its own LocalObjective (not vmapped), and its record (not in the reply: `confined`)
+    confined = ("each client's channel choice, made on its own data, reaches the server's evaluation submodel "
+                "outside the client's reply (FedDSE.record), which a Flower node cannot send")
     coverage = "nonzero"   # the client's mask is known from its update's support
     masks_from_data = True   # a client picks its channels on its own data
     options = {

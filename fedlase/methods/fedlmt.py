@@ -121,7 +121,6 @@ class LowRank(Method):
 class FedLMT(LowRank):
     """FedLMT: every client trains one low-rank factorized model at the weakest level's rank; factors averaged."""
     name = "fedlmt"
-    runs_on = ("embedded", "batched")
     options = {
         "decom_rule": Option(0, "the first block factorized (the authors' hybrid rule): blocks before it stay "
                              "full-rank; resnet18 has blocks 0-7 (the authors' `decom_rule s b` is 2s+b), cnn "
@@ -206,7 +205,9 @@ def _place(name: str, value: torch.Tensor, like: torch.Tensor, sub: Submodel) ->
 class PFedLMT(LowRank):
     """pFedLMT: a shared full-rank prefix averaged over all levels; per-client low-rank blocks at the level's rank."""
     name = "pfedlmt"
-    runs_on = ("embedded",)   # its clients keep their own parts: the sequential embedded rounds only
+    runs_on = ("embedded",)
+    confined = ("the server keeps each client's own low-rank blocks and swaps them into its training, which a "
+                "Flower node never receives")
     personalized = True       # a client is evaluated with its own part (personal_weights)
     options = {
         "decom_rule": Option(None, "the first factorized block; the blocks before it (and the stem) are the shared "

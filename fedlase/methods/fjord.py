@@ -64,7 +64,8 @@ class OrderedDropout(LocalObjective):
 class FjORD(Method):
     """FjORD: ordered dropout, a width drawn per local batch from the nested widths the client's level allows."""
     name = "fjord"
-    runs_on = ("embedded",)   # its own LocalObjective: the sequential embedded rounds only
+    # its own LocalObjective: not vmapped (no batched clients); a Flower node rebuilds it from the level
+    runs_on = ("embedded", "flower-sim", "flower-deploy")
     options = {
         "widths": Option("levels", "the width rates a batch may train: levels (sqrt of each of the system's "
                          "levels, the rates of HeteroFL's slices), uniform5 (0.2,0.4,0.6,0.8,1: FjORD's own) or "

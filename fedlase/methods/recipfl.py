@@ -6,11 +6,15 @@ Clients of the system's largest level are Goliaths: each holds the run's model (
 small variant (the slim LeNet-5, or ResNet-18 at 0.2 of its width), and trains both. Every other client is a David
 and holds only the small variant. A round: the hypernetwork generates each sampled client's models from their
 graphs, the summaries of what that client last uploaded, and its label histogram; the client trains them (plain
-SGD; a Goliath's small model may also learn from its large one, `distill`) and uploads them; the server step
-(fedlase/server_step.py, after the rule: `RecipFL.server_update`) pushes (generated - uploaded) of each accepted upload
-back through the generated tensors (a vector-Jacobian product, as pFedHN) into the hypernetwork's gradient, clips
-its norm and takes one Adam step. The run's own model (the engine's global parameters) is never trained: the
-method's updates to it are zero, so it runs under the default rule only, without attack or dp (`server_stages`).
+SGD; a Goliath's small model may also learn from its large one, `distill`) and reply with what they trained,
+as any client does: the change of each model ('<large|small>.<name>', its payload). The server step
+(fedlase/server_step.py) screens the replies as any others, by the screen's per-update checks (a non-finite one is
+dropped; `screen_by_others`), then `RecipFL.server_update` adds each accepted change to what the server generated
+for that client (the upload), pushes (generated - uploaded) back through the generated tensors (a vector-Jacobian
+product, as pFedHN) into the hypernetwork's gradient, clips its norm and takes one Adam step. The run's own model
+(the engine's global parameters) is never trained: no reply holds a tensor of it, so the rule leaves it as it is;
+it runs under the default rule only, without attack or dp (`server_stages`), which would act on a model it does
+not train.
 
 It is personalized: a client is evaluated on the model generated for it (a Goliath on its large model), after
 `eval_finetune` epochs of local training as RecipFL reports (set eval_finetune=1)."""
@@ -88,8 +92,9 @@ class Adam:
 
 
 class Generated(LocalObjective):
-    """A RecipFL client's round: its models from the hypernetwork (`params_for`), their training (`loss`), and
-    its upload (`finish`, received by the server step). Parameters are named '<large|small>.<name>'."""
+    """A RecipFL client's round: its models from the hypernetwork (`params_for`) and their training (`loss`); its
+    reply is the change it trained (no `finish` of its own), which the server step hands to
+    `RecipFL.server_update`. Parameters are named '<large|small>.<name>'."""
     personal = True
 
     def __init__(self, method: RecipFL, level, round: int):
@@ -106,8 +111,9 @@ class Generated(LocalObjective):
             m.ghn.train()
             for kind in self.kinds():
                 gen = m.generate(client, kind)
-                m.pending[(client, kind)] = gen   # kept, with its graph, until the upload
-                out.update({f"{kind}.{n}": t.detach() for n, t in m.full(client, kind, gen).items()})
+                start = {n: t.detach() for n, t in m.full(client, kind, gen).items()}
+                m.pending[(client, kind)] = (gen, start)   # what the server sent, kept with its graph for the reply
+                out.update({f"{kind}.{n}": t for n, t in start.items()})
         return out
 
     def loss(self, forward, weights, buffers, xb, yb):
@@ -127,27 +133,18 @@ class Generated(LocalObjective):
                 loss = loss + F.kl_div(F.log_softmax(s_feat, 1), F.softmax(l_feat.detach(), 1), reduction="batchmean")
         return loss
 
-    def finish(self, client: int, params: dict, sub: Submodel, delta: dict) -> dict:
-        """The upload (start + delta) as the server receives it, beside its generated tensors, for the server
-        step (`RecipFL.server_update`); the engine's global model gets a zero update."""
-        m = self.method
-        got = {}
-        for kind in self.kinds():
-            up = {n: (params[f"{kind}.{n}"] + delta[f"{kind}.{n}"]).detach().clone()
-                  for n in m.trainable[kind]}
-            got[kind] = (m.pending.pop((client, kind)), up)
-        m.received[client] = (self.round, got)
-        return {n: torch.zeros_like(p) for n, p in m.model.named_parameters()}
-
 
 @register_method
 class RecipFL(Method):
     """RecipFL: a server graph hypernetwork generates each client's models (a Goliath both, a David the small)."""
     name = "recipfl"
-    runs_on = ("embedded",)   # the hypernetwork and its clients' uploads live in the server's process
+    runs_on = ("embedded",)
+    confined = ("its hypernetwork generates each client's models in the server's process, which a Flower node "
+                "cannot do")
     models = ("lenet", "resnet18")   # the models with a David variant (david_model)
     clocked = False   # the clock would charge its clients as the run's model and its hypernetwork as nothing
-    server_stages = ()   # its training is the hypernetwork's step, not the (zero) updates a rule, attack or dp sees
+    server_stages = ()   # its training is the hypernetwork's step, not the run's model a rule, attack or dp acts on
+    screen_by_others = False   # a Goliath's reply (two models) and a David's (one) share no median: non-finite only
     personalized = True   # a client is evaluated on the model generated for it
     options = {
         "lr": Option(1e-3, "the hypernetwork's Adam learning rate", low=0, low_open=True),
@@ -182,9 +179,9 @@ class RecipFL(Method):
                                          self.args["ve_cutoff"]).to(device)
         self.opt = Adam(list(self.ghn.parameters()), lr=self.args["lr"])
         self.last: dict[int, dict[str, dict[str, torch.Tensor]]] = {}   # client -> kind -> its last upload
-        self.pending: dict = {}                                          # (client, kind) -> generated tensors
-        # client -> (round, kind -> (generated tensors, upload)): the uploads the next server_update reads
-        self.received: dict[int, tuple[int, dict]] = {}
+        # (client, kind) -> (generated tensors, with their graph; what the client was sent): this round's, until
+        # the server step reads the clients' replies against them
+        self.pending: dict = {}
         self.histograms: dict[int, torch.Tensor] = {}
         self.shares: dict[int, float] = {}
         self.weight_sum = 0.0   # the round's accumulated client weights (0: nothing to step on)
@@ -233,20 +230,21 @@ class RecipFL(Method):
         self.weight_sum += weight
 
     def server_update(self, rnd: int, params: dict, new: dict, updates: list, subs: dict) -> dict:
-        """The round's server step on its accepted uploads, in their order: each is recorded as the client's last
-        and pushed into the hypernetwork's gradient, then one step (`settle`). Uploads of rejected clients, or of
-        a round without enough replies, are dropped."""
-        received, self.received = self.received, {}
+        """The round's server step on its accepted replies, in their order: each model's upload (what the server
+        sent the client plus the change it replied with) is recorded as the client's last and pushed into the
+        hypernetwork's gradient, then one step (`settle`). A rejected reply, or a round without enough replies,
+        never gets here: what was generated for it is dropped."""
         for u in updates:
-            got = received.get(u.client)
-            if got is None or got[0] != rnd:
-                continue
-            for kind, (gen, up) in got[1].items():
+            for kind in (LARGE, SMALL):
+                if (u.client, kind) not in self.pending:   # a David has no large model
+                    continue
+                gen, start = self.pending[(u.client, kind)]
+                up = {n: (start[n] + u.delta[f"{kind}.{n}"]).detach().clone() for n in self.trainable[kind]}
                 self.last.setdefault(u.client, {})[kind] = up
                 self.accumulate(gen, {n: up[n] for n in gen}, self.share(u.client))
         self.pending.clear()
         self.settle()
-        return new   # the run's own model is never trained (its updates are zeros)
+        return new   # the run's own model is never trained: no reply holds a tensor of it
 
     def settle(self) -> None:
         """The hypernetwork step on the accumulated gradient (a mean over the clients' weights under
@@ -298,7 +296,7 @@ class RecipFL(Method):
         return {"ghn": self.ghn.state_dict(), "opt": self.opt.state_dict(), "last": self.last}
 
     def load_state_dict(self, state: dict) -> None:
-        self.received, self.pending = {}, {}   # a restored server holds no round in flight
+        self.pending = {}   # a restored server holds no round in flight
         if not state:
             return
         self.ghn.load_state_dict(state["ghn"])
