@@ -104,6 +104,9 @@ class HetLoRA(AdapterMethod):
     """HetLoRA: ranks per level, each client's adapter zero-padded to the largest rank and averaged with weights
     ||B_k A_k||_F normalised over the round; each level trains the first components (truncation)."""
     name = "hetlora"
+    # runs_on keeps "batched" although `penalty` attaches a LocalObjective, which the vmapped step does not run: a
+    # LoRA model is a text model, which never batches (fedlase/method_config.py), and the objective's loss is the
+    # task's, so task=lm takes it (fedlase/llm/lm_task.py, check_lm)
     options = {"prune": Option(None, "rank self-pruning: a client whose last ceil(prune x k) rank components "
                                "(k: its rank) sent a product smaller than they had when it received them trains "
                                "k - ceil(prune x k) components from the next round on (at least 1); the paper's "
