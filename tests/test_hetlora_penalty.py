@@ -44,11 +44,13 @@ def _tail_norm(pairs, a_of, b_of, lo: int, k: int) -> float:
     return math.sqrt(sum(float(torch.linalg.matrix_norm(b_of(ad)[:, lo:k] @ a_of(ad)[lo:k])) ** 2 for ad in pairs))
 
 
-@pytest.mark.parametrize("level", [0, 1], ids=["rank4-whole", "rank2-slice"])
-def test_one_local_step_adds_lambda_times_the_tail_penalty_gradient(lora_cfg, level):
+@pytest.mark.parametrize("level,sliced", [(0, True), (1, True), (1, False)],
+                         ids=["rank4-whole", "rank2-slice", "rank2-masked"])
+def test_one_local_step_adds_lambda_times_the_tail_penalty_gradient(lora_cfg, level, sliced):
     """One SGD step (no momentum, decay or clip) from adapters whose B is off zero: the delta is -lr x the gradient
     of cross-entropy + lambda sum_modules ||B[:, lo:k] A[lo:k]||_F, taken by torch.autograd on the trained tensors
-    (the rank-k slice at level 1/4); the penalty's part moves the tail components only."""
+    (the rank-k slice at level 1/4, trained as a slice or, sliced=false, as masks over the full adapter); the
+    penalty's part moves the tail components only."""
     lam, lr = 0.3, 0.05
     exp = Experiment.from_config(lora_cfg("method_args.prune=0.5", f"method_args.penalty={lam}", f"lr={lr}"))
     g = torch.Generator().manual_seed(1)
@@ -58,6 +60,9 @@ def test_one_local_step_adds_lambda_times_the_tail_penalty_gradient(lora_cfg, le
     k, lo = (4, 2) if level == 0 else (2, 1)   # prune 0.5: the last ceil(k / 2) components
     sub = exp.method.submodel(params, lvl, 1)
     assert isinstance(sub.local, TailPenalty)
+    if not sliced:   # what the client trains under sliced=false (fedlase.client.ClientTrainer.trained)
+        sub = sub.masked()
+        assert sub.masks and not sub.slices and sub.local is not None
     x, y, idx = exp.trainer.x, exp.trainer.y, torch.arange(4)
     delta, _ = local_train(exp.model, params, exp.buffers, sub, x, y, [idx], exp.trainer.work)
     # the same submodel without its objective: the task's loss alone, on the plain path
@@ -127,7 +132,7 @@ def test_the_penalty_shrinks_the_tails_and_the_clients_prune_where_without_it_th
 
 
 def test_penalty_zero_is_hetlora_as_before(lora_cfg):
-    """penalty=0 (the default) attaches no objective: the plain path (and its batched form), the same submodels."""
+    """penalty=0 (the default) attaches no objective: the plain path, as before the option."""
     exp = Experiment.from_config(lora_cfg("method_args.prune=0.5", "method_args.penalty=0"))
     assert all(exp.method.submodel(exp.params, lvl, 1).local is None for lvl in exp.method.system.levels)
 
