@@ -142,8 +142,9 @@ def local_train(model: nn.Module, global_params: dict[str, torch.Tensor], buffer
 
     A submodel with `local` (a method's `LocalObjective`, fedlase/methods/base.py) trains the method's way:
     `local.start` may replace the submodel for this client (its own mask, or its own slice, which then trains
-    as any slice, with a full-size delta) and `local.loss` turns each batch into the loss; without one, the
-    loss is the cross-entropy of one forward (the path every other method takes)."""
+    as any slice, with a full-size delta), `local.loss` turns each batch into the loss (None: the task's loss of
+    one forward) and `local.penalty` adds a term to it; without one, the loss is the task's loss of one forward
+    (the path every other method takes)."""
     if sub.slices:
         small, loss = local_train(model, sub.gather(global_params), sub.gather({**buffers, **sub.buffers}),
                                   sub.inner(), x, y, batches, work, augment, classes)
@@ -163,9 +164,16 @@ def local_train(model: nn.Module, global_params: dict[str, torch.Tensor], buffer
     model.train()
     tie = has_tied_weights(model)
     if local is not None:
+        def forward(w, b, *a, **k):
+            return functional_call(model, (w, b), a, k, tie_weights=tie)
+
         def batch_loss(xb, yb):
-            return local.loss(lambda w, b, *a, **k: functional_call(model, (w, b), a, k, tie_weights=tie),
-                              sub.apply(params, train=True), bufs, xb, yb)
+            weights = sub.apply(params, train=True)
+            loss = local.loss(forward, weights, bufs, xb, yb)
+            if loss is None:   # the objective leaves the loss to the task
+                loss = task_loss(work, forward(weights, bufs, xb), xb, yb, None)
+            extra = local.penalty(weights)
+            return loss if extra is None else loss + extra
     else:
         def batch_loss(xb, yb):
             return task_loss(work, functional_call(model, (sub.apply(params, train=True), bufs), (xb,),

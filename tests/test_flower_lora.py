@@ -214,3 +214,21 @@ def test_a_lora_run_on_the_simulation_engine_equals_the_embedded_run(bert_folder
     assert [x["levels"] for x in sim] == [x["levels"] for x in ref]
     adapters = sum(npy_bytes(p) for p in _params(emb).values())
     assert 0 < sim[0]["bytes"]["received"] <= 3 * adapters
+
+
+def test_hetlora_with_its_penalty_on_flower_nodes_equals_the_embedded_run(lora_cfg, task_identity):
+    """HetLoRA's local penalty is an objective the nodes rebuild from the level (`with_objective`); it reads each
+    client's rank off the submodel the client is sent, a pruned client's own slice too. Three rounds (the clients
+    prune after round 2, then train their own ranks): the embedded engine's adapters and pruned ranks bit for bit."""
+    cfg = lora_cfg("method_args.prune=0.5", "method_args.penalty=0.2", "rounds=3")
+    exp, grid, lines = _rounds(cfg, rounds=(1, 2, 3))
+    assert all(not x["failed"] and not x["rejected"] for x in lines), lines
+    ref = Experiment.from_config(cfg)
+    for r in (1, 2, 3):
+        ref.run_round(r)
+    assert exp.method.pruned and exp.method.pruned == ref.method.pruned
+    assert same_params(exp.params, ref.params)
+    a = exp.method.pairs[0].a
+    sent = {len(m.content.array_records["slices"][f"{a}|0"].numpy()) for m in grid.sent[-4:]}   # round 3's
+    assert all(m.content.config_records["submodel"]["local"] for m in grid.sent)   # rebuilt on the node
+    assert sent == set(exp.method.pruned.values())   # each client's own (pruned) rank travelled, not its level's

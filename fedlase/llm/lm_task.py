@@ -111,7 +111,8 @@ def lm_score(logits: torch.Tensor, xb: torch.Tensor, yb: torch.Tensor) -> tuple[
 def check_lm(cfg) -> None:
     """What task=lm cannot run, in one line each."""
     from ..registry import METHODS
-    # a method whose submodels carry a LocalObjective declares it by leaving out the batched path (base.py)
+    # a method whose submodels carry a LocalObjective of its own loss declares it by leaving out the batched path
+    # (base.py); HetLoRA's penalty objective keeps it: it leaves the loss to the task
     if "batched" not in METHODS.get(cfg.method).runs_on:
         raise ConfigError("method", f"{cfg.method} trains with a local objective of its own (a classification "
                           "loss), which task=lm cannot take; use a method without one (fedavg, fiarse, fedlase, "

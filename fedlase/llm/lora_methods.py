@@ -9,7 +9,8 @@ through which a method's server step is fed:
 
 - `hetlora` (Cho et al., EMNLP 2024): each client's adapter zero-padded to the largest rank, the padded A and B
   averaged with weights ||B_k A_k||_F normalised over the round (per adapted module); each level then trains the
-  first components of the result (truncation).
+  first components of the result (truncation). Optionally its rank self-pruning (`prune`) and the local penalty
+  on the components it tests (`penalty`, a `LocalObjective`: `TailPenalty`).
 - `flexlora` (Bai et al., NeurIPS 2024): the clients' full products B_k A_k averaged by data size, and the
   average cut back to rank r by a truncated SVD, B = U_r S_r, A = V_r^T (the singular values on B, as the
   authors' code puts them); a level of rank k trains its first k components, the best rank-k approximation.
@@ -28,13 +29,14 @@ import math
 
 import torch
 
+from ..errors import ConfigError
 from ..masks import Submodel, slice_block
-from ..methods.base import Method, Option
+from ..methods.base import LocalObjective, Method, Option
 from ..registry import register_method
 from ..slicing import width_slices
 from .adapters import init_a
 
-__all__ = ["AdapterMethod", "FLoRA", "FlexLoRA", "HetLoRA", "LoRAFedAvg", "client_adapter"]
+__all__ = ["AdapterMethod", "FLoRA", "FlexLoRA", "HetLoRA", "LoRAFedAvg", "TailPenalty", "client_adapter"]
 
 
 def client_adapter(name: str, params: dict[str, torch.Tensor], delta: dict[str, torch.Tensor],
@@ -102,20 +104,44 @@ class HetLoRA(AdapterMethod):
     """HetLoRA: ranks per level, each client's adapter zero-padded to the largest rank and averaged with weights
     ||B_k A_k||_F normalised over the round; each level trains the first components (truncation)."""
     name = "hetlora"
+    # runs_on keeps "batched" although `penalty` attaches a LocalObjective, which the vmapped step does not run: a
+    # LoRA model is a text model, which never batches (fedlase/method_config.py), and the objective's loss is the
+    # task's, so task=lm takes it (fedlase/llm/lm_task.py, check_lm)
     options = {"prune": Option(None, "rank self-pruning: a client whose last ceil(prune x k) rank components "
                                "(k: its rank) sent a product smaller than they had when it received them trains "
                                "k - ceil(prune x k) components from the next round on (at least 1); the paper's "
                                "decay factor is 1 - prune; unset: off", kind=float, low=0, low_open=True, high=1,
-                               high_open=True)}
+                               high_open=True),
+               "penalty": Option(0.0, "the paper's lambda: each client adds lambda x the sum over adapted modules "
+                                 "of ||B_tail A_tail||_F (tail: the last ceil(prune x k) of its k rank components, "
+                                 "those self-pruning tests) to its task's loss, which drives the tail down so that "
+                                 "it prunes; needs prune; 0: off", kind=float, low=0)}
 
     def __init__(self, model, system=(1.0,), **options):
         super().__init__(model, system, **options)
+        self.check_penalty(self.args)
         self.pruned: dict[int, int] = {}   # client -> the rank it pruned itself to (below its level's)
+
+    @classmethod
+    def check_args(cls, options: dict) -> dict:
+        return cls.check_penalty(super().check_args(options))
+
+    @staticmethod
+    def check_penalty(args: dict) -> dict:
+        """The penalty acts on the components self-pruning tests, which `prune` sets: refused without it."""
+        if args["penalty"] > 0 and args["prune"] is None:
+            raise ConfigError("method_args.penalty", "penalises the last ceil(prune x k) rank components, which "
+                              "method_args.prune sets; set prune too (e.g. method_args.prune=0.5)")
+        return args
 
     def submodel(self, params, level, round):
         sub = super().submodel(params, level, round)
         k = self.rank(level)
         own = {c: self.rank_slice(params, r) for c, r in self.pruned.items() if r < k}
+        if self.args["penalty"] > 0:   # one objective for the level and its pruned clients: it reads each one's rank
+            local = TailPenalty(self.pairs, self.args["prune"], self.args["penalty"])
+            return dataclasses.replace(sub, local=local, own={c: dataclasses.replace(s, local=local)
+                                                              for c, s in own.items()})
         return dataclasses.replace(sub, own=own) if own else sub
 
     def eval_submodel(self, params, level, round):
@@ -151,18 +177,59 @@ class HetLoRA(AdapterMethod):
         self.pruned = {int(c): int(k) for c, k in state.get("pruned", {}).items()}
 
 
+def tail_start(k: int, prune: float) -> int | None:
+    """Where the tail of a client of rank k starts: its last m = ceil(prune k) components are k - m .. k - 1 (the
+    paper's floor(gamma k) .. k - 1, gamma = 1 - prune); None where that would leave no component."""
+    lo = k - math.ceil(prune * k)
+    return lo if lo >= 1 else None
+
+
 def self_pruned_rank(received: list[tuple[torch.Tensor, torch.Tensor]], sent: list[tuple[torch.Tensor, torch.Tensor]],
                      k: int, prune: float) -> int:
-    """The rank a client of rank k keeps under HetLoRA's self-pruning: its last m = ceil(prune k) components are
-    pruned (the paper's r_k -> floor(gamma r_k), gamma = 1 - prune) when their product sum_j B[:, j] A[j]
-    (Frobenius norm over every adapted module) is smaller in what it sent than in what it received at the round's
-    start, the paper's test. `received`, `sent`: the (A, B) of every module at rank r, in one order."""
-    m = math.ceil(prune * k)
-    if k - m < 1:
+    """The rank a client of rank k keeps under HetLoRA's self-pruning: its tail (`tail_start`) is pruned (the
+    paper's r_k -> floor(gamma r_k), gamma = 1 - prune) when its product sum_j B[:, j] A[j] (Frobenius norm over
+    every adapted module) is smaller in what it sent than in what it received at the round's start, the paper's
+    test. `received`, `sent`: the (A, B) of every module at rank r, in one order."""
+    lo = tail_start(k, prune)
+    if lo is None:
         return k
     def tail(adapters) -> float:
-        return math.sqrt(sum(float(torch.linalg.matrix_norm(b[:, k - m:k] @ a[k - m:k])) ** 2 for a, b in adapters))
-    return k - m if tail(sent) < tail(received) else k
+        return math.sqrt(sum(float(torch.linalg.matrix_norm(b[:, lo:k] @ a[lo:k])) ** 2 for a, b in adapters))
+    return lo if tail(sent) < tail(received) else k
+
+
+class TailPenalty(LocalObjective):
+    """HetLoRA's local regularisation: `weight` x the sum over the adapted modules of ||B_tail A_tail||_F, the tail
+    being the last ceil(prune k) of the k components the client trains (the ones its self-pruning tests), added to
+    the task's loss (`LocalObjective.penalty`). k is read off the submodel the client trains (`start`): the rows of
+    A it holds, gathered (a slice) or kept by its mask (sliced=false), so one objective serves every level and every
+    pruned client, and a Flower node rebuilds it from the level alone."""
+
+    def __init__(self, pairs: list, prune: float, weight: float):
+        self.pairs, self.prune, self.weight = pairs, prune, weight
+        self.tail: tuple[int, int] | None = None   # (first, end) of the tail of the client now training
+
+    def start(self, model, sub, params, buffers, x, batches):
+        a = self.pairs[0].a
+        k = int(sub.masks[a].any(dim=1).sum()) if a in sub.masks else params[a].shape[0]
+        lo = tail_start(k, self.prune)
+        self.tail = None if lo is None else (lo, k)   # rank 1 has no tail (self-pruning keeps it)
+        return sub
+
+    def penalty(self, weights):
+        if self.tail is None:
+            return None
+        lo, k = self.tail
+        return self.weight * sum(product_norm(weights[ad.b][:, lo:k], weights[ad.a][lo:k]) for ad in self.pairs)
+
+
+def product_norm(b: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
+    """||b a||_F for b (out x m), a (m x in), differentiable, from the m x m Gram matrices (||BA||_F^2 =
+    sum((B^T B) * (A A^T))): the out x in product of every module would be kept for the backward at every step.
+    Its gradient is 0 where the product is 0 (as B starts), the norm's subgradient there, never NaN."""
+    sq = ((b.T @ b) * (a @ a.T)).sum().clamp(min=0)   # >= 0 but for rounding
+    nonzero = sq > 0
+    return torch.where(nonzero, torch.where(nonzero, sq, torch.ones_like(sq)).sqrt(), torch.zeros_like(sq))
 
 
 def hetlora_average(a_k: list[torch.Tensor], b_k: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -2,19 +2,18 @@
 
 A method decides what each client trains (masks, and the aggregation rule's name); the engine runs the local
 training and the aggregation. A method takes part in either only where it declares so: one whose clients need more
-than the cross-entropy of one forward says how they train, through a `LocalObjective` on its submodels (each batch's
-loss, the submodel a client trains), which `fedlase.train.local_train` calls; one with a server step of its own
-declares `server_update`, which the server step calls after the rule (RecipFL, the adapter methods). Options are
-declared once as `Option`s (fedlase/options.py, the same mechanism as config keys) and checked at construction with
-errors that name `method_args.<key>`. A method receives the run's `System` (levels largest first, looked up by
-index) and each call a `Level`; `float(level)` is its fraction."""
+than the task's loss of one forward says how they train, through a `LocalObjective` on its submodels (each batch's
+loss or a term added to it, the submodel a client trains), which `fedlase.train.local_train` calls; one with a
+server step of its own declares `server_update`, which the server step calls after the rule (RecipFL, the adapter
+methods). Options are declared once as `Option`s (fedlase/options.py, the same mechanism as config keys) and
+checked at construction with errors that name `method_args.<key>`. A method receives the run's `System` (levels
+largest first, looked up by index) and each call a `Level`; `float(level)` is its fraction."""
 from __future__ import annotations
 
 import math
 from typing import ClassVar
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..config import ENGINES
@@ -27,13 +26,15 @@ __all__ = ["LocalObjective", "Method", "Option", "ThresholdMethod"]
 
 
 class LocalObjective:
-    """A method's own local training, for methods that need more than the cross-entropy of one forward of the
+    """A method's own local training, for methods that need more than the task's loss of one forward of the
     submodel (FjORD: a width drawn per batch, self-distillation; DepthFL: every exit's loss and mutual
-    distillation; FedDSE: each client's own mask, chosen on its data). A method attaches one to the Submodel
-    it returns (`Submodel.local`); `fedlase.train.local_train` then calls `start` once when the client begins
-    and `loss` on every batch. This base class is the plain path: it keeps the submodel and returns the
-    cross-entropy of one forward. Its draws (FjORD's widths) come from torch's global stream, which the
-    client seeds per round and client, so a resumed run repeats them. Not taken by the batched path."""
+    distillation; FedDSE: each client's own mask, chosen on its data; HetLoRA: a penalty on its adapters' last
+    rank components). A method attaches one to the Submodel it returns (`Submodel.local`);
+    `fedlase.train.local_train` then calls `start` once when the client begins, and on every batch `loss` plus
+    `penalty`. This base class is the plain path: it keeps the submodel, leaves the loss to the task (the
+    cross-entropy for task=classify, the next-token loss for task=lm) and adds nothing. Its draws (FjORD's widths)
+    come from torch's global stream, which the client seeds per round and client, so a resumed run repeats them.
+    Not taken by the batched path."""
 
     def start(self, model: nn.Module, sub: Submodel, params: dict[str, torch.Tensor],
               buffers: dict[str, torch.Tensor], x: torch.Tensor, batches: list[torch.Tensor]) -> Submodel:
@@ -43,10 +44,17 @@ class LocalObjective:
         return sub
 
     def loss(self, forward, weights: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor],
-             xb: torch.Tensor, yb: torch.Tensor) -> torch.Tensor:
-        """One batch's loss. `weights`: the submodel's effective weights (`Submodel.apply`, differentiable);
-        `forward(weights, buffers, *args, **kwargs)`: the model called on them."""
-        return F.cross_entropy(forward(weights, buffers, xb), yb)
+             xb: torch.Tensor, yb: torch.Tensor) -> torch.Tensor | None:
+        """One batch's loss, or None (this base): the task's loss of one forward (`fedlase.train.task_loss`),
+        which `local_train` computes. `weights`: the submodel's effective weights (`Submodel.apply`,
+        differentiable); `forward(weights, buffers, *args, **kwargs)`: the model called on them. An objective
+        that returns its own loss (FjORD's, DepthFL's, RecipFL's) is a classification loss."""
+        return None
+
+    def penalty(self, weights: dict[str, torch.Tensor]) -> torch.Tensor | None:
+        """A term added to every batch's loss, whichever loss that is (HetLoRA's tail penalty), from the same
+        effective weights; None (this base): nothing is added."""
+        return None
 
     # A personal objective (pFedLMT's, RecipFL's): the client trains parameters of its own, swapped in before
     # local training (`params_for`); `finish` makes its reply from what it trained (pFedLMT takes its own part
