@@ -13,7 +13,8 @@ Down (server -> client), per parameter:
   A method's own local objective (`Submodel.local`: FjORD's widths, DepthFL's exits) is code, not arrays, and is
   not sent: the node rebuilds it with its own copy of the method from the level and the round
   (fedlase/flower/client_app.py, `with_objective`), as the server built it.
-Up (client -> server): the delta's values on the credited mask only (dense for unmasked parameters).
+Up (client -> server): the delta's values on the credited mask only (dense for unmasked parameters), and the
+  tensors of the method's own beside it, as they are (`Method.own_reply`: FedDSE's channel choice).
 
 Each array travels as an .npy file (numpy's header, then the raw values): `npy_bytes` is its size."""
 from __future__ import annotations

@@ -197,6 +197,13 @@ class Method:
         FLoRA: fedlase/llm/lora_methods.py). RecipFL steps its hypernetwork here and keeps `new`."""
         return new
 
+    def own_reply(self, level) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """name -> (shape, dtype) of the tensors of its own that a client of `level` sends beside its delta, under
+        names no parameter has (FedDSE's channel choice, which its `server_update` counts): a Flower server accepts
+        a reply with exactly these beside the delta (fedlase/flower/codec.py, validate_reply), and the clock charges
+        them (fedlase/cost.py). None by default."""
+        return {}
+
     # ---- evaluation (fedlase/evaluate.py) ---------------------------------------------------------------------
     def module_for(self, level) -> nn.Module:
         """The module a level's clients are evaluated on: the run's model, unless a level is a model of its own."""
