@@ -77,8 +77,8 @@ class Method:
     # rounds and "batched" the embedded engine's batched_clients=true. A method whose submodels carry their own
     # LocalObjective leaves out "batched" (the vmapped step does not run it); a Flower node rebuilds the objective
     # with its own copy of the method (fedlase/flower/client_app.py, `with_objective`), so Flower runs it where it
-    # is a function of the config, the level, the round and the model (FjORD's, DepthFL's). A method that leaves
-    # out an engine says why in `confined`, which the config's refusal names.
+    # is a function of the config, the level, the round and the model (FjORD's, DepthFL's, FedDSE's). A method that
+    # leaves out an engine says why in `confined`, which the config's refusal names.
     runs_on: ClassVar[tuple[str, ...]] = TRAIN_PATHS
     confined: ClassVar[str] = ""
     # The models (registry names) it can run on, checked at config validation; None: any model.
