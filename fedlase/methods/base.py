@@ -201,7 +201,7 @@ class Method:
         """name -> (shape, dtype) of the tensors of its own that a client of `level` sends beside its delta, under
         names no parameter has (FedDSE's channel choice, which its `server_update` counts): a Flower server accepts
         a reply with exactly these beside the delta (fedlase/flower/codec.py, validate_reply), and the clock charges
-        them (fedlase/cost.py). None by default."""
+        them (fedlase/cost.py). Nothing by default."""
         return {}
 
     # ---- evaluation (fedlase/evaluate.py) ---------------------------------------------------------------------
