@@ -199,7 +199,7 @@ def _step_flops(model, trainer, params: dict, buffers: dict, client: int, traine
 
 def _payload(params: dict, buffers: dict, sub, own: dict | None = None) -> tuple[int, int]:
     """Bytes down and up as the Flower codec sends them (fedlase/payload.py, torch alone: the same with or without
-    the `flower` extra). A method's own local objective (FjORD's widths, DepthFL's exits, FedDSE's choice) is not
+    the `flower` extra). A method's own local objective (FjORD's widths, DepthFL's exits, FedDSE's scoring) is not
     sent, the node rebuilds it: such a submodel is charged its arrays as any other; the tensors of its own a reply
     holds beside the delta (`own`: `Method.own_reply`, FedDSE's channel choice) are charged with it. A personal
     objective (pFedLMT's) only swaps the client's own values into the submodel's tensors, at their sizes: it is
