@@ -197,30 +197,28 @@ def _step_flops(model, trainer, params: dict, buffers: dict, client: int, traine
     return counter.total, int(round(counter.total - skipped)), saved.total
 
 
-def _payload(params: dict, buffers: dict, sub) -> tuple[int, int]:
+def _payload(params: dict, buffers: dict, sub, own: dict | None = None) -> tuple[int, int]:
     """Bytes down and up as the Flower codec sends them (fedlase/payload.py, torch alone: the same with or without
-    the `flower` extra); a method whose local objective the codec cannot send (FjORD, DepthFL, FedDSE) is charged
-    the dense model each way. A personal objective (pFedLMT's) only swaps the client's own values into the
-    submodel's tensors, at their sizes: it is charged the submodel without it, i.e. the level's model each way
-    (the authors' server keeps the parts and sends them)."""
-    from .errors import UserError
+    the `flower` extra). A method's own local objective (FjORD's widths, DepthFL's exits, FedDSE's scoring) is not
+    sent, the node rebuilds it: such a submodel is charged its arrays as any other; the tensors of its own a reply
+    holds beside the delta (`own`: `Method.own_reply`, FedDSE's channel choice) are charged with it. A personal
+    objective (pFedLMT's) only swaps the client's own values into the submodel's tensors, at their sizes: it is
+    charged the submodel without it, i.e. the level's model each way (the authors' server keeps the parts and
+    sends them)."""
     from .payload import delta_arrays, payload_bytes, submodel_arrays
     if sub.local is not None and sub.local.personal:
         sub = dataclasses.replace(sub, local=None)
-    try:
-        down = payload_bytes(submodel_arrays(params, buffers, sub))
-    except UserError:
-        dense = sum(p.numel() * p.element_size() for p in params.values())
-        return dense, dense
-    return down, payload_bytes(delta_arrays({n: torch.zeros_like(p) for n, p in params.items()}, sub))
+    reply = {n: torch.zeros_like(p) for n, p in params.items()}
+    reply.update({n: torch.zeros(shape, dtype=dtype) for n, (shape, dtype) in (own or {}).items()})
+    return payload_bytes(submodel_arrays(params, buffers, sub)), payload_bytes(delta_arrays(reply, sub))
 
 
 def level_costs(model, method, trainer, levels, level_clients: dict, params: dict | None = None,
                 buffers: dict | None = None) -> list[LevelCost]:
     """The cost of every level (largest first) of a run's parts (fedlase.engine.build_parts), on the global model
-    `params`/`buffers` (default: the model's own, the initial one). The method's own state (FedDSE's selection
-    counts) is restored afterwards, so a run's results do not change. The peak memory is measured apart
-    (`measure_memory`, a child process per level)."""
+    `params`/`buffers` (default: the model's own, the initial one). The method's own state is restored afterwards
+    (costing starts a client's local objective, which may touch it), so a run's results do not change. The peak
+    memory is measured apart (`measure_memory`, a child process per level)."""
     # the trainable parameters, as a run's state holds them; a frozen base stays in the module
     params = params if params is not None else {k: v.detach() for k, v in model.named_parameters() if v.requires_grad}
     buffers = buffers if buffers is not None else {k: v.detach() for k, v in model.named_buffers()}
@@ -237,7 +235,7 @@ def level_costs(model, method, trainer, levels, level_clients: dict, params: dic
             held = sum(t.numel() for t in tensors.values())
             weight_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
             flops, sparse, activations = _step_flops(model, trainer, params, buffers, client, trained)
-            down, up = _payload(params, buffers, sub)
+            down, up = _payload(params, buffers, sub, method.own_reply(lvl))
             steps = trainer.work.num_steps(len(trainer.train_idx[client]))
             kept = sub.kept([n for n in method.maskable if n in params], params)
             opt = weight_bytes * optimizer_states(trainer.work)

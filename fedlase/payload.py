@@ -10,10 +10,11 @@ Down (server -> client), per parameter:
     second bit array only where it differs from the support (never for FIARSE, whose mask is |w| >= tau).
   - not masked: the dense tensor.
   A width slice's kept indices per dim; the model's buffers and the submodel's buffer overrides, dense.
-  A method's own local objective (`Submodel.local`: FjORD's widths, DepthFL's exits) is code, not arrays, and is
-  not sent: the node rebuilds it with its own copy of the method from the level and the round
-  (fedlase/flower/client_app.py, `with_objective`), as the server built it.
-Up (client -> server): the delta's values on the credited mask only (dense for unmasked parameters).
+  A method's own local objective (`Submodel.local`: FjORD's widths, DepthFL's exits, FedDSE's channel scoring) is
+  code, not arrays, and is not sent: the node rebuilds it with its own copy of the method from the level and the
+  round (fedlase/flower/client_app.py, `with_objective`), as the server built it.
+Up (client -> server): the delta's values on the credited mask only (dense for unmasked parameters), and the
+  tensors of the method's own beside it, as they are (`Method.own_reply`: FedDSE's channel choice).
 
 Each array travels as an .npy file (numpy's header, then the raw values): `npy_bytes` is its size."""
 from __future__ import annotations

@@ -21,8 +21,9 @@ options, registered in fedlase/registry.py and named by the config):
    fedlase/rules.py; a plug-in module registers its own the same way (docs/library.md, "Adding a rule").
 5. the method's own step on the accepted updates (`Method.server_update`, fed by their payloads, the only channel
    from a client to the server): RecipFL's hypernetwork, on the changes its clients trained of their generated
-   models; the adapter methods' own aggregation (HetLoRA, FlexLoRA, FLoRA: fedlase/llm/lora_methods.py), which
-   replaces the rule's model; nothing for the others.
+   models; FedDSE's count of its clients' channel choices, for its evaluation submodels; the adapter methods' own
+   aggregation (HetLoRA, FlexLoRA, FLoRA: fedlase/llm/lora_methods.py), which replaces the rule's model; nothing
+   for the others.
 
 Everything here is deterministic: a client's attack noise is seeded from (run seed, round, client) and the
 attacked set from the run seed, so a resumed run equals an uninterrupted one.
@@ -206,15 +207,25 @@ def squared_norms(deltas: list[dict]) -> list[float]:
     return out
 
 
+def changes(delta: dict) -> dict:
+    """The tensors of a payload that are changes, which the screen's figures count: the floating ones (RecipFL's
+    generated models' included). A method's own tensor of another dtype is a record, not a change (FedDSE's
+    channel choice, bool): it holds no NaN and no norm."""
+    if all(d.is_floating_point() for d in delta.values()):
+        return delta
+    return {n: d for n, d in delta.items() if d.is_floating_point()}
+
+
 def norms(updates: list, subs: dict, full: dict) -> tuple[list[float], list[float]]:
-    """Each update's L2 norm and norm per coordinate held (norm / sqrt(held)), summed in float64 so that a
-    float32 delta of 3e38 gives a finite figure; a NaN or Inf anywhere makes both non-finite."""
+    """Each update's L2 norm and norm per coordinate held (norm / sqrt(held)), of its changes (`changes`), summed in
+    float64 so that a float32 delta of 3e38 gives a finite figure; a NaN or Inf anywhere makes both non-finite."""
     sizes: dict[int, int] = {}
     l2, rms = [], []
-    for u, ss in zip(updates, squared_norms([u.delta for u in updates])):
+    deltas = [changes(u.delta) for u in updates]
+    for u, delta, ss in zip(updates, deltas, squared_norms(deltas)):
         sub = u.sub or subs[u.level]
         if id(sub) not in sizes:
-            sizes[id(sub)] = max(held(u.delta, sub, full), 1)
+            sizes[id(sub)] = max(held(delta, sub, full), 1)
         l2.append(math.sqrt(ss) if math.isfinite(ss) else math.inf if ss == math.inf else math.nan)
         rms.append(l2[-1] / math.sqrt(sizes[id(sub)]))
     return l2, rms
@@ -385,12 +396,21 @@ def screen(updates: list, subs: dict, full: dict, factor: float | None) -> tuple
 
 
 def of_model(updates: list, params: dict) -> list:
-    """The updates as the rule aggregates them: their tensors of the global model `params`. A payload may also
-    hold tensors of the method's own (RecipFL's: the change of each generated model), which only its
-    `server_update` reads; the screen judges the whole payload."""
+    """The updates as the rule aggregates them (and an attack corrupts them): their tensors of the global model
+    `params`. A payload may also hold tensors of the method's own (RecipFL's: the change of each generated model;
+    FedDSE's: the client's channel choice), which only its `server_update` reads; the screen judges the whole
+    payload (its changes: `changes`)."""
     if all(n in params for u in updates for n in u.delta):
         return updates
     return [dataclasses.replace(u, delta={n: d for n, d in u.delta.items() if n in params}) for u in updates]
+
+
+def with_own(updates: list, payloads: list, params: dict) -> list:
+    """`updates` (of the model: `of_model`) with the method's own tensors of `payloads` (the updates they were
+    cut from, in the same order) put back, as they were."""
+    return [u if u.delta.keys() >= p.delta.keys() else
+            dataclasses.replace(u, delta={**u.delta, **{n: d for n, d in p.delta.items() if n not in params}})
+            for u, p in zip(updates, payloads)]
 
 
 def make_rule(rule: str | None = None, args: dict | None = None) -> Rule:
@@ -472,14 +492,20 @@ class ServerStep:
         if u.client not in self.attack.clients:
             return u
         shapes = {n: p.shape for n, p in params.items()}
-        return dataclasses.replace(u, delta=self.attack.corrupt(u.delta, u.sub or subs[u.level], shapes, rnd,
-                                                                u.client))
+        model = of_model([u], params)[0]   # the attack corrupts the model's update; the method's own pass as sent
+        bad = dataclasses.replace(model, delta=self.attack.corrupt(model.delta, u.sub or subs[u.level], shapes, rnd,
+                                                                   u.client))
+        return with_own([bad], [u], params)[0]
+
+    def own_reply(self, level) -> dict:
+        """What a reply of a client of `level` holds beside its delta: its method's tensors (`Method.own_reply`)."""
+        return {} if self.method is None else self.method.own_reply(level)
 
     def screen(self, updates: list, subs: dict, params: dict) -> tuple[list, dict, list[float]]:
         """(accepted updates, {client: why} of the rejected, the accepted ones' norms per coordinate held)."""
         if not self.rule.weighted and any(u.weight != 1.0 for u in updates):
             raise ValueError(f"robust={self.rule.name} does not take weighted updates (its `weighted`)")
-        updates = self.attack.collude(updates, subs, params)
+        updates = with_own(self.attack.collude(of_model(updates, params), subs, params), updates, params)
         if "screen" in self.rule.args and not self.by_others():
             v = judge(updates, subs, params, math.inf, near_zero=False)   # the per-update checks only (dp, RecipFL)
         else:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import ipaddress
 import json
+import math
 import os
 import subprocess
 import sys
@@ -219,6 +220,12 @@ def _round(cfg, rnd=1, spoil=None, drop=(), dead=()):
     """One Flower round in-process; spoil: (partition, kind) makes that client's reply bad; drop: partitions
     whose replies never arrive; dead: partitions whose node died (the SuperLink answers with an error).
     Returns the new global params and the round's statistics."""
+    exp, stats = _round_run(cfg, rnd, spoil, drop, dead)
+    return exp.params, stats
+
+
+def _round_run(cfg, rnd=1, spoil=None, drop=(), dead=()):
+    """`_round`, returning the run (its Experiment) instead of its params."""
     grid = LocalGrid(cfg)
     runner = NodeRounds(grid)
 
@@ -236,18 +243,23 @@ def _round(cfg, rnd=1, spoil=None, drop=(), dead=()):
     runner.grid = type("Wire", (), {"send_and_receive": staticmethod(deliver), "get_node_ids": grid.get_node_ids})()
     exp = Experiment.from_config(cfg, runner)
     stats = exp.run_round(rnd)   # the engine's line ("skipped" under min_replies) over the runner's details
-    return exp.params, stats
+    return exp, stats
 
 
 def _embedded(cfg, rnd=1, without=(), rounds=None):
     """The embedded engine's round `rnd` (or its `rounds`, one after another), with clients taken out of the
     sample: `without` holds client ids (out of every round run) or (round, client) pairs (out of that round)."""
+    return _embedded_run(cfg, rnd, without, rounds).params
+
+
+def _embedded_run(cfg, rnd=1, without=(), rounds=None):
+    """`_embedded`, returning the run (its Experiment) instead of its params."""
     exp = Experiment.from_config(cfg)
     sample = exp.sample
     exp.sample = lambda r: [(c, lvl) for c, lvl in sample(r) if c not in without and (r, c) not in without]
     for r in rounds or (rnd,):
         exp.run_round(r)
-    return exp.params
+    return exp
 
 
 @pytest.mark.parametrize("method", METHODS)
@@ -280,6 +292,30 @@ def test_a_local_objective_is_rebuilt_on_the_node(tmp_path, task_identity, metho
     monkeypatch.setattr(client_app, "with_objective", lambda cfg, pid, content, params, sub, rnd: sub)
     plain, _ = _round(cfg, rnd=3)
     assert not same_params(plain, embedded)
+
+
+def test_feddse_choices_travel_in_the_replies(tmp_path, task_identity, monkeypatch):
+    """FedDSE's clients choose their channels on their own data, on the node, and send the choice in their reply
+    beside the delta: the round and the counts its levels are evaluated with (hence their evaluation submodels)
+    equal the embedded engine's bit for bit. A node that trained without the objective sends no choice, and its
+    reply is rejected for the missing tensors."""
+    cfg = small_cfg(tmp_path, "system={1,1/4}_{1,2}", "method=feddse", "method_args.samples=16")
+    exp, stats = _round_run(cfg, rnd=3)
+    assert stats["clients"] == 3 and not stats["failed"] and not stats["rejected"]
+    embedded = _embedded_run(cfg, rnd=3)
+    assert same_params(exp.params, embedded.params)
+    quarter = exp.levels[1]
+    (rnd, counts), (rnd_e, counts_e) = exp.method.counts[quarter.index], embedded.method.counts[quarter.index]
+    assert rnd == rnd_e == 3 and counts.keys() == counts_e.keys() and len(counts) > 1
+    assert all(torch.equal(counts[g], counts_e[g]) and int(counts[g].sum()) == 2 * math.ceil(counts[g].numel() / 2)
+               for g in counts)   # two clients of 1/4, each keeping half of every group
+    assert all(torch.equal(a, b) for a, b in zip(exp.method.eval_submodel(exp.params, quarter, 3).masks.values(),
+                                                 embedded.method.eval_submodel(embedded.params, quarter, 3)
+                                                 .masks.values()))
+    monkeypatch.setattr(client_app, "with_objective", lambda cfg, pid, content, params, sub, rnd: sub)
+    _, plain = _round(cfg, rnd=3)
+    assert plain["clients"] == 1 and len(plain["rejected"]) == 2
+    assert all("missing parameter(s) feddse.keep." in why for why in plain["rejected"].values())
 
 
 @pytest.mark.parametrize("kind", ["nan", "outside-mask", "oversized", "dtype"])

@@ -1,6 +1,7 @@
 """FjORD, DepthFL and FedDSE (issue 21): submodels against hand counts, the local objectives, aggregation by
 hand, a resumed run bit-identical to an uninterrupted one, the CLI's one-line error for a level DepthFL cannot
 meet, and `fedlase methods`."""
+import dataclasses
 import math
 
 import pytest
@@ -10,11 +11,11 @@ import torch.nn.functional as F
 from fedlase.aggregate import aggregate
 from fedlase.cli import main
 from fedlase.client import local_work
-from fedlase.engine import run_experiment
+from fedlase.engine import Update, run_experiment
 from fedlase.errors import ConfigError
 from fedlase.levels import System
 from fedlase.methods.depthfl import DepthFL, DepthObjective, kd_weight
-from fedlase.methods.feddse import FedDSE, top_channels
+from fedlase.methods.feddse import CHOICE, FedDSE, top_channels
 from fedlase.methods.fjord import FjORD
 from fedlase.models import build_model
 from fedlase.train import local_train
@@ -192,7 +193,17 @@ def test_feddse_selects_most_activated_channels_by_hand():
     for name, (out, cin) in CONVS.items():
         keep_in = cin if cin == 1 else math.ceil(cin / 2)
         assert int(own.masks[name].sum()) == math.ceil(out / 2) * keep_in * 9, name
-    # the level is evaluated with its clients' most frequent choice (one client: its own)
+    # its reply carries its choice beside its delta, one bool per channel of each group, as the method declares
+    delta = {n: torch.zeros_like(p) for n, p in params.items()}
+    reply = sub.local.finish(7, params, sub, delta)
+    assert {n: (tuple(t.shape), t.dtype) for n, t in reply.items() if n not in delta} == \
+        m.own_reply(system.levels[1]) and m.own_reply(system.levels[0]) == {}
+    assert torch.equal(reply[CHOICE + "block0"], best0)
+    # nothing is counted until the server step takes that reply; then the level is evaluated with its clients'
+    # most frequent choice (one client: its own)
+    first = m.eval_submodel(params, system.levels[1], 3)
+    assert first.masks["features.0.weight"].flatten(1).any(1).tolist() == [True] * 4 + [False] * 4
+    assert m.server_update(3, params, params, [Update(7, system.levels[1], reply, 0.0)], {}) is params
     ev = m.eval_submodel(params, system.levels[1], 3)
     assert all(torch.equal(ev.masks[n], own.masks[n]) for n in own.masks)
 
@@ -276,3 +287,47 @@ def test_batched_clients_refuse_a_local_objective(tiny_cfg):
     with pytest.raises(ConfigError, match="^batched_clients: method fjord runs on embedded, flower-sim, "
                                           "flower-deploy only"):
         tiny_cfg("method=fjord", "batched_clients=true")
+
+
+def test_feddse_counts_the_choices_of_the_accepted_replies_only(tiny_cfg, monkeypatch):
+    """A FedDSE reply carries the client's channel choice beside its delta. The choice is a record, not a change:
+    the screen's figure of a reply is its delta's alone, and an attack leaves the choice as sent. The server step
+    counts the choices of the replies it accepted: a client whose reply is rejected (here a NaN in its delta) is
+    left out of its level's evaluation counts."""
+    from fedlase.engine import Experiment
+    from fedlase.server_step import norms
+    exp = Experiment.from_config(tiny_cfg("method=feddse", "participation=1", "system={1,1/4}_{1,3}",
+                                          "attack=sign_flip", "attack_args.fraction=0.25"))
+    quarter = exp.levels[1]
+    small = [c for c in range(4) if exp.cfg.levels.level_of(c).index == 1]
+    spoiled, replies = small[0], {}
+    train = exp.trainer.update
+
+    def update(client, *args, **kwargs):
+        delta, loss = train(client, *args, **kwargs)
+        replies[client] = delta
+        if client == spoiled:
+            delta = dict(delta)
+            name = next(n for n in delta if n in exp.params)
+            delta[name] = delta[name].clone()
+            delta[name].view(-1)[0] = float("nan")
+        return delta, loss
+    monkeypatch.setattr(exp.trainer, "update", update)
+    subs = exp.submodels([quarter], 1)
+    c = small[1]
+    u = Update(c, quarter, train(c, exp.params, exp.buffers, subs[quarter], 1)[0], 0.0)
+    bare = Update(c, quarter, {n: d for n, d in u.delta.items() if not n.startswith(CHOICE)}, 0.0)
+    assert len(u.delta) > len(bare.delta) and norms([u], subs, exp.params) == norms([bare], subs, exp.params)
+    attacked = exp.server.receive(dataclasses.replace(u, client=next(iter(exp.server.attack.clients))), subs,
+                                  exp.params, 1)
+    assert all(torch.equal(attacked.delta[n], u.delta[n]) and attacked.delta[n].dtype == torch.bool
+               for n in u.delta if n.startswith(CHOICE))
+    assert any(not torch.equal(attacked.delta[n], u.delta[n]) for n in bare.delta)   # its update is flipped
+    stats = exp.run_round(1)
+    assert stats["rejected"] == {str(spoiled): "non-finite value in its update"}
+    rnd, counts = exp.method.counts[quarter.index]
+    kept = [c for c in small if c != spoiled]
+    assert rnd == 1 and len(kept) == 2
+    for name, count in counts.items():
+        want = sum(replies[c][CHOICE + name].long() for c in kept)
+        assert torch.equal(count, want), name

@@ -66,3 +66,31 @@ def test_the_payload_module_needs_no_flower_and_leaves_the_environment(monkeypat
     monkeypatch.delitem(sys.modules, "fedlase.payload")
     fresh = importlib.import_module("fedlase.payload")
     assert fresh.payload_bytes({"w": torch.zeros(3)}) > 12 and dict(os.environ) == before
+
+
+@pytest.mark.flower
+@pytest.mark.parametrize("method", ["fjord", "depthfl method_args.heads=linear", "feddse"])
+def test_a_local_objective_is_charged_what_the_codec_sends(tiny_cfg, method):
+    """A submodel with its method's own local objective travels as any other (the node rebuilds the objective):
+    the clock charges each level the bytes of the message its client is sent and of the reply it sends back (a
+    FedDSE client's channel choice included), not the dense model each way."""
+    pytest.importorskip("flwr")
+    from fedlase.cost import level_costs
+    from fedlase.flower.codec import encode_delta, encode_submodel, record_bytes
+    name, *args = method.split()
+    p = build_parts(tiny_cfg(f"method={name}", *args))
+    params = {n: t.detach() for n, t in p.model.named_parameters()}
+    buffers = {n: t.detach() for n, t in p.model.named_buffers()}
+    costs = level_costs(p.model, p.method, p.trainer, p.levels, p.level_clients, params, buffers)
+    dense = sum(t.numel() * t.element_size() for t in params.values())
+    for lvl, cost in zip(p.levels, costs):
+        client = p.level_clients[lvl][0]
+        sub = p.trainer.submodel(client, p.method.submodel(params, lvl, 1), params)
+        assert sub.local is not None or lvl.index == 0
+        assert cost.down_bytes == record_bytes(*encode_submodel(params, buffers, sub).array_records.values())
+        reply, _ = p.trainer.update(client, params, buffers, sub, 1)   # what the node trains and sends
+        assert cost.up_bytes == record_bytes(encode_delta(reply, sub))
+        if name == "feddse" and lvl.index > 0:   # the dense delta and, beside it, one bool per channel chosen from
+            assert cost.up_bytes > dense and set(reply) - set(params) == set(p.method.own_reply(lvl))
+        elif name == "fjord" and lvl.index > 0:   # its level's slice, smaller than the dense model
+            assert cost.up_bytes < dense and cost.down_bytes < dense

@@ -94,11 +94,11 @@ def method_for(cfg, pid: int):
 
 
 def with_objective(cfg, pid: int, content: RecordDict, params: dict, sub, rnd: int):
-    """The submodel with the local objective its method trains it with (FjORD's widths, DepthFL's exits), which
-    the message does not carry: the node's own copy of the method (`method_for`) builds the submodel of the
-    client's level (the task's) and round, as the server did, and its objective is taken. Only methods whose
-    objective is a function of the config, the level, the round and the model run on Flower (their `runs_on`); one
-    that reads the server's state (RecipFL's hypernetwork) does not."""
+    """The submodel with the local objective its method trains it with (FjORD's widths, DepthFL's exits, FedDSE's
+    channels chosen on the node's data), which the message does not carry: the node's own copy of the method
+    (`method_for`) builds the submodel of the client's level (the task's) and round, as the server did, and its
+    objective is taken. Only methods whose objective is a function of the config, the level, the round and the
+    model run on Flower (their `runs_on`); one that reads the server's state (RecipFL's hypernetwork) does not."""
     import dataclasses
     level = cfg.levels.find(str(content.config_records["task"]["level"]))
     return dataclasses.replace(sub, local=method_for(cfg, pid).submodel(params, level, rnd).local)

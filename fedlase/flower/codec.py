@@ -95,14 +95,17 @@ def expected_reply(params: dict[str, torch.Tensor], sub: Submodel) -> dict[str, 
     return {n: (((int(sub.masks[n].sum()),) if n in sub.masks else tuple(p.shape)), p.dtype) for n, p in params.items()}
 
 
-def validate_reply(arrays: ArrayRecord, params: dict[str, torch.Tensor], sub: Submodel) -> dict[str, torch.Tensor]:
-    """The dense delta of a reply, or ReplyError saying why it must be rejected.
+def validate_reply(arrays: ArrayRecord, params: dict[str, torch.Tensor], sub: Submodel,
+                   own: dict[str, tuple[tuple[int, ...], torch.dtype]] | None = None) -> dict[str, torch.Tensor]:
+    """The dense delta of a reply, with the method's own tensors it must hold beside it (`own`: name -> (shape,
+    dtype), `Method.own_reply`: FedDSE's channel choice), or ReplyError saying why it must be rejected.
 
     Checked before anything is decoded: the names, each array's declared dtype and shape (at most the
     parameter's own, so nothing larger than the model is ever read) and its raw size; then the decoded
     array against its declaration, NaN/Inf, and, for a dense delta sent for a masked parameter, values off
     the client's mask (rejected either way: it is larger than the submodel allows)."""
-    want = expected_reply(params, sub)
+    want = {**expected_reply(params, sub), **(own or {})}
+    device = next(iter(params.values())).device
     extra, missing = sorted(set(arrays) - set(want)), sorted(set(want) - set(arrays))
     if extra:
         raise ReplyError(f"unknown parameter(s) {', '.join(extra[:3])}")
@@ -112,7 +115,7 @@ def validate_reply(arrays: ArrayRecord, params: dict[str, torch.Tensor], sub: Su
     for n, (shape, dt) in want.items():
         a = arrays[n]
         ashape, dtype = tuple(a.shape), str(dt).removeprefix("torch.")
-        dense = n in sub.masks and ashape == tuple(params[n].shape) and ashape != shape   # a whole delta
+        dense = n in sub.masks and n in params and ashape == tuple(params[n].shape) and ashape != shape  # whole
         if a.dtype != dtype:
             raise ReplyError(f"{n}: dtype {a.dtype}, expected {dtype}")
         if ashape != shape and not dense:
@@ -128,7 +131,7 @@ def validate_reply(arrays: ArrayRecord, params: dict[str, torch.Tensor], sub: Su
         v = torch.from_numpy(v.copy())
         if not bool(torch.isfinite(v).all()):
             raise ReplyError(f"{n}: NaN or Inf in the delta")
-        m = sub.masks.get(n)
+        m = sub.masks.get(n) if n in params else None
         if dense:
             off = int((v[~m.cpu()] != 0).sum())
             if off:
@@ -138,5 +141,5 @@ def validate_reply(arrays: ArrayRecord, params: dict[str, torch.Tensor], sub: Su
             d = torch.zeros(params[n].shape, dtype=dt)
             d[m.cpu()] = v
             v = d
-        delta[n] = v.to(params[n].device)
+        delta[n] = v.to(device)
     return delta

@@ -250,7 +250,7 @@ class NodeRounds:
             m = reply.content.metric_records["metrics"]
             if int(m["partition-id"]) != pid or int(m["round"]) != rnd:
                 raise ReplyError(f"reply for partition {m['partition-id']} round {m['round']}")
-            delta = validate_reply(reply.content.array_records["delta"], exp.params, sub)
+            delta = validate_reply(reply.content.array_records["delta"], exp.params, sub, exp.server.own_reply(lvl))
             loss = float(m["train-loss"])
         except ReplyError:
             raise

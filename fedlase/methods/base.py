@@ -69,7 +69,7 @@ class LocalObjective:
     def finish(self, client: int, params: dict[str, torch.Tensor], sub: Submodel,
                delta: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The delta the client sends, from the one it trained (`params`: what `params_for` gave): itself unless
-        overridden."""
+        overridden (a personal objective's; FedDSE's adds the channels it chose, `Method.own_reply`)."""
         return delta
 
 
@@ -85,8 +85,8 @@ class Method:
     # rounds and "batched" the embedded engine's batched_clients=true. A method whose submodels carry their own
     # LocalObjective leaves out "batched" (the vmapped step does not run it); a Flower node rebuilds the objective
     # with its own copy of the method (fedlase/flower/client_app.py, `with_objective`), so Flower runs it where it
-    # is a function of the config, the level, the round and the model (FjORD's, DepthFL's). A method that leaves
-    # out an engine says why in `confined`, which the config's refusal names.
+    # is a function of the config, the level, the round and the model (FjORD's, DepthFL's, FedDSE's). A method that
+    # leaves out an engine says why in `confined`, which the config's refusal names.
     runs_on: ClassVar[tuple[str, ...]] = TRAIN_PATHS
     confined: ClassVar[str] = ""
     # The models (registry names) it can run on, checked at config validation; None: any model.
@@ -204,6 +204,13 @@ class Method:
         Returns the new global parameters: `new` unless the method aggregates its own way (HetLoRA, FlexLoRA,
         FLoRA: fedlase/llm/lora_methods.py). RecipFL steps its hypernetwork here and keeps `new`."""
         return new
+
+    def own_reply(self, level) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """name -> (shape, dtype) of the tensors of its own that a client of `level` sends beside its delta, under
+        names no parameter has (FedDSE's channel choice, which its `server_update` counts): a Flower server accepts
+        a reply with exactly these beside the delta (fedlase/flower/codec.py, validate_reply), and the clock charges
+        them (fedlase/cost.py). Nothing by default."""
+        return {}
 
     # ---- evaluation (fedlase/evaluate.py) ---------------------------------------------------------------------
     def module_for(self, level) -> nn.Module:

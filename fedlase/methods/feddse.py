@@ -9,7 +9,9 @@ first `samples` training samples of the round under the global model (`score`), 
 image channels and the classes are never cut. Its kept channels train as a smaller dense model (as a
 width slice, where the model can slice; else as masks). The server knows a client's mask from its update's
 support: each coordinate is averaged over the clients whose delta there is nonzero (coverage `nonzero`). A level
-is evaluated with the channels its clients selected most often in the latest round they trained (`eval`)."""
+is evaluated with the channels its clients selected most often in the latest round the server took their replies
+(`eval`): each client sends its choice in its reply, beside its delta (a bool vector per group, `CHOICE`), and
+the server step counts those of the replies it accepted (`server_update`)."""
 from __future__ import annotations
 
 import math
@@ -20,7 +22,7 @@ import torch.nn.functional as F
 from ..layers import BatchNorm
 from ..masks import Submodel
 from ..registry import register_method
-from ..slicing import group_keep, state_widths, width_rate, width_slices
+from ..slicing import group_keep, group_sizes, state_widths, width_rate, width_slices
 from .base import LocalObjective, Method, Option
 
 
@@ -32,31 +34,43 @@ def top_channels(score: torch.Tensor, keep: int) -> torch.Tensor:
     return out
 
 
+CHOICE = "feddse.keep."   # a reply's tensor of the client's choice in group g is CHOICE + g (no parameter's name)
+
+
 class ActivationExtraction(LocalObjective):
     """At the client's start: score every channel on its data with the global model, keep the best of each
-    group; the rest of training is the plain cross-entropy on that mask."""
+    group; the rest of training is the plain cross-entropy on that mask. The client's reply carries its choice
+    beside its delta (`finish`)."""
 
     def __init__(self, method: FedDSE, level, round: int):
         self.method, self.level, self.round = method, level, round
+        self.chosen: dict[str, torch.Tensor] | None = None   # the choice of the client training now, until it replies
 
     def start(self, model, sub, params, buffers, x, batches):
         m = self.method
         idx = torch.cat(list(batches))[: m.args["samples"]]
         scores = m.channel_scores(params, buffers, x[idx])
         rate = width_rate(float(self.level))
-        keep = {g: top_channels(s, min(s.numel(), max(1, math.ceil(rate * s.numel() - 1e-9))))
-                for g, s in scores.items()}
-        m.record(self.level, self.round, keep)
-        return m.own_slice(params, keep)
+        self.chosen = {g: top_channels(s, min(s.numel(), max(1, math.ceil(rate * s.numel() - 1e-9))))
+                       for g, s in scores.items()}
+        return m.own_slice(params, self.chosen)
+
+    def finish(self, client, params, sub, delta):
+        """The reply: the delta and the channels this client chose (start and finish run in turn for one client:
+        fedlase.client.ClientTrainer.update)."""
+        chosen, self.chosen = self.chosen, None
+        if chosen is None:
+            raise RuntimeError("FedDSE: a client replied without choosing its channels (finish before start)")
+        return {**delta, **{CHOICE + g: k for g, k in chosen.items()}}
 
 
 @register_method
 class FedDSE(Method):
     """FedDSE: each client keeps, per layer, the channels most activated on its own data (within its budget)."""
     name = "feddse"
-    runs_on = ("embedded",)   # its own LocalObjective (not vmapped), and its record (not in the reply: `confined`)
-    confined = ("each client's channel choice, made on its own data, reaches the server's evaluation submodel "
-                "outside the client's reply (FedDSE.record), which a Flower node cannot send")
+    # its own LocalObjective: not vmapped (no batched clients); a Flower node rebuilds it from the level and round,
+    # and each client's choice travels in its reply (`own_reply`)
+    runs_on = ("embedded", "flower-sim", "flower-deploy")
     coverage = "nonzero"   # the client's mask is known from its update's support
     masks_from_data = True   # a client picks its channels on its own data
     options = {
@@ -76,6 +90,7 @@ class FedDSE(Method):
         self.scored = {name: self.groups[f"{name}.weight"][0] for name, mod in model.named_modules()
                        if isinstance(mod, BatchNorm) and f"{name}.weight" in self.groups}
         self.counts: dict[int, tuple[int, dict[str, torch.Tensor]]] = {}   # level index -> (round, selections)
+        self.sizes = group_sizes(self.groups, dict(model.named_parameters()))   # group -> channels
         state_widths(self, lambda lvl: width_rate(float(lvl)), units=False)   # single channels, not units
 
     def submodel(self, params, level, round):
@@ -110,6 +125,21 @@ class FedDSE(Method):
         # a group no BN follows (none in the bundled models) keeps its first channels
         first = group_keep(self.facts, self.groups, params, 1.0)
         return {g: scores.get(g, torch.zeros(k.numel(), device=k.device)) for g, k in first.items()}
+
+    def own_reply(self, level) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """A client below the whole model sends its choice: one bool per channel of each group."""
+        if float(level) >= 1:
+            return {}
+        return {CHOICE + g: ((k,), torch.bool) for g, k in self.sizes.items()}
+
+    def server_update(self, rnd, params, new, updates, subs):
+        """Count the choices of the round's accepted replies toward their levels' evaluation submodels (a rejected
+        reply's, or a round's without enough replies, are not counted); the model is the rule's."""
+        for u in updates:
+            keep = {n.removeprefix(CHOICE): k for n, k in u.delta.items() if n.startswith(CHOICE)}
+            if keep:
+                self.record(u.level, rnd, keep)
+        return new
 
     def record(self, level, round: int, keep: dict[str, torch.Tensor]) -> None:
         """Count a client's selection toward its level's evaluation submodel (the latest round only)."""
