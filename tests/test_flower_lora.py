@@ -232,3 +232,39 @@ def test_hetlora_with_its_penalty_on_flower_nodes_equals_the_embedded_run(lora_c
     sent = {len(m.content.array_records["slices"][f"{a}|0"].numpy()) for m in grid.sent[-4:]}   # round 3's
     assert all(m.content.config_records["submodel"]["local"] for m in grid.sent)   # rebuilt on the node
     assert sent == set(exp.method.pruned.values())   # each client's own (pruned) rank travelled, not its level's
+
+
+@pytest.mark.integration   # a SuperLink, its proxy and two SuperNodes: `make test-integration`
+def test_a_lora_run_on_the_deployment_engine_equals_the_embedded_run(bert_folder, tmp_path, monkeypatch):
+    """`fedlase run engine=flower-deploy` of HetLoRA on two SuperNodes over TLS with pinned node keys, each node
+    building the tiny base itself: the embedded run's adapters bit for bit, its metrics per level, and replies of
+    adapters only (the base's 100k-parameter weights never travel)."""
+    from test_flower import TEST_POLL, _start_federation, _submit, _wait
+
+    from fedlase.engine import run_experiment
+    from tools.flower_local import LocalFederation
+    tag = uuid.uuid4().hex
+    monkeypatch.setenv("FEDLASE_CACHE", str(tmp_path / "cache"))
+    fed = LocalFederation(tmp_path / "fed", nodes=2)
+    fed.runs = []
+    fed.env.update({TAG: tag, **TEST_POLL, "FEDLASE_CACHE": str(tmp_path / "cache")})
+    args = [*lora_args(bert_folder), "system={1,1/4}_{1,1}", "reply_timeout=120"]
+    out = tmp_path / "dep"
+    try:
+        _start_federation(fed, ["1", "1/4"])
+        _wait(_submit(fed, args, out), 400, out, fed.logs)
+    finally:
+        for p in fed.runs:
+            if p.poll() is None:
+                p.terminate()
+                p.wait(timeout=30)
+        fed.stop()
+    assert_none_left(tag)
+    emb = tmp_path / "emb"
+    run_experiment(load_config(None, [*args, f"out={emb}"]), progress=False)
+    assert same_params(_params(out), _params(emb))
+    dep, ref = _metrics(out), _metrics(emb)
+    assert [x["round"] for x in dep] == [1, 2] and all(not x["failed"] and not x["rejected"] for x in dep), dep
+    assert [x["levels"] for x in dep] == [x["levels"] for x in ref]
+    adapters = sum(npy_bytes(p) for p in _params(emb).values())
+    assert 0 < dep[0]["bytes"]["received"] <= 2 * adapters
