@@ -716,16 +716,21 @@ def faults(tmp_path_factory):
         nodes = _start_federation(fed, ["1", "1", "1/4"])
         yield fed, nodes
     finally:
-        for p in fed.runs:
-            if p.poll() is None:
-                p.terminate()
-                try:
-                    p.wait(timeout=30)
-                except subprocess.TimeoutExpired:
-                    p.kill()
-                    p.wait()
-        fed.stop()
-        assert_none_left(tag)
+        stop_federation(fed, tag)
+
+
+def stop_federation(fed, tag: str) -> None:
+    """Stop the federation's runs (killed after 30 s) and its processes; none that carries `tag` may be left."""
+    for p in fed.runs:
+        if p.poll() is None:
+            p.terminate()
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+    fed.stop()
+    assert_none_left(tag)
 
 
 def _start_federation(fed, levels: list[str], register: int | None = None):
@@ -888,12 +893,7 @@ def buffered_fed(tmp_path_factory):
         _start_federation(fed, ["1", "1", "1/4", "1/4"])
         yield fed
     finally:
-        for p in fed.runs:
-            if p.poll() is None:
-                p.terminate()
-                p.wait(timeout=30)
-        fed.stop()
-        assert_none_left(tag)
+        stop_federation(fed, tag)
 
 
 @FEDBUFF

@@ -9,7 +9,6 @@ import sys
 import uuid
 
 import pytest
-import torch
 
 pytest.importorskip("flwr")
 pytest.importorskip("ray")
@@ -161,21 +160,11 @@ def test_fedbuff_with_a_width_method_on_ranks_runs_on_flower_nodes(lora_cfg, tmp
 def test_a_decoders_next_token_lora_run_on_flower_nodes_equals_the_embedded_run(tmp_path, task_identity, monkeypatch):
     """A tiny random Llama (tests/test_llm_decoder.py's), task=lm, HetLoRA: two rounds on nodes that build the
     decoder themselves give the embedded engine's adapters bit for bit."""
-    import numpy as np
     import test_llm_decoder as dec
-    from transformers import LlamaConfig, LlamaForCausalLM
     monkeypatch.setenv("FEDLASE_CACHE", str(tmp_path / "cache"))
     client_app._CACHE.clear()
-    folder, texts = tmp_path / "llama", tmp_path / "texts"
-    with torch.random.fork_rng():
-        torch.manual_seed(0)
-        LlamaForCausalLM(LlamaConfig(**dec.TINY)).save_pretrained(folder)
-    dec._char_tokenizer().save_pretrained(folder)
-    rng = np.random.default_rng(0)
-    for cat, words in {"sport": "goal match team score win cup", "tech": "chip code data cloud phone app"}.items():
-        (texts / cat).mkdir(parents=True)
-        for i in range(6):
-            (texts / cat / f"{i:02d}.txt").write_text(" ".join(rng.choice(words.split(), 40)) + ".")
+    folder = dec.write_tiny_llama(tmp_path / "llama")
+    texts = dec.write_texts(tmp_path / "texts", ("sport", "tech"))
     cfg = dec._cfg(tmp_path, folder, texts, method="hetlora", lora={"r": 4}, rounds=2)
     exp, grid, lines = _rounds(cfg)
     assert all(not x["failed"] and not x["rejected"] and x["clients"] == 4 for x in lines), lines
@@ -239,7 +228,7 @@ def test_a_lora_run_on_the_deployment_engine_equals_the_embedded_run(bert_folder
     """`fedlase run engine=flower-deploy` of HetLoRA on two SuperNodes over TLS with pinned node keys, each node
     building the tiny base itself: the embedded run's adapters bit for bit, its metrics per level, and replies of
     adapters only (the base's 100k-parameter weights never travel)."""
-    from test_flower import TEST_POLL, _start_federation, _submit, _wait
+    from test_flower import TEST_POLL, _start_federation, _submit, _wait, stop_federation
 
     from fedlase.engine import run_experiment
     from tools.flower_local import LocalFederation
@@ -254,12 +243,7 @@ def test_a_lora_run_on_the_deployment_engine_equals_the_embedded_run(bert_folder
         _start_federation(fed, ["1", "1/4"])
         _wait(_submit(fed, args, out), 400, out, fed.logs)
     finally:
-        for p in fed.runs:
-            if p.poll() is None:
-                p.terminate()
-                p.wait(timeout=30)
-        fed.stop()
-    assert_none_left(tag)
+        stop_federation(fed, tag)
     emb = tmp_path / "emb"
     run_experiment(load_config(None, [*args, f"out={emb}"]), progress=False)
     assert same_params(_params(out), _params(emb))

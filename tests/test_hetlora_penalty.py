@@ -153,19 +153,10 @@ def test_a_next_token_run_takes_the_penalty_on_its_own_loss(tmp_path, monkeypatc
     """task=lm on a tiny random Llama (tests/test_llm_decoder.py's): the objective leaves the loss to the task (the
     next-token cross-entropy, not a class loss) and adds the penalty at every local step; two rounds run, score
     finite perplexities, and the clients prune."""
-    import numpy as np
     import test_llm_decoder as dec
     monkeypatch.setenv("FEDLASE_CACHE", str(tmp_path / "cache"))
-    folder, texts = tmp_path / "llama", tmp_path / "texts"
-    with torch.random.fork_rng():
-        torch.manual_seed(0)
-        transformers.LlamaForCausalLM(transformers.LlamaConfig(**dec.TINY)).save_pretrained(folder)
-    dec._char_tokenizer().save_pretrained(folder)
-    rng = np.random.default_rng(0)
-    for cat, words in {"sport": "goal match team score win cup", "tech": "chip code data cloud phone app"}.items():
-        (texts / cat).mkdir(parents=True)
-        for i in range(6):
-            (texts / cat / f"{i:02d}.txt").write_text(" ".join(rng.choice(words.split(), 40)) + ".")
+    folder = dec.write_tiny_llama(tmp_path / "llama")
+    texts = dec.write_texts(tmp_path / "texts", ("sport", "tech"))
     import fedlase.train
     calls, tasks = [], []
     real_penalty, real_loss = TailPenalty.penalty, fedlase.train.task_loss

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import string
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -36,10 +37,8 @@ def _char_tokenizer():
     return transformers.PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="<unk>", eos_token="<eos>")
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    """A tiny random LlamaForCausalLM folder (safetensors) with its tokenizer."""
-    folder = tmp_path_factory.mktemp("tiny-llama")
+def write_tiny_llama(folder: Path) -> Path:
+    """A tiny random LlamaForCausalLM folder (safetensors, seed 0) with its tokenizer, in `folder`."""
     with torch.random.fork_rng():
         torch.manual_seed(0)
         transformers.LlamaForCausalLM(transformers.LlamaConfig(**TINY)).save_pretrained(folder)
@@ -47,18 +46,29 @@ def tiny(tmp_path_factory):
     return folder
 
 
+WORDS = {"sport": "goal match team score win cup", "tech": "chip code data cloud phone app",
+         "money": "bank rate price stock trade fund"}
+
+
+def write_texts(root: Path, categories=("sport", "tech", "money")) -> Path:
+    """A text folder in `root`: each category (of WORDS) with 6 short seeded documents."""
+    rng = np.random.default_rng(0)
+    for cat in categories:
+        (root / cat).mkdir(parents=True)
+        for i in range(6):
+            (root / cat / f"{i:02d}.txt").write_text(" ".join(rng.choice(WORDS[cat].split(), 40)) + ".")
+    return root
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return write_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
+
+
 @pytest.fixture(scope="module")
 def texts(tmp_path_factory):
     """A text folder: 3 categories of 6 short documents each."""
-    root = tmp_path_factory.mktemp("texts")
-    words = {"sport": "goal match team score win cup", "tech": "chip code data cloud phone app",
-             "money": "bank rate price stock trade fund"}
-    rng = np.random.default_rng(0)
-    for cat, vocab in words.items():
-        (root / cat).mkdir()
-        for i in range(6):
-            (root / cat / f"{i:02d}.txt").write_text(" ".join(rng.choice(vocab.split(), 40)) + ".")
-    return root
+    return write_texts(tmp_path_factory.mktemp("texts"))
 
 
 def _cfg(tmp_path, tiny, texts, **kw):
