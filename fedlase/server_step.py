@@ -357,10 +357,15 @@ def counted_from(values: list[float], factor: float) -> float:
     return -math.inf if 2 * big == len(values) and big < PER_LEVEL else low
 
 
-def reference(values: list[float], factor: float, rank=low_median) -> float:
-    """The figure `values` are judged against: `rank` (the lower median) of those that count (`counted_from`)."""
+def counting(values: list[float], factor: float) -> list[float]:
+    """The figures of `values` that count towards their reference (`counted_from`)."""
     low = counted_from(values, factor)
-    return rank([v for v in values if v >= low])
+    return [v for v in values if v >= low]
+
+
+def reference(values: list[float], factor: float) -> float:
+    """The figure `values` are judged against: the lower median of those that count (`counting`)."""
+    return low_median(counting(values, factor))
 
 
 def low_third(values: list[float]) -> float:
@@ -377,15 +382,16 @@ def references(figures: dict, factor: float) -> tuple[float, dict[str, float]]:
     towards the step's (`counted_from`: too small) or lies beyond `factor` x it counts towards no level's:
     neither shrunken nor absurd updates make or move a level's."""
     values = [r for _, r in figures.values()]
-    step = reference(values, factor) if values else math.nan
     low = counted_from(values, factor) if values else -math.inf
-    up = up_median([v for v in values if v >= low])   # the step's own upper median (of the figures that count)
+    counted = [v for v in values if v >= low]
+    step = low_median(counted) if values else math.nan
+    up = up_median(counted)   # the step's own upper median (of the figures that count)
     by_level: dict[str, list[float]] = {}
     for lv, r in figures.values():
         if r >= low and (not step > 0 or r <= factor * step):
             by_level.setdefault(lv, []).append(r)
-    return step, {lv: min(own, max(up, reference(rs, factor, low_third)))
-                  for lv, rs in by_level.items() if len(rs) >= PER_LEVEL for own in [reference(rs, factor)]}
+    own = {lv: counting(rs, factor) for lv, rs in by_level.items() if len(rs) >= PER_LEVEL}
+    return step, {lv: min(low_median(c), max(up, low_third(c))) for lv, c in own.items()}
 
 
 def screen(updates: list, subs: dict, full: dict, factor: float | None) -> tuple[list, dict, list[float]]:
