@@ -157,10 +157,11 @@ class HetLoRA(AdapterMethod):
                 trained[ad] = (a_k, b_k)
         if self.args["prune"] is not None:
             received = [(params[ad.a], params[ad.b]) for ad in trained]   # every client's start: the global adapter
+            before: dict[int, float] = {}   # its tail's norm per rank, the same for every client of that rank
             for i, u in enumerate(updates):
                 k = self.held_rank(u.sub or subs[u.level])
                 keep = self_pruned_rank(received, [(a[i], b[i]) for a, b in trained.values()], k,
-                                        self.args["prune"])
+                                        self.args["prune"], before)
                 if keep < k:
                     self.pruned[u.client] = keep
         return out
@@ -185,17 +186,21 @@ def tail_start(k: int, prune: float) -> int | None:
 
 
 def self_pruned_rank(received: list[tuple[torch.Tensor, torch.Tensor]], sent: list[tuple[torch.Tensor, torch.Tensor]],
-                     k: int, prune: float) -> int:
+                     k: int, prune: float, before: dict[int, float] | None = None) -> int:
     """The rank a client of rank k keeps under HetLoRA's self-pruning: its tail (`tail_start`) is pruned (the
     paper's r_k -> floor(gamma r_k), gamma = 1 - prune) when its product sum_j B[:, j] A[j] (Frobenius norm over
     every adapted module) is smaller in what it sent than in what it received at the round's start, the paper's
-    test. `received`, `sent`: the (A, B) of every module at rank r, in one order."""
+    test. `received`, `sent`: the (A, B) of every module at rank r, in one order. `before`: the received tail's
+    norm by rank, kept across the calls of one round (every client of a rank received the same adapter)."""
     lo = tail_start(k, prune)
     if lo is None:
         return k
     def tail(adapters) -> float:
         return math.sqrt(sum(float(torch.linalg.matrix_norm(b[:, lo:k] @ a[lo:k])) ** 2 for a, b in adapters))
-    return lo if tail(sent) < tail(received) else k
+    before = {} if before is None else before
+    if k not in before:
+        before[k] = tail(received)
+    return lo if tail(sent) < before[k] else k
 
 
 class TailPenalty(LocalObjective):
