@@ -212,8 +212,6 @@ def _settings_anywhere(args, extras: list[str], parser: argparse.ArgumentParser,
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .openmp import passive_openmp
-    passive_openmp()   # before anything imports torch (its OpenMP reads the policy once, when it loads)
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["bench"]:
         return _bench(argv[1:])

@@ -15,8 +15,8 @@ def passive_openmp() -> None:
     """OMP_WAIT_POLICY=PASSIVE unless the user set it: OpenMP's idle threads then sleep at once instead of
     spinning (GNU OpenMP spins up to ~300k iterations before sleeping), so a run does not burn the CPU that
     other processes on the machine wait for. OpenMP reads it when its runtime loads, so this must run before
-    torch is imported: `import fedlase` calls it (`passive_openmp_on_import`), the CLI first thing too, and the
-    processes they start inherit it."""
+    torch is imported: `import fedlase` calls it (`passive_openmp_on_import`), so every entry point (the CLI, a
+    sweep, a Flower app) has, and the processes they start inherit it."""
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 

@@ -28,7 +28,6 @@ from pathlib import Path
 from .config import config_from_dict
 from .errors import UserError
 from .machine import usable_cpus
-from .openmp import passive_openmp
 from .placement import GpuPlan, gpu_env, gpu_need, read_free, wants_gpu
 from .sweep_plan import PlannedRun, plan_sweep
 
@@ -182,7 +181,6 @@ def _start(run: PlannedRun, threads: int, gpu: int | None = None) -> tuple[subpr
     run.out.mkdir(parents=True, exist_ok=True)
     logf = open(run.out / "sweep.log", "a")
     root = str(Path(__file__).resolve().parents[1])   # the child imports this very package
-    passive_openmp()   # the child's OpenMP waits without spinning unless the user chose otherwise (inherited)
     env = {**os.environ, "FEDLASE_SWEEP_PARENT": str(os.getpid()),
            "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p),
            **(gpu_env(gpu) if gpu is not None else {})}

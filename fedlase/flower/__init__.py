@@ -13,11 +13,9 @@ from .worker_start import start_if_worker
 
 start_if_worker()   # `python -m fedlase.flower.worker`: -P and its node watched before anything below is imported
 
-from ..openmp import passive_openmp  # noqa: E402
 from .launch import QUIET_ENV, quiet_env  # noqa: E402
 
 quiet_env()   # before flwr or ray is imported anywhere below this package
-passive_openmp()   # a Flower app process (ServerApp, ClientApp) imports this before torch: OpenMP waits passively
 
 from .launch import run_flower  # noqa: E402
 
