@@ -55,7 +55,7 @@ def _cmd_evaluate(args) -> int:
 
 def _cmd_export(args) -> int:
     from .config import parse_override
-    given = dict(parse_override(item) for item in args.settings)
+    given = dict(parse_override(item) for item in args.overrides)
     unknown = set(given) - {"out", "level"}
     if unknown or "out" not in given:
         raise UserError(f"{sorted(unknown)[0] if unknown else 'out'}: export takes out=DIR (required) and level=NAME")
@@ -249,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
                                      "run's base transformer (and head.safetensors: a classifier head outside it). "
                                      "level=NAME: that level's adapter (its rank); default the largest level's.")
     exp.add_argument("run", help="run folder (holds checkpoint.pt)")
-    exp.add_argument("settings", nargs="*", help="out=DIR (required), level=NAME")
+    exp.add_argument("overrides", nargs="*", metavar="settings", help="out=DIR (required), level=NAME")
     exp.set_defaults(func=_cmd_export)
     conv = sub.add_parser("convert-checkpoint", help="rewrite a checkpoint.pt of an older fedlase as plain data "
                           "(only for files you trust: reading the old layout runs whatever the file holds)")

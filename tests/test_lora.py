@@ -327,6 +327,8 @@ def test_the_export_loads_in_peft_and_computes_what_the_run_evaluates(lora_cfg, 
     head = load_file(str(out / "head.safetensors"))
     assert torch.equal(head["classifier.weight"], exp.params["model.classifier.weight"])
     assert main(["export", str(cfg.out), f"out={out}"]) == 2   # never over an adapter already there
+    assert main(["export", f"out={out.parent / 'again'}", str(cfg.out)]) == 0   # settings before the folder too
+    assert (out.parent / "again" / "adapter_model.safetensors").is_file()
 
 
 def weights_of(weights: dict, prefix: str) -> dict:
