@@ -219,8 +219,9 @@ def level_costs(model, method, trainer, levels, level_clients: dict, params: dic
     `params`/`buffers` (default: the model's own, the initial one). The method's own state is restored afterwards
     (costing starts a client's local objective, which may touch it), so a run's results do not change. The peak
     memory is measured apart (`measure_memory`, a child process per level)."""
+    from .train import trainable
     # the trainable parameters, as a run's state holds them; a frozen base stays in the module
-    params = params if params is not None else {k: v.detach() for k, v in model.named_parameters() if v.requires_grad}
+    params = params if params is not None else {k: v.detach() for k, v in trainable(model).items()}
     buffers = buffers if buffers is not None else {k: v.detach() for k, v in model.named_buffers()}
     frozen = [p for p in model.parameters() if not p.requires_grad]
     frozen_n, frozen_bytes = sum(p.numel() for p in frozen), sum(p.numel() * p.element_size() for p in frozen)

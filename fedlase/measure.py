@@ -12,6 +12,7 @@ from .checkpoint import load as load_checkpoint
 from .cost import LevelCost, level_costs, representative, trained_submodel, with_memory
 from .engine import build_parts
 from .machine import status_kb
+from .train import trainable
 
 __all__ = ["cost_table", "memory_child"]
 
@@ -49,7 +50,7 @@ def memory_child() -> None:
         params, buffers = load_params(p.device, spec["checkpoint"])
     else:
         # the trainable parameters, as a run's state holds them (a frozen base stays in the module)
-        params = {k: v.detach().clone() for k, v in p.model.named_parameters() if v.requires_grad}
+        params = {k: v.detach().clone() for k, v in trainable(p.model).items()}
         buffers = {k: v.detach().clone() for k, v in p.model.named_buffers()}
     lvl = p.levels[spec["level"]]
     client = representative(p.level_clients, lvl)

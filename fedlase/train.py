@@ -163,21 +163,17 @@ def local_train(model: nn.Module, global_params: dict[str, torch.Tensor], buffer
         sub = own
     model.train()
     tie = has_tied_weights(model)
-    if local is not None:
-        def forward(w, b, *a, **k):
-            return functional_call(model, (w, b), a, k, tie_weights=tie)
 
-        def batch_loss(xb, yb):
-            weights = sub.apply(params, train=True)
-            loss = local.loss(forward, weights, bufs, xb, yb)
-            if loss is None:   # the objective leaves the loss to the task
-                loss = task_loss(work, forward(weights, bufs, xb), xb, yb, None)
-            extra = local.penalty(weights)
-            return loss if extra is None else loss + extra
-    else:
-        def batch_loss(xb, yb):
-            return task_loss(work, functional_call(model, (sub.apply(params, train=True), bufs), (xb,),
-                                                   tie_weights=tie), xb, yb, classes)
+    def forward(w, b, *a, **k):
+        return functional_call(model, (w, b), a, k, tie_weights=tie)
+
+    def batch_loss(xb, yb):
+        weights = sub.apply(params, train=True)
+        loss = local.loss(forward, weights, bufs, xb, yb) if local is not None else None
+        if loss is None:   # the task's loss (an objective may leave it to the task)
+            loss = task_loss(work, forward(weights, bufs, xb), xb, yb, classes)
+        extra = local.penalty(weights) if local is not None else None
+        return loss if extra is None else loss + extra
     mean_loss = _steps(batch_loss, list(params.values()), x, y, batches, work, augment)
     delta = {}
     with torch.no_grad():
