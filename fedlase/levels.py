@@ -5,6 +5,7 @@ order) with a client count each; clients are numbered level by level. A `Level` 
 holds its fraction exactly (`fractions.Fraction`), so no float is ever a dict key or compared with ==."""
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 from fractions import Fraction
@@ -36,6 +37,17 @@ def parse_level(text) -> Fraction:
     """'1/4', '0.25' or 0.25 -> Fraction(1, 4) (a decimal is read exactly as written)."""
     value = Fraction(str(text).strip())
     return value.limit_denominator(1 << 20) if value.denominator > 1 << 20 else value
+
+
+def width_rate(level: float) -> float:
+    """Parameter level -> width rate: a width rate r keeps about r^2 of a conv's parameters (fedlase/slicing.py)."""
+    return math.sqrt(level)
+
+
+def window_size(size: int, rate: float) -> int:
+    """How many of `size` channels a window at `rate` keeps: ceil(rate * size), at least one (a width slice's, and
+    a LoRA level's rank under a width method: fedlase/lora_config.py)."""
+    return min(size, max(1, math.ceil(rate * size - 1e-9)))
 
 
 def level_name(level) -> str:

@@ -5,6 +5,7 @@ a config stays cheap (fedlase/config.py)."""
 from __future__ import annotations
 
 from .errors import ConfigError
+from .levels import width_rate, window_size
 from .options import Option, check_options
 from .registry import METHODS, MODELS
 
@@ -26,8 +27,7 @@ LORA = {
 def default_ranks(r: int, levels) -> list[int]:
     """Each level's rank when `lora.ranks` is unset: ceil(sqrt(level) r), at least 1 -- the window a width method
     (fedlase/slicing.py: rate sqrt(level)) keeps of a group of r channels, so the two families agree."""
-    import math
-    return [min(r, max(1, math.ceil(math.sqrt(float(lv)) * r - 1e-9))) for lv in levels]
+    return [window_size(r, width_rate(float(lv))) for lv in levels]
 
 
 def check_lora(cfg) -> dict:

@@ -7,24 +7,13 @@ K, so a conv's kept input channels are exactly the kept output channels of the l
 from __future__ import annotations
 
 import logging
-import math
 
 import torch
 
-from .levels import level_name
+from .levels import level_name, width_rate, window_size  # noqa: F401  (width_rate: the methods import it here)
 from .masks import Submodel
 
 log = logging.getLogger("fedlase")
-
-
-def width_rate(level: float) -> float:
-    """Parameter level -> width rate: a width rate r keeps about r^2 of a conv's parameters."""
-    return math.sqrt(level)
-
-
-def window_size(size: int, rate: float) -> int:
-    """How many of `size` channels a window at `rate` keeps: ceil(rate * size), at least one."""
-    return min(size, max(1, math.ceil(rate * size - 1e-9)))
 
 
 def channel_window(size: int, rate: float, roll: int = 0) -> torch.Tensor:

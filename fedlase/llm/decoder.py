@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from ..errors import ConfigError
-from ..models.transformer import _one_line, _transformers, check_folder, max_length_of
+from ..models.transformer import _check_max_length, _one_line, _transformers, check_folder, max_length_of
 
 # architectures whose config names a causal LM head (what model=hf_causal accepts)
 _CAUSAL = re.compile(r"(ForCausalLM|LMHeadModel)$")
@@ -355,9 +355,9 @@ def build_decoder(cfg, dataset) -> CausalLM:
 
 
 def _check_positions(cfg, positions: int):
-    n = max_length_of(cfg)
-    if positions and n > positions:
-        raise ConfigError("max_length", f"{n} is more than the model's {positions} positions")
+    """max_length within the model's positions (0: it does not say): the encoders' check, no tokenizer limit."""
+    if positions:
+        _check_max_length(cfg, None, positions)
 
 
 def _sizes(conf: dict, cfg) -> dict:
