@@ -89,11 +89,12 @@ def _library_versions() -> str:
     return ",".join(out)
 
 
-def cached_tokens(name: str, data_key: str, read_fn, cfg) -> tuple[torch.Tensor, torch.Tensor]:
-    """(token ids, labels) of read_fn()'s (texts, labels), from the cache when (data_key: a hash of the data
-    files, the tokenizer's files, max_length) was seen before; otherwise read, tokenized and cached.
-
-    Written atomically (a temporary file renamed into place), so a killed run never leaves a torn cache."""
+def token_cache(name: str, data_key: str, cfg, keys: tuple[str, ...], build) -> dict[str, torch.Tensor]:
+    """The tensors `keys` that `build(load_tokenizer, max_length)` makes from a dataset's texts, from the cache
+    when (data_key: a hash of the data files, the tokenizer's files, the tokenizer libraries' versions,
+    max_length) was seen before; otherwise built and cached. A cache file that cannot be read, or lacks a key,
+    is rebuilt. Written atomically (a temporary file renamed into place), so a killed run never leaves a torn
+    cache."""
     n = max_length_of(cfg)
     tok_key, load_tok = model_tokenizer(cfg)
     key = hashlib.sha256(f"{_CACHE_VERSION}|{data_key}|{tok_key}|{_library_versions()}|{n}"
@@ -102,14 +103,23 @@ def cached_tokens(name: str, data_key: str, read_fn, cfg) -> tuple[torch.Tensor,
     if path.is_file():
         try:
             got = torch.load(path, weights_only=True)
-            return got["ids"], got["labels"]
+            if all(k in got for k in keys):
+                return got
         except Exception:   # noqa: BLE001 -- an unreadable cache file is rebuilt
             pass
-    texts, labels = read_fn()
-    ids, labels = tokenize(texts, load_tok(), n), torch.as_tensor(labels, dtype=torch.int64)
+    got = build(load_tok, n)
     path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write(path, lambda tmp: torch.save({"ids": ids, "labels": labels}, tmp))
-    return ids, labels
+    atomic_write(path, lambda tmp: torch.save(got, tmp))
+    return got
+
+
+def cached_tokens(name: str, data_key: str, read_fn, cfg) -> tuple[torch.Tensor, torch.Tensor]:
+    """(token ids, labels) of read_fn()'s (texts, labels), each text one row (`tokenize`), cached (`token_cache`)."""
+    def build(load_tok, n):
+        texts, labels = read_fn()
+        return {"ids": tokenize(texts, load_tok(), n), "labels": torch.as_tensor(labels, dtype=torch.int64)}
+    got = token_cache(name, data_key, cfg, ("ids", "labels"), build)
+    return got["ids"], got["labels"]
 
 
 # --------------------------------------------------------------------------- BBC News
@@ -136,31 +146,46 @@ def bbc_files() -> tuple[list[Path], np.ndarray]:
     return files, np.array(labels, dtype=np.int64)
 
 
-def bbc_split(labels: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Stratified: within each class (files in name order), a permutation drawn from BBC_SPLIT_SEED puts the
-    first round(0.2 * n_class) articles in test, the rest in train. Indices sorted ascending."""
-    rng = np.random.default_rng(BBC_SPLIT_SEED)
+def stratified_split(labels: np.ndarray, classes: int, fraction: float, seed: int,
+                     at_least_one: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """Stratified: within each class (in index order), a permutation drawn from `seed` puts the first
+    round(fraction * n_class) in test (`at_least_one`: at least one where the class has two or more), the rest in
+    train. Indices sorted ascending."""
+    rng = np.random.default_rng(seed)
     train, test = [], []
-    for c in range(len(BBC_CLASSES)):
+    for c in range(classes):
         idx = np.flatnonzero(labels == c)
         idx = idx[rng.permutation(len(idx))]
-        n_test = int(round(BBC_TEST_FRACTION * len(idx)))
+        n_test = int(round(fraction * len(idx)))
+        if at_least_one and not n_test and len(idx) > 1:
+            n_test = 1
         test.append(idx[:n_test])
         train.append(idx[n_test:])
     return np.sort(np.concatenate(train)), np.sort(np.concatenate(test))
 
 
-def _bbc_raw() -> tuple[list[bytes], np.ndarray, str]:
-    """(each article's bytes, labels, a hash of the files' names and bytes)."""
-    files, labels = bbc_files()
+def bbc_split(labels: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """BBC News's split: 20% of each class in test (`stratified_split`, from BBC_SPLIT_SEED)."""
+    return stratified_split(labels, len(BBC_CLASSES), BBC_TEST_FRACTION, BBC_SPLIT_SEED)
+
+
+def read_hashed(files: list[Path]) -> tuple[list[bytes], str]:
+    """(each file's bytes, a hash of the files' folder/name and bytes, in order)."""
     raw = [f.read_bytes() for f in files]
     h = hashlib.sha256()
     for f, b in zip(files, raw):
         h.update(f"{f.parent.name}/{f.name}".encode() + b"\0" + b)
-    return raw, labels, h.hexdigest()
+    return raw, h.hexdigest()
 
 
-def _article(b: bytes) -> str:
+def _bbc_raw() -> tuple[list[bytes], np.ndarray, str]:
+    """(each article's bytes, labels, a hash of the files' names and bytes)."""
+    files, labels = bbc_files()
+    raw, h = read_hashed(files)
+    return raw, labels, h
+
+
+def article(b: bytes) -> str:
     # one article is not valid UTF-8: undecodable bytes become U+FFFD instead of failing
     return " ".join(b.decode("utf-8", errors="replace").split())
 
@@ -170,7 +195,7 @@ def bbc_documents(cfg) -> tuple[list[str], np.ndarray, np.ndarray, np.ndarray, s
     them its own way (task=lm's blocks: fedlase/llm/lm_task.py)."""
     raw, labels, h = _bbc_raw()
     tr, te = bbc_split(labels)
-    return [_article(b) for b in raw], labels, tr, te, "bbc_news|" + h
+    return [article(b) for b in raw], labels, tr, te, "bbc_news|" + h
 
 
 def load_bbc_news(cfg) -> Dataset:
@@ -179,7 +204,7 @@ def load_bbc_news(cfg) -> Dataset:
     raw, labels, h = _bbc_raw()
 
     def read():
-        return [_article(b) for b in raw], labels
+        return [article(b) for b in raw], labels
 
     ids, y = cached_tokens("bbc_news", "bbc_news|" + h, read, cfg)
     tr, te = bbc_split(labels)

@@ -15,7 +15,6 @@ cached on disk like the text track's tokens (fedlase/data/text.py), keyed by the
 """
 from __future__ import annotations
 
-import hashlib
 from pathlib import Path
 
 import numpy as np
@@ -25,7 +24,6 @@ import torch.nn.functional as F
 from ..data.sources import Dataset
 from ..errors import ConfigError, DataError
 from ..models.transformer import max_length_of
-from ..util import atomic_write, cache_dir
 
 _CACHE_VERSION = "1"
 FOLDER_TEST_FRACTION = 0.2
@@ -53,23 +51,14 @@ def cut_blocks(docs: list[list[int]], labels: np.ndarray, idx: np.ndarray, eos: 
 def load_lm(cfg, entry) -> Dataset:
     """The dataset's documents (its registry entry's `texts`) as next-token blocks of the config's model's
     tokenizer; cached on disk."""
-    from ..data.text import _library_versions, model_tokenizer
+    from ..data.text import token_cache
     n = max_length_of(cfg)
     if entry.texts is None:
         raise ConfigError("dataset", f"{cfg.dataset} has no documents for task=lm")
     texts, labels, train, test, data_key = entry.texts(cfg)
     labels = np.asarray(labels)
-    tok_key, load_tok = model_tokenizer(cfg)
-    key = hashlib.sha256(f"{_CACHE_VERSION}|{data_key}|{tok_key}|{_library_versions()}|{n}"
-                         .encode()).hexdigest()[:24]
-    path = cache_dir() / f"{cfg.dataset}-lm-L{n}-{key}.pt"
-    got = None
-    if path.is_file():
-        try:
-            got = torch.load(path, weights_only=True)
-        except Exception:   # noqa: BLE001 -- an unreadable cache file is rebuilt
-            got = None
-    if got is None:
+
+    def build(load_tok, n):
         tok = load_tok()
         if tok.eos_token_id is None:
             raise ConfigError("model", f"{cfg.model}'s tokenizer has no end-of-text token to join documents with")
@@ -77,9 +66,8 @@ def load_lm(cfg, entry) -> Dataset:
         docs = [d for chunk in docs for d in chunk]
         (x_tr, y_tr), (x_te, y_te) = (cut_blocks(docs, labels, np.asarray(s), int(tok.eos_token_id), n)
                                       for s in (train, test))
-        got = {"x_train": x_tr, "y_train": y_tr, "x_test": x_te, "y_test": y_te}
-        path.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write(path, lambda tmp: torch.save(got, tmp))
+        return {"x_train": x_tr, "y_train": y_tr, "x_test": x_te, "y_test": y_te}
+    got = token_cache(f"{cfg.dataset}-lm", data_key, cfg, ("x_train", "y_train", "x_test", "y_test"), build)
     if not len(got["x_train"]) or not len(got["x_test"]):
         raise DataError(f"{cfg.dataset}: too little text for one {n}-token block in its "
                         f"{'train' if not len(got['x_train']) else 'test'} split; lower max_length")
@@ -139,23 +127,12 @@ def folder_documents(cfg) -> tuple[list[str], np.ndarray, np.ndarray, np.ndarray
     cats = sorted(p for p in root.iterdir() if p.is_dir() and any(p.glob("*.txt")))
     if not cats:
         raise DataError(f"{root}: no category subfolder with .txt files")
-    texts, labels, h = [], [], hashlib.sha256()
-    for c, folder in enumerate(cats):
-        for f in sorted(folder.glob("*.txt")):
-            b = f.read_bytes()
-            h.update(f"{folder.name}/{f.name}".encode() + b"\0" + b)
-            texts.append(" ".join(b.decode("utf-8", errors="replace").split()))
-            labels.append(c)
-    labels = np.asarray(labels, dtype=np.int64)
-    rng = np.random.default_rng(FOLDER_SPLIT_SEED)
-    train, test = [], []
-    for c in range(len(cats)):
-        idx = np.flatnonzero(labels == c)
-        idx = idx[rng.permutation(len(idx))]
-        k = int(round(FOLDER_TEST_FRACTION * len(idx))) or (1 if len(idx) > 1 else 0)
-        test.append(idx[:k])
-        train.append(idx[k:])
-    return texts, labels, np.sort(np.concatenate(train)), np.sort(np.concatenate(test)), "folder|" + h.hexdigest()
+    from ..data.text import article, read_hashed, stratified_split
+    files = [(c, f) for c, folder in enumerate(cats) for f in sorted(folder.glob("*.txt"))]
+    raw, h = read_hashed([f for _, f in files])
+    labels = np.asarray([c for c, _ in files], dtype=np.int64)
+    train, test = stratified_split(labels, len(cats), FOLDER_TEST_FRACTION, FOLDER_SPLIT_SEED, at_least_one=True)
+    return [article(b) for b in raw], labels, train, test, "folder|" + h
 
 
 def load_text_folder(cfg) -> Dataset:
