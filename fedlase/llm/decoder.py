@@ -24,7 +24,15 @@ import torch
 from torch import nn
 
 from ..errors import ConfigError
-from ..models.transformer import _check_max_length, _one_line, _transformers, check_folder, max_length_of
+from ..models.transformer import (
+    _check_max_length,
+    _one_line,
+    _transformers,
+    check_folder,
+    max_length_of,
+    seeded_linears,
+    trim_padding,
+)
 
 # architectures whose config names a causal LM head (what model=hf_causal accepts)
 _CAUSAL = re.compile(r"(ForCausalLM|LMHeadModel)$")
@@ -271,19 +279,12 @@ class CausalLM(nn.Module):
         self.lm, self.task, self.pad_id = lm, task, int(pad_id)
         hidden = int(lm.config.hidden_size)
         if task == "classify":
-            with torch.random.fork_rng(devices=[]):
-                self.classifier = nn.Linear(hidden, num_classes)
-            g = torch.Generator().manual_seed(int(seed))   # its own stream: the global one stays the engine's
-            with torch.no_grad():
-                self.classifier.weight.copy_(torch.randn(self.classifier.weight.shape, generator=g) * 0.02)
-                self.classifier.bias.zero_()
+            self.classifier = seeded_linears([(hidden, num_classes)], seed, 0.02)[0]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.task == "lm":   # blocks are whole: no padding, no mask
             return self.lm(input_ids=x, use_cache=False).logits
-        mask = x != self.pad_id
-        length = int(mask.any(0).nonzero().max()) + 1 if mask.any() else 1
-        x, mask = x[:, :length], mask[:, :length]
+        x, mask = trim_padding(x, self.pad_id)
         h = self.lm.base_model(input_ids=x, attention_mask=mask.long(), use_cache=False).last_hidden_state
         last = (mask.long().sum(1) - 1).clamp(min=0)   # right-padded: the last real token of each text
         return self.classifier(h[torch.arange(len(x), device=x.device), last])

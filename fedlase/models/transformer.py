@@ -131,18 +131,11 @@ class TransformerClassifier(nn.Module):
         # bn='static' its statistics are recomputed per level before evaluation, as for the CNN's BN layers
         self.norm = (nn.BatchNorm1d(hidden, momentum=None, track_running_stats=bn == "static")
                      if head_norm == "batch" else None)
-        with torch.random.fork_rng(devices=[]):   # nn.Linear's own init draws from the global generator
-            if self.head == "first_token":
-                self.dense = nn.Linear(hidden, hidden)
-            self.classifier = nn.Linear(hidden, num_classes)
-        # the head's initial weights come from their own generator: building a model never touches (nor
-        # depends on) torch's global generator, which the engine reserves for dropout
-        g = torch.Generator().manual_seed(int(seed))
-        std = float(getattr(conf, "initializer_range", 0.02))
-        with torch.no_grad():
-            for lin in ([self.dense] if self.head == "first_token" else []) + [self.classifier]:
-                lin.weight.copy_(torch.randn(lin.weight.shape, generator=g) * std)
-                lin.bias.zero_()
+        heads = seeded_linears([(hidden, hidden)] * (self.head == "first_token") + [(hidden, num_classes)], seed,
+                               float(getattr(conf, "initializer_range", 0.02)))
+        if self.head == "first_token":
+            self.dense = heads[0]
+        self.classifier = heads[-1]
         self._check_layout()
 
     def _check_layout(self):
@@ -166,10 +159,7 @@ class TransformerClassifier(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: (B, L) int64 token ids, right-padded with pad_id -> (B, num_classes) logits."""
-        mask = x != self.pad_id
-        used = mask.any(0).nonzero()
-        length = int(used.max()) + 1 if used.numel() else 1
-        x, mask = x[:, :length], mask[:, :length]
+        x, mask = trim_padding(x, self.pad_id)
         out = self.backbone(input_ids=x, attention_mask=mask.long())
         if self.head == "pooler":
             h = out.pooler_output
@@ -246,6 +236,28 @@ def max_length_of(cfg) -> int:
     if not isinstance(n, int) or isinstance(n, bool) or n <= 0:
         raise ConfigError("max_length", f"must be a positive number of tokens, got {n!r}")
     return n
+
+
+def seeded_linears(sizes: list[tuple[int, int]], seed: int, std: float) -> list[nn.Linear]:
+    """A task head's linear layers (in, out) outside the pretrained model, their weights N(0, std^2) drawn in order
+    from their own generator (`seed`), biases zero: building a model never touches (nor depends on) torch's
+    global generator, which the engine reserves for dropout."""
+    with torch.random.fork_rng(devices=[]):   # nn.Linear's own init draws from the global generator
+        out = [nn.Linear(i, o) for i, o in sizes]
+    g = torch.Generator().manual_seed(int(seed))
+    with torch.no_grad():
+        for lin in out:
+            lin.weight.copy_(torch.randn(lin.weight.shape, generator=g) * std)
+            lin.bias.zero_()
+    return out
+
+
+def trim_padding(x: torch.Tensor, pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x, its non-pad mask) cut after the batch's last non-pad column (right-padded texts; at least one column)."""
+    mask = x != pad_id
+    used = mask.any(0).nonzero()
+    length = int(used.max()) + 1 if used.numel() else 1
+    return x[:, :length], mask[:, :length]
 
 
 def _check_max_length(cfg, tokenizer_max: int | None, positions: int):
