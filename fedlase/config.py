@@ -367,11 +367,6 @@ def load_config(path: str | None = None, overrides: list[str] = (), validate_: b
             raise ConfigError("config", yaml_problem(path, text, e)) from None
         if not isinstance(raw, dict):
             raise ConfigError("config", f"{path} must hold a mapping of keys to values")
-        for key, opt in options().items():   # `system: {1,1/4}_{4}` unquoted: YAML's set-like mapping, not text
-            if opt.type is str and isinstance(raw.get(key), dict):
-                line = next((ln for ln in text.splitlines() if ln.split(":")[0].strip() == key), f"{key}: ...")
-                raise ConfigError(key, f"{path} gives a mapping, as YAML reads an unquoted value that starts with "
-                                  f"{{; quote it: {key}: '{line.partition(':')[2].split(' #')[0].strip()}'")
     for item in overrides:
         key, value = parse_override(item)
         set_dotted(raw, key, value)
@@ -385,6 +380,12 @@ def config_from_dict(raw: dict, validate_: bool = True) -> Config:
             close = [n for n in sorted(names) if n.startswith(str(key)[:3])]
             hint = f" (did you mean {', '.join(close)}?)" if close else ""
             raise ConfigError(str(key), f"unknown key{hint}; see `fedlase run --help` for the keys")
+    for key, opt in options().items():   # `system: {1,1/4}` unquoted in a config or sweep file: YAML's mapping
+        value = raw.get(key)
+        if opt.type is str and isinstance(value, dict):
+            written = ",".join(str(k) if v is None else f"{k}: {v}" for k, v in value.items())
+            raise ConfigError(key, f"is a mapping, as YAML reads an unquoted value that starts with {{; quote it: "
+                              f"{key}: '{{{written}}}'")
     import_plugins(raw.get("plugins", []))
     cfg = Config(**raw)
     return validate(cfg) if validate_ else cfg

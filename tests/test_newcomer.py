@@ -16,7 +16,7 @@ import torch
 import fedlase
 from conftest import TINY
 from fedlase.cli import main
-from fedlase.config import load_config, tagged
+from fedlase.config import config_from_dict, load_config, tagged
 from fedlase.errors import ConfigError
 from fedlase.registry import ATTACKS, DATASETS, METHODS, temporary
 
@@ -195,6 +195,9 @@ def test_an_unquoted_braced_value_that_is_valid_yaml_gets_the_hint(tmp_path):
     path.write_text("dataset: digits\nsystem: {1,1/4}   # levels, no counts\n")
     with pytest.raises(ConfigError, match=r"system: .*quote it: system: '\{1,1/4\}'$"):
         load_config(str(path))
+    # every path a YAML value reaches a config by (a sweep file's run, the API given what yaml read) gets it too
+    with pytest.raises(ConfigError, match=r"system: .*quote it: system: '\{1,1/4\}'$"):
+        config_from_dict({"dataset": "digits", "system": {1: None, "1/4": None}})
 
 
 def test_a_sweep_files_yaml_error_names_its_line(capsys, tmp_path):
