@@ -59,10 +59,10 @@ def main(full_dir: str = "runs/lora-bbc", early_dir: str = "runs/lora-bbc-early"
                     glob[s] = loc[s] = None
                     continue
                 done.append(max(k for k in range(r.summary["rounds"] + 1) if clock.elapsed(k) <= T + 1e-6))
-                glob[s] = acc_at(r, clock, T) if pts[0][0] <= T else math.nan
-                loc[s] = acc_at(r, clock, T, "local_acc") if pts[0][0] <= T else math.nan
                 if pts[-1][0] <= T:   # finished by T: its final accuracy
                     glob[s], loc[s] = r.metric("global_acc"), r.metric("local_acc")
+                else:   # interpolated between its evaluations (None: none by T)
+                    glob[s], loc[s] = acc_at(r, clock, T), acc_at(r, clock, T, "local_acc")
             if g.label == "hetlora":
                 base = glob
             rows.append((g.label, done, glob, loc))
@@ -72,13 +72,13 @@ def main(full_dir: str = "runs/lora-bbc", early_dir: str = "runs/lora-bbc-early"
                 return f"{np.mean(v):.1f} ± {np.std(v, ddof=1):.1f}" if len(v) > 1 else "—"
             diffs = [100 * (glob[s] - base[s]) for s in glob if s in base and glob[s] is not None
                      and math.isfinite(glob[s])]
+            rounds = ", ".join(sorted(set(map(str, done))))
             if not diffs:
-                print(f"| {label} | {', '.join(sorted(set(map(str, done))))} | — | — | |")
+                print(f"| {label} | {rounds} | — | — | |")
                 continue
             mean, _, p = paired_t(diffs)
             vs = "" if label == "hetlora" else f"{mean:+.2f} ({p:.3f})" if math.isfinite(p) else f"{mean:+.2f}"
-            rounds = sorted(set(map(str, done)))
-            print(f"| {label} | {', '.join(rounds)} | {cell(glob)} | {cell(loc)} | {vs} |")
+            print(f"| {label} | {rounds} | {cell(glob)} | {cell(loc)} | {vs} |")
 
 
 if __name__ == "__main__":
