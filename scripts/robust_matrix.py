@@ -56,11 +56,16 @@ def plan(rules=tuple(RULES)) -> dict:
     return {"base": DIGITS, "out": str(OUT), "runs": runs}
 
 
-def run(jobs: int, rules=tuple(RULES)) -> None:
-    OUT.mkdir(parents=True, exist_ok=True)
-    path = OUT / "sweep.yaml"
-    path.write_text(yaml.safe_dump(plan(rules), sort_keys=False))
+def sweep(out: Path, spec: dict, jobs: int) -> None:
+    """Write the sweep file `spec` into `out` and run it (resumable: finished runs are skipped)."""
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "sweep.yaml"
+    path.write_text(yaml.safe_dump(spec, sort_keys=False))
     subprocess.run([sys.executable, "-m", "fedlase", "sweep", str(path), "--quiet", "--jobs", str(jobs)], check=True)
+
+
+def run(jobs: int, rules=tuple(RULES)) -> None:
+    sweep(OUT, plan(rules), jobs)
 
 
 def acc(rule: str, attack: str, seed: int) -> float | None:
@@ -68,7 +73,8 @@ def acc(rule: str, attack: str, seed: int) -> float | None:
     return 100 * json.loads(f.read_text())["final"]["global_acc"] if f.exists() else None
 
 
-def _cell(vals: list[float]) -> str:
+def cell(vals: list[float]) -> str:
+    """mean ± std over the seeds, and how many seeds where not all (n=...)."""
     if not vals:
         return "-"
     sd = f" ± {statistics.stdev(vals):.1f}" if len(vals) > 1 else ""
@@ -85,7 +91,7 @@ def table() -> None:
         cells = []
         for r in RULES:
             vals = [v for s in SEEDS if (v := acc(r, a, s)) is not None]
-            cells.append(_cell(vals))
+            cells.append(cell(vals))
             if vals:
                 worst[r] = min(worst[r], statistics.mean(vals))
         print(f"| {a} | " + " | ".join(cells) + " |")

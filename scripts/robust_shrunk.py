@@ -13,12 +13,11 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import statistics
-import subprocess
-import sys
 from pathlib import Path
 
-import yaml
+from robust_matrix import cell, sweep  # scripts/robust_matrix.py, beside this file
+
+from fedlase.report_tables import paired_t
 
 OUT = Path("runs/robust-shrunk")
 SEEDS = (0, 1, 2)
@@ -44,10 +43,7 @@ def runs() -> list[dict]:
 
 
 def run(jobs: int) -> None:
-    OUT.mkdir(parents=True, exist_ok=True)
-    path = OUT / "sweep.yaml"
-    path.write_text(yaml.safe_dump({"base": DIGITS, "out": str(OUT), "runs": runs()}, sort_keys=False))
-    subprocess.run([sys.executable, "-m", "fedlase", "sweep", str(path), "--quiet", "--jobs", str(jobs)], check=True)
+    sweep(OUT, {"base": DIGITS, "out": str(OUT), "runs": runs()}, jobs)
 
 
 def acc(name: str, seed: int) -> float | None:
@@ -59,25 +55,13 @@ def accs(name: str) -> list[float]:
     return [a for s in SEEDS if (a := acc(name, s)) is not None]
 
 
-def cell(vals: list[float]) -> str:
-    if not vals:
-        return "-"
-    sd = f" ± {statistics.stdev(vals):.1f}" if len(vals) > 1 else ""
-    return f"{statistics.mean(vals):.1f}{sd}" + ("" if len(vals) == len(SEEDS) else f" (n={len(vals)})")
-
-
 def paired(a: str, b: str) -> str:
-    """mean difference a - b over the seeds both have, (worst seed), and the paired t-test's p."""
+    """mean difference a - b over the seeds both have, (worst seed), and, with every seed, the paired t-test's p."""
     d = [x - y for s in SEEDS if (x := acc(a, s)) is not None and (y := acc(b, s)) is not None]
     if not d:
         return "-"
-    m = statistics.mean(d)
-    out = f"{m:+.2f} (worst {min(d):+.2f})"
-    if len(d) > 1 and statistics.stdev(d) > 0:
-        from scipy import stats
-        out += f", p={stats.ttest_rel([acc(a, s) for s in SEEDS], [acc(b, s) for s in SEEDS]).pvalue:.2f}" \
-            if len(d) == len(SEEDS) else ""
-    return out
+    m, _, p = paired_t(d)
+    return f"{m:+.2f} (worst {min(d):+.2f})" + (f", p={p:.2f}" if len(d) == len(SEEDS) and math.isfinite(p) else "")
 
 
 def table() -> None:
@@ -97,8 +81,8 @@ def table() -> None:
               f"{paired(f'bounded-k5-x{f:g}', f'none-k5-x{f:g}')} |")
     print(f"| honest | {cell(accs('bounded-honest'))} | {cell(accs('none-honest'))} | "
           f"{paired('bounded-honest', 'none-honest')} |")
-    nan = [r["name"] for r in runs() if acc(r["name"][:r["name"].rindex("-s")], r["seed"]) is not None
-           and math.isnan(acc(r["name"][:r["name"].rindex("-s")], r["seed"]))]
+    nan = [r["name"] for r in runs() if (a := acc(r["name"][:r["name"].rindex("-s")], r["seed"])) is not None
+           and math.isnan(a)]
     if nan:
         print("\nNaN accuracy:", ", ".join(nan))
 
