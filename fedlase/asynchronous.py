@@ -65,7 +65,7 @@ class ServerPort(Protocol):
     model version (`round`), and four actions: a level's submodel of a version, training a draw's clients
     (`runner`), an update as the server receives it (the attack), and a server step on arrived updates. The loop
     hands the port on to the runner (and Flower's to its nodes' messages): so it also carries what a runner reads
-    (fedlase.engine.RunnerPort: trainer, params, buffers, server)."""
+    (fedlase.engine.RunnerPort: trainer, params, buffers, server, frozen)."""
     cfg: Any
     levels: list
     sampling: Any
